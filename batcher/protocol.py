@@ -1,0 +1,190 @@
+"""Every message that crosses a process boundary, and nothing else.
+
+Owns the msgspec Structs spoken between gateway, batcher sidecar and workers,
+their msgpack encoders/decoders and PROTOCOL_VERSION. Must import nothing but
+msgspec and the standard library: gateway, batcher and workers all depend on it.
+
+Rules (../DESIGN.md): every top-level message is a tagged Struct so one
+Decoder(Union[...]) per receiving socket rejects anything malformed; new
+fields go last with a default; the per-token struct is array_like.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0  # stop token (eos or a stop_token_id)
+    LENGTH = 1  # max_tokens or the context length reached
+    ABORT = 2  # cancelled by the client (disconnect, timeout)
+    ERROR = 3  # engine failure; the delta's `error` says what
+
+
+class Msg(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True, gc=False):
+    pass
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Per-request sampling, already validated by the gateway."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()  # includes the model's eos unless ignore_eos
+    min_tokens: int = 0  # stop tokens are ignored before this many outputs
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # None: none; k >= 0: sampled token's logprob + top-k
+
+
+# ---------------------------------------------------------------- gateway -> batcher
+class AddRequest(Msg):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+
+
+class AbortRequests(Msg):
+    request_ids: list[str]
+
+
+class Ping(Msg):
+    """Liveness probe; answered with Pong outside the request queue."""
+
+    nonce: int
+
+
+# ---------------------------------------------------------------- batcher -> gateway
+class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
+    logprob: float  # of the sampled token
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+class TokenDelta(msgspec.Struct, array_like=True, gc=False):
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first delta)
+
+
+class TokenBatch(Msg):
+    step: int
+    deltas: list[TokenDelta]
+    timestamp: float
+
+
+class Rejected(Msg):
+    request_id: str
+    reason: str
+    retryable: bool
+
+
+class EngineStats(msgspec.Struct, kw_only=True, omit_defaults=True):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of which were served from it
+    gated_prefills: int = 0  # admissions deferred by burst gating
+    preemptions: int = 0
+    steps: int = 0
+
+
+class Pong(Msg):
+    nonce: int
+    workers_alive: int
+    protocol_version: int = PROTOCOL_VERSION
+    stats: EngineStats = msgspec.field(default_factory=EngineStats)
+
+
+# ---------------------------------------------------------------- batcher -> worker
+class NewReq(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
+    """A request the worker has no state for (first schedule, or resumed after preemption)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int = 0  # tokens whose KV is already in block_ids (prefix cache)
+    output_token_ids: list[int] = []  # tokens generated before a preemption (recomputed)
+
+
+class CachedReq(msgspec.Struct, array_like=True, gc=False):
+    """A running request that got new blocks this step."""
+
+    request_id: str
+    new_block_ids: list[int]
+
+
+class StepInput(Msg):
+    """One forward: new requests in full, running ones as a diff.
+
+    The worker keeps per-request state (tokens, blocks, num_computed_tokens);
+    num_scheduled_tokens[r] tokens of r are computed this step, starting at its
+    num_computed_tokens. When they reach the end of r's tokens the worker
+    samples one token and appends it. finished_req_ids (finished, aborted or
+    preempted since the last step) are dropped before anything else.
+    """
+
+    step: int
+    new_reqs: list[NewReq] = []
+    cached_reqs: list[CachedReq] = []
+    num_scheduled_tokens: dict[str, int] = {}
+    finished_req_ids: list[str] = []
+
+
+class Shutdown(Msg):
+    pass
+
+
+# ---------------------------------------------------------------- worker -> batcher
+class WorkerReady(Msg):
+    worker_id: int
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    protocol_version: int
+    model: str = ""
+
+
+class StepOutput(Msg):
+    step: int
+    worker_id: int
+    request_ids: list[str] = []  # requests that sampled a token this step
+    sampled_token_ids: list[list[int]] = []
+    logprobs: list[list[TokenLogprobs]] | None = None  # parallel to request_ids when asked
+    error: str | None = None
+    execute_time: float = 0.0  # seconds spent in the forward + sampling
+
+
+class Heartbeat(Msg):
+    worker_id: int
+
+
+GatewayToBatcher = AddRequest | AbortRequests | Ping
+BatcherToGateway = TokenBatch | Rejected | Pong
+BatcherToWorker = StepInput | Shutdown
+WorkerToBatcher = WorkerReady | StepOutput | Heartbeat
+
+_encoder = msgspec.msgpack.Encoder()
+encode = _encoder.encode
+
+
+def decoder(union) -> msgspec.msgpack.Decoder:
+    """One decoder per receiving socket, over the union of what it may receive."""
+    return msgspec.msgpack.Decoder(union)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP front: validation, tokenization, SSE. Never imports torch."""

@@ -1,0 +1,1 @@
+"""laneserve: the command line and the process launcher; the components live in gateway/, batcher/, workers/."""

@@ -1,0 +1,109 @@
+"""Typed configuration: dataclasses become command-line flags and LANESERVE_* env vars.
+
+Each component owns one config dataclass (gateway/config.py, batcher/config.py,
+workers/config.py). A field `max_num_seqs` is the flag `--max-num-seqs` and the
+env var `LANESERVE_MAX_NUM_SEQS`; precedence is flag > env var > default. The
+field's metadata "help" is the flag's help. Torch-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+ENV_PREFIX = "LANESERVE_"
+
+
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def _converter(tp: Any):
+    """The str -> value function for a field type (Optional[X] converts as X)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _converter(args[0])
+    if tp is bool:
+        return _parse_bool
+    if tp in (int, float, str):
+        return tp
+    raise TypeError(f"unsupported config field type {tp!r}")
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """Add one flag per field of dataclass `cls` (defaults are resolved later, in from_args)."""
+    hints = typing.get_type_hints(cls)
+    group = parser.add_argument_group(cls.__name__)
+    for f in dataclasses.fields(cls):
+        if f.name in skip or f.name in _existing(parser):
+            continue
+        tp = hints[f.name]
+        help_text = f.metadata.get("help", "")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        help_text = f"{help_text} [env {env_name(f.name)}; default {default!r}]"
+        if tp is bool:
+            group.add_argument(flag_name(f.name), dest=f.name, default=None,
+                               action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            group.add_argument(flag_name(f.name), dest=f.name, default=None,
+                               type=_converter(tp), help=help_text)
+
+
+def _existing(parser: argparse.ArgumentParser) -> set[str]:
+    return {a.dest for a in parser._actions}
+
+
+def from_args(cls: type[T], ns: argparse.Namespace | None = None, env: dict[str, str] | None = None) -> T:
+    """Build `cls` from parsed flags, then LANESERVE_* env vars, then the defaults."""
+    env = os.environ if env is None else env
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        value = getattr(ns, f.name, None) if ns is not None else None
+        if value is None and env_name(f.name) in env:
+            raw = env[env_name(f.name)]
+            try:
+                value = _converter(hints[f.name])(raw)
+            except ValueError as exc:
+                raise SystemExit(f"invalid {env_name(f.name)}={raw!r}: {exc}") from None
+        if value is not None:
+            values[f.name] = value
+    return cls(**values)
+
+
+def to_argv(cfg: Any) -> list[str]:
+    """The flags that rebuild `cfg` in a child process (only fields that differ from the default)."""
+    argv: list[str] = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        if value == default or value is None:
+            continue
+        if isinstance(value, bool):
+            argv.append(flag_name(f.name) if value else "--no-" + f.name.replace("_", "-"))
+        else:
+            argv += [flag_name(f.name), str(value)]
+    return argv
+
+
+def env_vars(*classes: type) -> list[str]:
+    """Every env var the given config classes read (for docs and the Compose test)."""
+    return [env_name(f.name) for cls in classes for f in dataclasses.fields(cls)]

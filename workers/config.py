@@ -1,0 +1,24 @@
+"""The worker's one typed config object (flags and LANESERVE_* env vars via laneserve.config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _h(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass
+class WorkerConfig:
+    worker_address: str = field(default="ipc:///tmp/laneserve/workers.sock",
+                                metadata=_h("ZeroMQ address of the sidecar's worker socket"))
+    worker_id: int = field(default=0, metadata=_h("this worker's id (one per GPU)"))
+    model: str = field(default="tiny", metadata=_h("'tiny' (embedded random model) or an HF checkpoint dir"))
+    device: str = field(default="auto", metadata=_h("auto | cpu | cuda | cuda:N"))
+    dtype: str = field(default="auto", metadata=_h("auto | float32 | bfloat16 | float16"))
+    load_format: str = field(default="auto", metadata=_h("auto | safetensors | dummy (random weights)"))
+    seed: int = field(default=0, metadata=_h("seed of the tiny/dummy weights"))
+    max_model_len: int = field(default=0, metadata=_h("context length; 0 = the model's"))
+    max_num_seqs: int = field(default=256, metadata=_h("most sequences in one step"))
+    max_num_batched_tokens: int = field(default=2048, metadata=_h("token budget of one step"))
