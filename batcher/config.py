@@ -15,7 +15,6 @@ class BatcherConfig:
                                  metadata=_h("ZeroMQ address the sidecar binds for gateways"))
     worker_address: str = field(default="ipc:///tmp/laneserve/workers.sock",
                                 metadata=_h("ZeroMQ address the sidecar binds for workers"))
-    num_workers: int = field(default=1, metadata=_h("workers to wait for before serving"))
     # scheduling policy (batcher/scheduler.py)
     max_num_batched_tokens: int = field(default=2048, metadata=_h("token budget of one step"))
     max_num_seqs: int = field(default=256, metadata=_h("most sequences in one step"))

@@ -1,0 +1,119 @@
+"""Issue 2's "done when": the real stack on the tiny model, over HTTP, end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+
+import aiohttp
+
+from tests.stack import descendants
+
+
+async def _complete(session, base, **body):
+    body = {"model": "tiny", "prompt": "Hello, lanes", "max_tokens": 16, "ignore_eos": True, **body}
+    async with session.post(f"{base}/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        return await resp.json()
+
+
+async def _stream(session, base, **body):
+    body = {"model": "tiny", "prompt": "Hello, lanes", "max_tokens": 16, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, **body}
+    chunks, done = [], False
+    async with session.post(f"{base}/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line:
+                continue
+            assert line.startswith("data: "), line
+            if line == "data: [DONE]":
+                done = True
+                continue
+            chunks.append(json.loads(line[len("data: "):]))
+    assert done
+    return chunks
+
+
+async def test_completion_non_streaming(stack):
+    async with aiohttp.ClientSession() as s:
+        out = await _complete(s, stack.base_url)
+    assert out["object"] == "text_completion"
+    assert out["choices"][0]["finish_reason"] == "length"
+    assert out["usage"]["completion_tokens"] == 16
+    assert out["usage"]["prompt_tokens"] == len("Hello, lanes".encode())
+
+
+async def test_completion_streaming_matches_non_streaming(stack):
+    async with aiohttp.ClientSession() as s:
+        full = await _complete(s, stack.base_url, temperature=0)
+        chunks = await _stream(s, stack.base_url, temperature=0)
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == full["choices"][0]["text"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 16
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+
+
+async def test_32_concurrent_streams_all_finish_with_their_token_counts(stack):
+    async with aiohttp.ClientSession() as s:
+        results = await asyncio.gather(*(
+            _stream(s, stack.base_url, prompt=f"request {i} " * (1 + i % 7), max_tokens=4 + i, temperature=0.8)
+            for i in range(32)))
+    for i, chunks in enumerate(results):
+        assert chunks[-1]["usage"]["completion_tokens"] == 4 + i
+
+
+async def test_models_and_health(stack):
+    async with aiohttp.ClientSession() as s:
+        async with s.get(stack.url("/v1/models")) as resp:
+            assert resp.status == 200
+            ids = [m["id"] for m in (await resp.json())["data"]]
+        async with s.get(stack.url("/health")) as resp:
+            assert resp.status == 200
+    assert ids == ["tiny"]
+
+
+def test_ctrl_c_leaves_no_process_or_socket_behind(make_stack):
+    st = make_stack("--served-model-name", "spine")
+    children = st.children
+    assert len(children) >= 3  # batcher, worker, gateway
+    sockets = [p for pid in children for p in _ipc_paths(pid)]
+    assert sockets and all(os.path.exists(p) for p in sockets)
+    assert st.stop(signal.SIGINT) == 0
+    assert [p for p in children if _alive(p)] == []
+    assert [p for p in sockets if os.path.exists(p)] == []
+
+
+def test_a_dying_child_takes_the_stack_down_with_a_message(make_stack):
+    st = make_stack()
+    worker = next(pid for pid in st.children if b"worker" in _cmdline(pid))
+    os.kill(worker, signal.SIGKILL)
+    assert st.proc.wait(60) == 1
+    assert any("worker 0 exited" in line for line in st.lines), st.lines[-10:]
+    assert [p for p in st.children if _alive(p)] == []
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _ipc_paths(pid: int) -> list[str]:
+    args = _cmdline(pid).split(b"\0")
+    return [a.decode()[len("ipc://"):] for a in args if a.startswith(b"ipc://")]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

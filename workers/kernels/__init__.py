@@ -1,0 +1,1 @@
+"""Triton kernels for the GPU path (paged decode attention, KV writes). Imported only when Triton is present."""

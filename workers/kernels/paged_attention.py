@@ -1,0 +1,176 @@
+"""Triton paged attention for decode, and the KV write into pages.
+
+Owns two kernels and their launchers; knows nothing of requests or scheduling.
+- `paged_decode`: one query token per sequence against its paged K/V. GQA-aware:
+  a program serves one (sequence, KV head, partition) and all G query heads that
+  share the KV head, so each K/V byte is read once (the G rows are padded to the
+  16 that tl.dot needs; decode is bandwidth-bound, the padding costs no bytes).
+  Long contexts split into `num_parts` partitions (flash-decoding), reduced by a
+  second kernel; each sequence splits its own length, so the launch needs no
+  host-side lengths and is CUDA-graph safe.
+- `write_kv`: scatter new K/V rows into the pool by slot (= block * page + offset),
+  quantising to int8 with per-head scales when the pool is int8.
+Pool layout per layer: k/v [num_blocks, page, num_kv_heads, head_dim].
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, ks_ptr, vs_ptr,
+    out_ptr, po_ptr, pm_ptr, pl_ptr,
+    sm_scale,
+    s_qb, s_qh, s_kb, s_kt, s_kh, s_btb, s_ob, s_oh,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_PARTS: tl.constexpr, QUANT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    part = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + b)
+    # Each sequence splits its own length into NUM_PARTS chunks of whole BLOCK_N tiles.
+    part_len = tl.cdiv(tl.cdiv(seq_len, NUM_PARTS), BLOCK_N) * BLOCK_N
+    start = part * part_len
+    end = tl.minimum(start + part_len, seq_len)
+
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D)
+    mask_g = offs_g < G
+    heads = kvh * G + offs_g
+    q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + offs_d[None, :], mask=mask_g[:, None], other=0.0)
+    qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
+    if QUANT:
+        k_scale = tl.load(ks_ptr + kvh)
+        v_scale = tl.load(vs_ptr + kvh)
+        qk_scale = qk_scale * k_scale
+
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        block = tl.load(bt_ptr + b * s_btb + offs_n // PAGE, mask=mask_n, other=0)
+        kv_off = block.to(tl.int64) * s_kb + (offs_n % PAGE) * s_kt + kvh * s_kh
+        k = tl.load(k_ptr + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        v = tl.load(v_ptr + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    if QUANT:
+        acc = acc * v_scale
+
+    if NUM_PARTS == 1:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + b * s_ob + heads[:, None] * s_oh + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=mask_g[:, None])
+    else:
+        # partials: po [B, Hq, NUM_PARTS, D], pm/pl [B, Hq, NUM_PARTS] (contiguous)
+        row = (b * (tl.num_programs(1) * G) + heads) * NUM_PARTS + part
+        tl.store(pm_ptr + row, m_i, mask=mask_g)
+        tl.store(pl_ptr + row, l_i, mask=mask_g)
+        tl.store(po_ptr + row[:, None] * D + offs_d[None, :], acc, mask=mask_g[:, None])
+
+
+@triton.jit
+def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, s_ob, s_oh, H, D: tl.constexpr, NUM_PARTS: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_p = tl.arange(0, NUM_PARTS)
+    offs_d = tl.arange(0, D)
+    row = (b * H + h) * NUM_PARTS + offs_p
+    m = tl.load(pm_ptr + row)
+    l = tl.load(pl_ptr + row)
+    m_max = tl.max(m, 0)
+    w = tl.where(l > 0, tl.exp2(m - m_max), 0.0)
+    acc = tl.load(po_ptr + row[:, None] * D + offs_d[None, :])
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(out_ptr + b * s_ob + h * s_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+def num_partitions(batch: int, num_kv_heads: int, max_model_len: int, num_sms: int = 132) -> int:
+    """Enough partitions to give ~2 waves of programs at small batch; 1 when the batch fills the GPU."""
+    want = max(1, (2 * num_sms) // max(1, batch * num_kv_heads))
+    cap = max(1, triton.cdiv(max_model_len, 256))  # no partition shorter than 256 tokens at full length
+    return min(triton.next_power_of_2(want), triton.next_power_of_2(cap), 32)
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, sm_scale: float, num_parts: int = 1,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, Hq, D]; k/v_cache [num_blocks, page, Hkv, D]; block_tables [B, max_blocks] int32;
+    seq_lens [B] int32 (context length incl. the new token, already written). Returns [B, Hq, D]."""
+    batch, num_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    quant = k_cache.dtype == torch.int8
+    if out is None:
+        out = torch.empty_like(q)
+    if num_parts > 1:
+        po = torch.empty(batch, num_heads, num_parts, head_dim, dtype=torch.float32, device=q.device)
+        pm = torch.empty(batch, num_heads, num_parts, dtype=torch.float32, device=q.device)
+        pl = torch.empty_like(pm)
+    else:
+        po = pm = pl = out
+    dummy = seq_lens
+    _decode_kernel[(batch, num_kv_heads, num_parts)](
+        q, k_cache, v_cache, block_tables, seq_lens, k_scale if quant else dummy, v_scale if quant else dummy,
+        out, po, pm, pl, sm_scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=head_dim, PAGE=page, BLOCK_N=max(page, 64),
+        NUM_PARTS=num_parts, QUANT=quant, num_warps=4, num_stages=2,
+    )
+    if num_parts > 1:
+        _reduce_kernel[(batch, num_heads)](po, pm, pl, out, out.stride(0), out.stride(1), num_heads,
+                                           D=head_dim, NUM_PARTS=num_parts, num_warps=4)
+    return out
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, s_kt, s_kh, s_vt, s_vh,
+                     s_cb, s_ct, s_ch, PAGE: tl.constexpr, D: tl.constexpr, QUANT: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:  # padding row of a CUDA-graph batch
+        return
+    offs_d = tl.arange(0, D)
+    k = tl.load(k_ptr + t * s_kt + h * s_kh + offs_d).to(tl.float32)
+    v = tl.load(v_ptr + t * s_vt + h * s_vh + offs_d).to(tl.float32)
+    dst = (slot // PAGE) * s_cb + (slot % PAGE) * s_ct + h * s_ch + offs_d
+    if QUANT:
+        k = tl.clamp(k / tl.load(ks_ptr + h), -127.0, 127.0)
+        v = tl.clamp(v / tl.load(vs_ptr + h), -127.0, 127.0)
+        k = tl.where(k >= 0, tl.floor(k + 0.5), -tl.floor(0.5 - k))  # round half away from zero
+        v = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v))
+    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty))
+    tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty))
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """k/v [T, Hkv, D] into the pool at slots [T] (int64; -1 = skip)."""
+    tokens, num_kv_heads, head_dim = k.shape
+    quant = k_cache.dtype == torch.int8
+    _write_kv_kernel[(tokens, num_kv_heads)](
+        k, v, k_cache, v_cache, slots, k_scale if quant else slots, v_scale if quant else slots,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), PAGE=k_cache.shape[1], D=head_dim, QUANT=quant,
+        num_warps=1,
+    )
