@@ -18,3 +18,54 @@ class BatcherConfig:
     # scheduling policy (batcher/scheduler.py)
     max_num_batched_tokens: int = field(default=2048, metadata=_h("token budget of one step"))
     max_num_seqs: int = field(default=256, metadata=_h("most sequences in one step"))
+    decode_buckets: str = field(default="8,16,32", metadata=_h(
+        "decode buckets by tokens remaining (max_tokens - generated), comma-separated upper bounds; a last "
+        "'rest' bucket is implied; '' = one bucket. Decodes run lowest bucket first, are grouped by bucket in "
+        "the step, and preemption takes the newest request of the highest bucket first"))
+    enable_prefix_caching: bool = field(default=True, metadata=_h("reuse the K/V of full 16-token blocks shared "
+                                                                  "by prompts (chained token hash)"))
+    warm_prefix: str = field(default="", metadata=_h(
+        "JSON/JSONL file of token-id lists (RAG system prompts) prefilled at start and pinned in every worker's "
+        "prefix cache; the sidecar has no tokenizer, so token ids, not text"))
+    watermark: float = field(default=0.01, metadata=_h(
+        "admit a new request only if this fraction of the KV pool stays free after its prompt's blocks"))
+    max_active_blocks: int = field(default=0, metadata=_h(
+        "per-request KV block cap (0 = off): a prompt over it is rejected (ERROR), generation stops at it (LENGTH)"))
+    burst_gating: bool = field(default=True, metadata=_h("hold back long prompts while a burst is detected"))
+    burst_window_s: float = field(default=2.0, metadata=_h("sliding window of the burst detector's arrival rate"))
+    burst_arrival_rate: float = field(default=8.0, metadata=_h(
+        "burst when more than this many requests/s arrived over the window (0 = rate test off)"))
+    burst_queue_depth: int = field(default=32, metadata=_h(
+        "burst when at least this many requests wait for admission (0 = depth test off)"))
+    long_prefill_threshold: int = field(default=2048, metadata=_h(
+        "a prompt with more uncached tokens than this is 'long' for burst gating"))
+    min_active_decodes: int = field(default=8, metadata=_h(
+        "during a burst a long prompt waits while at least this many decodes are running"))
+    max_gated_wait_s: float = field(default=2.0, metadata=_h(
+        "longest a long prompt is held back by gating; then it is admitted in arrival order"))
+    affinity_max_load_gap: int = field(default=64, metadata=_h(
+        "prefix affinity yields to least-load when the prefix holder has this many more unfinished requests"))
+
+
+def load_warm_prefixes(path: str) -> list[list[int]]:
+    """Token-id lists from a JSON file (a list of lists, or {"prefixes": [...]}) or JSONL (one list per line).
+
+    Lines/items may also be objects with a "token_ids" key. The only file read of the sidecar's policy code,
+    done once when a Scheduler is built.
+    """
+    import json
+
+    with open(path) as f:
+        text = f.read()
+    try:
+        data = json.loads(text)
+        items = data["prefixes"] if isinstance(data, dict) else data
+    except json.JSONDecodeError:
+        items = [json.loads(line) for line in text.splitlines() if line.strip()]
+    out = []
+    for item in items:
+        ids = item["token_ids"] if isinstance(item, dict) else item
+        if not (isinstance(ids, list) and all(isinstance(t, int) for t in ids)):
+            raise ValueError(f"{path}: a warm prefix must be a list of token ids, got {str(ids)[:80]}")
+        out.append(ids)
+    return out

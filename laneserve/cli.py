@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from laneserve.config import add_arguments, from_args
@@ -35,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     gateway_cfg, batcher_cfg, worker_cfg = _configs()
     parser = argparse.ArgumentParser(prog="laneserve", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default=os.environ.get("LANESERVE_LOG_LEVEL", "INFO"),
+                        help="DEBUG | INFO | WARNING | ERROR [env LANESERVE_LOG_LEVEL]")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run gateway, sidecar and workers (one per GPU, or one CPU worker)")
     for cls in (LauncherConfig, gateway_cfg, batcher_cfg, worker_cfg):

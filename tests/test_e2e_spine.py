@@ -91,7 +91,7 @@ def test_ctrl_c_leaves_no_process_or_socket_behind(make_stack):
 
 def test_a_dying_child_takes_the_stack_down_with_a_message(make_stack):
     st = make_stack()
-    worker = next(pid for pid in st.children if b"worker" in _cmdline(pid))
+    worker = next(pid for pid in st.children if b"\0worker\0" in _cmdline(pid))
     os.kill(worker, signal.SIGKILL)
     assert st.proc.wait(60) == 1
     assert any("worker 0 exited" in line for line in st.lines), st.lines[-10:]

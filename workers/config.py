@@ -22,3 +22,9 @@ class WorkerConfig:
     max_model_len: int = field(default=0, metadata=_h("context length; 0 = the model's"))
     max_num_seqs: int = field(default=256, metadata=_h("most sequences in one step"))
     max_num_batched_tokens: int = field(default=2048, metadata=_h("token budget of one step"))
+    kv_cache_memory: str = field(default="", metadata=_h(
+        "KV pool size, e.g. 256MiB or 4GiB; empty = 256MiB on CPU, --gpu-memory-utilization on CUDA"))
+    gpu_memory_utilization: float = field(default=0.9, metadata=_h(
+        "share of GPU memory for weights + activations + KV pool (measured after a warm-up forward)"))
+    attention_backend: str = field(default="auto", metadata=_h("auto | torch (reference: gather + SDPA)"))
+    num_threads: int = field(default=0, metadata=_h("CPU: torch intra-op threads; 0 = torch's default"))

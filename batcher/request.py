@@ -1,0 +1,96 @@
+"""One request's scheduling state and its block arithmetic (nano-vllm's `Sequence`).
+
+Owns the per-request bookkeeping the scheduler and the block manager share: the
+token ids (prompt + outputs), how many of them have KV in the cache
+(`num_computed_tokens`), the blocks that hold that KV, the chained hashes of its
+full blocks, and its lifecycle status. Pure data plus arithmetic: no I/O, no
+policy (which request runs when is batcher/scheduler.py's business).
+"""
+
+from __future__ import annotations
+
+import enum
+
+from batcher.protocol import SamplingParams
+
+
+class Status(enum.IntEnum):
+    WAITING = 0  # queued (new, or preempted and waiting to be recomputed)
+    RUNNING = 1  # holds blocks; prefilling or decoding
+    FINISHED = 2
+
+
+class Request:
+    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "params", "arrival_time", "status",
+                 "num_computed_tokens", "block_ids", "block_hashes", "num_cached_tokens", "max_len",
+                 "internal", "on_worker", "first_delta_sent", "new_block_ids", "admit_seq", "seen_at",
+                 "gated_since", "num_preemptions", "num_registered_blocks")
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_time: float = 0.0, max_len: int = 1 << 62, internal: bool = False):
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)  # prompt, then outputs
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.arrival_time = arrival_time
+        self.status = Status.WAITING
+        self.num_computed_tokens = 0  # tokens whose K/V is in block_ids (after the step in flight)
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # chained hash of each full block, computed lazily
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
+        self.max_len = max_len  # context limit: min(max_model_len, max_active_blocks * block_size)
+        # A warm-prefix request: its last token is a sentinel that is never computed, so the
+        # worker never samples for it; its full blocks are pinned when the prefill is done.
+        self.internal = internal
+        self.on_worker = False  # the worker holds state for it (else the next step sends a NewReq)
+        self.first_delta_sent = False
+        self.new_block_ids: list[int] = []  # blocks appended since the last StepInput
+        self.admit_seq = 0  # admission order: preemption takes the newest
+        self.seen_at: float | None = None  # first schedule() that saw it (the scheduler's clock)
+        self.gated_since: float | None = None
+        self.num_preemptions = 0
+        self.num_registered_blocks = 0  # leading full blocks already offered to the prefix cache
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def compute_target(self) -> int:
+        """How many tokens must have K/V before the worker samples (warm prefixes never sample)."""
+        return len(self.token_ids) - 1 if self.internal else len(self.token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.compute_target - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """Exactly one token (the last sampled one) is left to compute: a decode step."""
+        return self.compute_target - self.num_computed_tokens == 1 and self.num_output_tokens > 0
+
+    @property
+    def tokens_remaining(self) -> int:
+        """Outputs still allowed (max_tokens - generated): the decode bucket key."""
+        return self.params.max_tokens - self.num_output_tokens
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})")
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)

@@ -1,0 +1,349 @@
+"""The scheduling policy of one worker: what runs in the next step, and what a step's output means.
+
+Owns the waiting queue and the running set of one worker, its KV block pool
+(batcher/block_manager.py) and the policies: token budget and sequence cap,
+decodes first then chunked prefill, decode buckets, burst gating
+(batcher/burst.py), watermark admission, preemption by recompute, stop checks.
+Pure: no I/O (except reading the --warm-prefix file once at construction), no
+asyncio, time is passed in. `schedule()` and `update()` alternate strictly.
+Policy choices are explained in docs/scheduling.md.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections import deque
+from typing import Iterable
+
+from batcher.block_manager import BlockManager
+from batcher.burst import LongPromptGate
+from batcher.config import BatcherConfig, load_warm_prefixes
+from batcher.protocol import (AddRequest, CachedReq, EngineStats, FinishReason, NewReq, SamplingParams, StepInput,
+                              StepOutput, TokenDelta)
+from batcher.request import Request, Status, blocks_for
+
+WARM_PREFIX_ID = "__warm__/"  # internal requests that fill the warm prefix pool
+_WARM_PARAMS = SamplingParams(max_tokens=1)
+
+
+def _sort_key(item: tuple) -> tuple[int, int]:
+    return item[0], item[1]
+
+
+def parse_buckets(spec: str) -> list[int]:
+    return sorted({int(x) for x in spec.replace(" ", "").split(",") if x})
+
+
+class Scheduler:
+    def __init__(self, cfg: BatcherConfig, num_blocks: int, block_size: int, max_model_len: int,
+                 warm_prefixes: list[list[int]] | None = None):
+        self.cfg = cfg
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.num_blocks = num_blocks
+        self.buckets = parse_buckets(cfg.decode_buckets)
+        self.watermark_blocks = int(cfg.watermark * num_blocks)
+        self.max_len = max_model_len
+        if cfg.max_active_blocks > 0:
+            self.max_len = min(max_model_len, cfg.max_active_blocks * block_size)
+        if warm_prefixes is None:
+            warm_prefixes = load_warm_prefixes(cfg.warm_prefix) if cfg.warm_prefix else []
+        self.warm_prefixes = warm_prefixes
+        self.step_no = 0  # counters survive fail_all()
+        self.admit_counter = 0
+        self.preemptions = 0
+        self.gated_prefills = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.bm = BlockManager(self.num_blocks, self.block_size, self.cfg.enable_prefix_caching)
+        self.gate = LongPromptGate(self.cfg)
+        self.requests: dict[str, Request] = {}  # everything held: waiting or running
+        self.waiting: deque[Request] = deque()
+        self.running: dict[str, Request] = {}  # insertion order = admission order
+        self.finished_ids: list[str] = []  # for the next StepInput: the worker drops their state
+        self.pending: list[TokenDelta] = []  # deltas made outside update() (rejections), sent with the next
+        self.in_flight: list[tuple[Request, int]] = []  # (request, tokens scheduled) of the step in flight
+        self.new_arrivals = 0
+        self.num_internal = 0
+        self._queue_warm_prefixes()
+
+    # ------------------------------------------------------------------ intake
+    def add_request(self, msg: AddRequest) -> None:
+        n = len(msg.prompt_token_ids)
+        why = None
+        if n == 0:
+            why = "empty prompt"
+        elif n > self.max_len:
+            limit = "max_model_len" if self.max_len == self.max_model_len else "max_active_blocks"
+            why = f"prompt of {n} tokens exceeds the context limit of {self.max_len} ({limit})"
+        elif blocks_for(n, self.block_size) > self.bm.num_usable:
+            why = f"prompt of {n} tokens needs more KV blocks than the pool has ({self.bm.num_usable})"
+        elif msg.request_id in self.requests:
+            why = "duplicate request id"
+        if why is not None:
+            self.pending.append(TokenDelta(msg.request_id, [], FinishReason.ERROR, error=why))
+            return
+        req = Request(msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival_time, self.max_len)
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+        self.new_arrivals += 1
+
+    def _queue_warm_prefixes(self) -> None:
+        """Warm prefixes are normal prefills of internal requests, first in line; see _finish_warm."""
+        for i, ids in enumerate(self.warm_prefixes):
+            full = len(ids) // self.block_size * self.block_size
+            if full == 0 or blocks_for(full, self.block_size) > self.bm.num_usable // 2:
+                continue  # nothing cacheable, or it would crowd out the traffic it is meant to speed up
+            # The sentinel last token is never computed, so the worker never samples for it.
+            req = Request(f"{WARM_PREFIX_ID}{i}", ids[:full] + [0], _WARM_PARAMS, internal=True)
+            self.requests[req.request_id] = req
+            self.waiting.append(req)
+            self.num_internal += 1
+
+    def abort_requests(self, ids: Iterable[str]) -> list[TokenDelta]:
+        deltas = []
+        for rid in ids:
+            req = self.requests.get(rid)
+            if req is None or req.internal:
+                continue
+            if req.status == Status.WAITING:
+                self.waiting.remove(req)
+                del self.requests[rid]
+                req.status = Status.FINISHED
+            else:
+                self._finish(req)
+            deltas.append(TokenDelta(rid, [], FinishReason.ABORT))
+        return deltas
+
+    def fail_all(self, error: str) -> list[TokenDelta]:
+        deltas = self.pending
+        deltas += [TokenDelta(rid, [], FinishReason.ERROR, error=error)
+                   for rid, r in self.requests.items() if not r.internal]
+        on_worker = [rid for rid, r in self.requests.items() if r.on_worker] + self.finished_ids
+        queries, hits = self.bm.queries, self.bm.hits
+        self._reset()
+        self.bm.queries, self.bm.hits = queries, hits  # the worker's K/V can't be trusted any more: the prefix cache goes too
+        self.finished_ids = on_worker
+        return deltas
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self, now: float) -> StepInput | None:
+        self.gate.detector.observe(now, self.new_arrivals, len(self.waiting) - self.num_internal)
+        self.new_arrivals = 0
+        budget = self.cfg.max_num_batched_tokens
+        batch: list[tuple[Request, int]] = []
+        budget, active, preempted = self._schedule_running(batch, budget)
+        if not preempted:  # admitting while evicting would just thrash
+            self._admit_waiting(now, batch, budget, active)
+        if not batch and not self.finished_ids and not self.pending:
+            return None
+        self.step_no += 1
+        step = self._build_step(batch)
+        self.in_flight = batch
+        return step
+
+    def _run_order(self) -> list[tuple[Request, int]]:
+        """(request, tokens left to compute): decodes by bucket (lowest tokens-remaining first), then running
+        prefills; oldest first within each. Hot path: properties inlined (compute_target = len - internal)."""
+        buckets = self.buckets
+        prefill_key = len(buckets) + 1
+        keyed = []
+        for r in self.running.values():
+            toks = r.token_ids
+            left = len(toks) - r.internal - r.num_computed_tokens
+            if left == 1:
+                key = bisect_left(buckets, r.params.max_tokens - len(toks) + r.num_prompt_tokens)
+            else:
+                key = prefill_key
+            keyed.append((key, r.admit_seq, r, left))
+        keyed.sort(key=_sort_key)
+        return [(k[2], k[3]) for k in keyed]
+
+    def _schedule_running(self, batch: list, budget: int) -> tuple[int, int, bool]:
+        """Schedule running requests in run order; preempt from the back of that order when blocks run out.
+
+        The back is the newest request of the highest-remaining bucket: the one that would hold its blocks
+        longest, while a nearly finished sequence is about to give its blocks back anyway.
+        """
+        order = self._run_order()
+        bs = self.block_size
+        threshold = self.cfg.long_prefill_threshold
+        preemptions_before = self.preemptions
+        active = 0
+        i = 0
+        while i < len(order) and budget > 0:
+            req, left = order[i]
+            n = left if left < budget else budget
+            if req.num_computed_tokens + n > len(req.block_ids) * bs and not self._make_room(req, n, order):
+                break
+            batch.append((req, n))
+            budget -= n
+            if left <= threshold:
+                active += 1
+            i += 1
+        return budget, active, self.preemptions != preemptions_before
+
+    def _make_room(self, req: Request, n: int, order: list[tuple[Request, int]]) -> bool:
+        """Blocks for n more tokens of req, preempting from the back of order; False if req lost its place."""
+        while not self.bm.allocate(req, n):
+            victim = order.pop()[0]
+            if victim is req and not order:  # alone, and the whole pool still can't hold it
+                self._finish(req)
+                self.pending.append(TokenDelta(req.request_id, [], FinishReason.ERROR, error=(
+                    f"KV cache too small for {req.num_computed_tokens + n} tokens of context")))
+                return False
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _admit_waiting(self, now: float, batch: list, budget: int, active: int) -> None:
+        held: list[Request] = []
+        waiting = self.waiting
+        bm = self.bm
+        while waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = waiting[0]
+            if self.num_internal and not req.internal:
+                break  # warm prefixes first (start-up only): users admitted with them would miss the cache
+            if req.seen_at is None:
+                req.seen_at = now
+            hit_blocks = bm.lookup(req)
+            uncached = req.compute_target - hit_blocks * self.block_size
+            if not req.internal and self.gate.holds(now, uncached, req.seen_at, active):
+                if req.gated_since is None:
+                    req.gated_since = now
+                    self.gated_prefills += 1
+                held.append(waiting.popleft())
+                continue
+            need = blocks_for(req.compute_target, self.block_size) - hit_blocks + bm.num_free_hits(req, hit_blocks)
+            if self.running and bm.num_free - need < self.watermark_blocks:
+                break  # first come, first served: later (smaller) prompts don't jump a big one for memory
+            hit_tokens = bm.acquire_prefix(req, hit_blocks)
+            req.num_computed_tokens = hit_tokens
+            n = min(req.compute_target - hit_tokens, budget)
+            if not bm.allocate(req, n):  # possible only when nothing runs and the pool is nearly all pinned
+                bm.free_blocks(req)
+                req.num_computed_tokens = 0
+                break
+            waiting.popleft()
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = hit_tokens
+            req.status = Status.RUNNING
+            self.admit_counter += 1
+            req.admit_seq = self.admit_counter
+            self.running[req.request_id] = req
+            batch.append((req, n))
+            budget -= n
+            if req.compute_target - hit_tokens <= self.cfg.long_prefill_threshold:
+                active += 1
+        waiting.extendleft(reversed(held))
+
+    def _build_step(self, batch: list[tuple[Request, int]]) -> StepInput:
+        new_reqs, cached_reqs, num_scheduled = [], [], {}
+        for req, n in batch:
+            num_scheduled[req.request_id] = n
+            if not req.on_worker:
+                new_reqs.append(NewReq(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                                       params=req.params, block_ids=list(req.block_ids),
+                                       num_computed_tokens=req.num_computed_tokens,
+                                       output_token_ids=req.output_token_ids))
+                req.on_worker = True
+            elif req.new_block_ids:
+                cached_reqs.append(CachedReq(req.request_id, req.new_block_ids))
+            req.new_block_ids = []
+            req.num_computed_tokens += n
+        finished, self.finished_ids = self.finished_ids, []
+        return StepInput(step=self.step_no, new_reqs=new_reqs, cached_reqs=cached_reqs,
+                         num_scheduled_tokens=num_scheduled, finished_req_ids=finished)
+
+    # ------------------------------------------------------------------ step output
+    def update(self, out: StepOutput, now: float) -> list[TokenDelta]:
+        deltas, self.pending = self.pending, []
+        bs = self.block_size
+        running = Status.RUNNING
+        for req, _ in self.in_flight:  # K/V of this step is now in the cache: offer full blocks to it
+            if req.status is running:
+                if req.num_computed_tokens // bs > req.num_registered_blocks:
+                    self.bm.cache_full_blocks(req)
+                if req.internal and req.num_uncomputed_tokens == 0:
+                    self._finish_warm(req)
+        self.in_flight = []
+        logprobs = out.logprobs
+        requests = self.requests
+        for i, rid in enumerate(out.request_ids):
+            req = requests.get(rid)
+            # Tokens for a request aborted meanwhile, or one that was not due to sample, are dropped.
+            if req is None or req.status is not running or req.num_computed_tokens != len(req.token_ids):
+                continue
+            delta = self._append_tokens(req, out.sampled_token_ids[i])
+            if logprobs is not None:
+                delta.logprobs = logprobs[i]
+            deltas.append(delta)
+        return deltas
+
+    def _append_tokens(self, req: Request, tokens: list[int]) -> TokenDelta:
+        """Append sampled tokens up to the first stop; STOP includes the stop token in the delta."""
+        p = req.params
+        toks = req.token_ids
+        reason = None
+        taken = tokens
+        for j, tok in enumerate(tokens):
+            toks.append(tok)
+            n_out = len(toks) - req.num_prompt_tokens
+            if tok in p.stop_token_ids and n_out >= p.min_tokens:
+                reason = FinishReason.STOP
+            elif n_out >= p.max_tokens or len(toks) >= req.max_len:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                taken = tokens[:j + 1]
+                break
+        delta = TokenDelta(req.request_id, list(taken), reason)
+        if not req.first_delta_sent:
+            delta.num_cached_tokens = req.num_cached_tokens
+            req.first_delta_sent = True
+        if reason is not None:
+            self._finish(req)
+        return delta
+
+    # ------------------------------------------------------------------ transitions
+    def _finish(self, req: Request) -> None:
+        """Running (or preempted-then-aborted) -> gone; its blocks go back to the pool."""
+        self.running.pop(req.request_id, None)
+        self.requests.pop(req.request_id, None)
+        self.bm.free_blocks(req)
+        req.status = Status.FINISHED
+        if req.on_worker:
+            self.finished_ids.append(req.request_id)
+            req.on_worker = False
+
+    def _finish_warm(self, req: Request) -> None:
+        self.bm.cache_full_blocks(req)
+        self.bm.pin(req.block_ids)
+        self._finish(req)
+        self.num_internal -= 1
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute preemption: drop the K/V, requeue at the front; resumed later as a NewReq."""
+        self.running.pop(req.request_id)
+        self.bm.free_blocks(req)
+        req.status = Status.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        if req.on_worker:
+            self.finished_ids.append(req.request_id)
+            req.on_worker = False
+        self.waiting.appendleft(req)
+        self.preemptions += 1
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests) - self.num_internal
+
+    def stats(self) -> EngineStats:
+        n_running = sum(1 for r in self.running.values() if not r.internal)
+        return EngineStats(num_running=n_running, num_waiting=self.num_unfinished - n_running,
+                           kv_blocks_total=self.num_blocks, kv_blocks_free=self.bm.num_free,
+                           prefix_queries=self.bm.queries, prefix_hits=self.bm.hits,
+                           gated_prefills=self.gated_prefills, preemptions=self.preemptions, steps=self.step_no)

@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""Container healthchecks for Compose: `http URL` (the gateway's /health) and `zmq ADDRESS` (the sidecar).
+
+The zmq check speaks the real protocol: it connects a DEALER to the sidecar's gateway socket, sends
+`Ping(nonce)` and waits for the matching `Pong`, so "healthy" means the sidecar's event loop answers,
+not merely that a port is open. Exit status 0 = healthy, 1 = not. Stdlib + what the image already has
+(pyzmq, msgspec, batcher.protocol); never imports torch. Copied into the images as
+/usr/local/bin/laneserve-healthcheck (a `laneserve ping` sub-command would make this file unnecessary).
+
+    laneserve-healthcheck http http://127.0.0.1:8000/health
+    laneserve-healthcheck zmq tcp://127.0.0.1:5555 [--min-workers N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import urllib.error
+import urllib.request
+
+
+def check_http(url: str, timeout: float) -> str | None:
+    """None when healthy, else why not."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return None if resp.status == 200 else f"HTTP {resp.status}"
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}"
+    except (urllib.error.URLError, OSError) as exc:
+        return str(exc)
+
+
+def check_zmq(address: str, timeout: float, min_workers: int) -> str | None:
+    import zmq
+
+    from batcher import protocol as P
+    from batcher import transport
+
+    ctx = zmq.Context()
+    try:
+        sock = transport.connect(ctx, zmq.DEALER, address)
+        nonce = int.from_bytes(os.urandom(4), "little")
+        sock.send(P.encode(P.Ping(nonce=nonce)))
+        decoder = P.decoder(P.BatcherToGateway)
+        deadline_ms = int(timeout * 1000)
+        # Replies for other nonces cannot arrive (fresh socket identity), but skip anything else defensively.
+        while sock.poll(deadline_ms):
+            msg = transport.try_decode(decoder, sock.recv(), "sidecar")
+            if isinstance(msg, P.Pong) and msg.nonce == nonce:
+                if msg.protocol_version != P.PROTOCOL_VERSION:
+                    return f"protocol version {msg.protocol_version}, this image speaks {P.PROTOCOL_VERSION}"
+                if msg.workers_alive < min_workers:
+                    return f"{msg.workers_alive} worker(s) alive, want {min_workers}"
+                return None
+        return f"no Pong from {address} in {timeout}s"
+    finally:
+        ctx.destroy(linger=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="laneserve-healthcheck", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="kind", required=True)
+    http = sub.add_parser("http", help="GET URL, healthy on 200")
+    http.add_argument("url")
+    zmq_ = sub.add_parser("zmq", help="Ping the sidecar, healthy on a matching Pong")
+    zmq_.add_argument("address")
+    zmq_.add_argument("--min-workers", type=int, default=0, help="also require this many registered workers")
+    for p in (http, zmq_):
+        p.add_argument("--timeout", type=float, default=3.0, help="seconds")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.kind == "http":
+        problem = check_http(args.url, args.timeout)
+    else:
+        problem = check_zmq(args.address, args.timeout, args.min_workers)
+    if problem:
+        print(f"unhealthy: {problem}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""The gateway process: `create_app(cfg)` builds the aiohttp Application, `run(cfg)` serves it.
+
+Owns the middlewares (OpenAI error JSON for every failure, API-key check) and the lifecycle:
+the BatcherClient starts with the app; on SIGINT/SIGTERM the gateway stops accepting
+connections, lets in-flight requests finish up to --drain-timeout, then closes.
+Must not import torch, workers.*, or batcher.* other than batcher.protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+import time
+
+from aiohttp import web
+
+from batcher.protocol import EngineStats
+from gateway.client import BatcherClient
+from gateway.config import GatewayConfig
+from gateway.errors import ApiError
+from gateway.metrics import Metrics
+from gateway.routes import Api
+from gateway.tokenizer import ModelTokenizer, load_tokenizer
+
+log = logging.getLogger("laneserve.gateway")
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+API_KEY = web.AppKey("api", Api)
+
+
+def _http_error(exc: web.HTTPException, request: web.Request) -> ApiError:
+    if exc.status == 404:
+        return ApiError(404, f"Not found: {request.method} {request.path}")
+    if exc.status == 405:
+        return ApiError(405, f"Method {request.method} is not allowed on {request.path}.")
+    if exc.status == 413:
+        return ApiError(413, f"Request body too large: {exc.text or ''}".strip())
+    return ApiError(exc.status, exc.reason or "request failed")
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    request["arrival"] = time.monotonic()
+    api = request.app[API_KEY]
+    try:
+        return await handler(request)
+    except ApiError as err:
+        api.metrics.request_errors.labels(str(err.status)).inc()
+        return err.response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        err = _http_error(exc, request)
+        api.metrics.request_errors.labels(str(err.status)).inc()
+        return err.response()
+    except (asyncio.CancelledError, ConnectionError):
+        raise  # the client went away; nothing to answer
+    except Exception:
+        log.exception("unexpected error in %s %s", request.method, request.path)
+        api.metrics.request_errors.labels("500").inc()
+        return ApiError(500, "internal server error").response()
+
+
+def auth_middleware(api_key: str):
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.path not in OPEN_PATHS:
+            given = request.headers.get("Authorization", "").encode("utf-8", "replace")
+            if not hmac.compare_digest(given, expected):  # constant time in the key's content
+                raise ApiError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').")
+        return await handler(request)
+
+    return check
+
+
+def create_app(cfg: GatewayConfig, tokenizer: ModelTokenizer | None = None) -> web.Application:
+    tok = tokenizer or load_tokenizer(cfg.model, cfg.served_model_name, cfg.max_model_len)
+    middlewares = [error_middleware]
+    if cfg.api_key:
+        middlewares.append(auth_middleware(cfg.api_key))
+    app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=middlewares)
+    metrics = Metrics(lambda: (api.client.stats, api.client.workers_alive) if api.client
+                      else (EngineStats(), 0))
+    api = Api(cfg, tok, metrics)
+    app[API_KEY] = api
+    api.add_routes(app)
+
+    async def start_client(app: web.Application) -> None:
+        api.client = BatcherClient(cfg)
+        api.client.start()
+
+    async def stop_client(app: web.Application) -> None:
+        if api.client is not None:
+            await api.client.close()
+
+    app.on_startup.append(start_client)
+    app.on_cleanup.append(stop_client)
+    return app
+
+
+async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None) -> None:
+    """Serve until `stop` is set (or SIGINT/SIGTERM), then drain and close."""
+    app = create_app(cfg)
+    api = app[API_KEY]
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
+    await site.start()
+    log.info("gateway listening on http://%s:%d", cfg.host, cfg.port)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    api.draining = True
+    await site.stop()  # no new connections; in-flight handlers keep running
+    deadline = time.monotonic() + cfg.drain_timeout
+    while api.active and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)  # polling a counter during shutdown only
+    if api.active:
+        log.warning("drain deadline passed with %d requests in flight; closing them", api.active)
+    await runner.cleanup()
+
+
+def run(cfg: GatewayConfig) -> None:
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve(cfg))

@@ -1,0 +1,186 @@
+"""BatcherClient: the gateway's one DEALER socket to the sidecar and its one reader task.
+
+Sends AddRequest / AbortRequests / Ping frames; the reader decodes TokenBatch / Rejected / Pong
+and routes every delta to the asyncio.Queue registered for its request id (several ids of one
+HTTP request, n > 1 or many prompts, share one queue). A request's queue is dropped when its
+finishing delta (or a Rejected) passes, or when the handler releases it; later deltas for it are
+ignored. Liveness: Ping/Pong with a timeout for /health and admission, and a watchdog that fails
+in-flight requests when the sidecar stops answering. Must not import torch or batcher internals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from batcher import protocol as P
+from gateway.config import GatewayConfig
+
+log = logging.getLogger("laneserve.gateway")
+
+
+@dataclass
+class SidecarLost:
+    """Put in a request's queue when the sidecar stopped answering with the request in flight."""
+
+    reason: str
+
+
+class BatcherClient:
+    def __init__(self, cfg: GatewayConfig):
+        self.cfg = cfg
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        # Unbounded: admission is capped by max_queued_requests; a dropped frame would lose a request.
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.connect(cfg.batcher_address)
+        # Sends never wait (NOBLOCK, HWM 0), so they go through a plain shadow of the socket and
+        # raise right here instead of into a Future nobody awaits.
+        self.tx = zmq.Socket.shadow(self.sock.underlying)
+        self.decoder = P.decoder(P.BatcherToGateway)
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.pings: dict[int, asyncio.Future] = {}
+        self.nonces = itertools.count(1)
+        self.stats = P.EngineStats()
+        self.workers_alive = 0
+        self.last_rx = 0.0  # monotonic time of the last frame from the sidecar
+        self.handlers = {P.TokenBatch: self._on_batch, P.Rejected: self._on_rejected, P.Pong: self._on_pong}
+        self._tasks: list[asyncio.Task] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._reader(), name="batcher-reader"),
+                       asyncio.create_task(self._watchdog(), name="batcher-watchdog")]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.sock.close()
+        self.ctx.term()
+
+    # ------------------------------------------------------------------ sending
+    def _send(self, msg) -> None:
+        # NOBLOCK with HWM 0 never waits: the frame is queued even before the sidecar connects.
+        self.tx.send(P.encode(msg), flags=zmq.NOBLOCK)
+
+    def submit(self, requests: list[P.AddRequest]) -> asyncio.Queue:
+        """Send the requests; their deltas (and Rejected / SidecarLost) arrive on the returned queue."""
+        q: asyncio.Queue = asyncio.Queue()
+        for r in requests:
+            self.queues[r.request_id] = q
+        for r in requests:
+            self._send(r)
+        return q
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Cancel requests in the sidecar (their KV blocks are freed) and stop routing their deltas."""
+        if not request_ids:
+            return
+        self.release(request_ids)
+        try:
+            self._send(P.AbortRequests(request_ids=list(request_ids)))
+        except zmq.ZMQError as exc:  # socket closed during shutdown
+            log.warning("abort of %d requests not sent: %s", len(request_ids), exc)
+
+    def release(self, request_ids) -> None:
+        for rid in request_ids:
+            self.queues.pop(rid, None)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.queues)
+
+    async def ping(self, timeout: float | None = None) -> P.Pong | None:
+        """A live round trip to the sidecar (answered outside its request queue); None on timeout."""
+        nonce = next(self.nonces)
+        fut = asyncio.get_running_loop().create_future()
+        self.pings[nonce] = fut
+        try:
+            self._send(P.Ping(nonce=nonce))
+            return await asyncio.wait_for(fut, self.cfg.sidecar_timeout if timeout is None else timeout)
+        except (asyncio.TimeoutError, zmq.ZMQError):
+            return None
+        finally:
+            self.pings.pop(nonce, None)
+
+    async def alive(self) -> bool:
+        """True if the sidecar answered recently or answers a ping now (admission check)."""
+        if time.monotonic() - self.last_rx < self.cfg.sidecar_timeout:
+            return self.workers_alive > 0
+        pong = await self.ping()
+        return pong is not None and pong.workers_alive > 0
+
+    # ------------------------------------------------------------------ receiving
+    async def _reader(self) -> None:
+        while True:
+            frame = await self.sock.recv()
+            self.last_rx = time.monotonic()
+            try:
+                msg = self.decoder.decode(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.error("dropped malformed frame from the sidecar (%d bytes): %s", len(frame), exc)
+                continue
+            try:
+                self.handlers[type(msg)](msg)
+            except Exception:  # one bad message must not stop every request's stream
+                log.exception("error handling %s from the sidecar", type(msg).__name__)
+
+    def _on_batch(self, batch: P.TokenBatch) -> None:
+        queues = self.queues
+        for d in batch.deltas:
+            q = queues.get(d.request_id)
+            if q is None:
+                continue  # released (stop string, disconnect, timeout): its ABORT delta lands here
+            q.put_nowait(d)
+            if d.finish_reason is not None:
+                del queues[d.request_id]
+
+    def _on_rejected(self, msg: P.Rejected) -> None:
+        q = self.queues.pop(msg.request_id, None)
+        if q is not None:
+            q.put_nowait(msg)
+
+    def _on_pong(self, pong: P.Pong) -> None:
+        self.stats = pong.stats
+        self.workers_alive = pong.workers_alive
+        if pong.protocol_version != P.PROTOCOL_VERSION:
+            log.error("sidecar speaks protocol %d, gateway %d", pong.protocol_version, P.PROTOCOL_VERSION)
+            self.workers_alive = 0
+        fut = self.pings.pop(pong.nonce, None)
+        if fut is not None and not fut.done():
+            fut.set_result(pong)
+
+    async def _watchdog(self) -> None:
+        """Fail in-flight requests when the sidecar went silent, instead of leaving them hanging."""
+        limit = self.cfg.sidecar_lost_after
+        if limit <= 0:
+            return
+        while True:
+            await asyncio.sleep(limit / 4)  # a timer tick, not synchronisation
+            if not self.queues:
+                continue
+            silent = time.monotonic() - self.last_rx
+            if silent > limit:
+                self.fail_all(f"the batcher sidecar did not answer for {silent:.1f}s")
+            elif silent > limit / 4:
+                try:
+                    self._send(P.Ping(nonce=0))  # any answer refreshes last_rx
+                except zmq.ZMQError:
+                    pass
+
+    def fail_all(self, reason: str) -> None:
+        log.error("%s: failing %d in-flight requests", reason, len(self.queues))
+        lost = SidecarLost(reason)
+        for q in {id(q): q for q in self.queues.values()}.values():  # a queue may serve several ids
+            q.put_nowait(lost)
+        self.queues.clear()

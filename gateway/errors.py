@@ -1,0 +1,57 @@
+"""OpenAI-shaped errors: one exception type carrying status, type, param, code; its JSON body.
+
+Handlers raise ApiError; the error middleware in gateway/app.py turns it (and aiohttp's own
+HTTP exceptions, and anything unexpected) into {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from aiohttp import web
+
+# status -> (type, default code), as the OpenAI API names them
+KINDS = {
+    400: ("invalid_request_error", None),
+    401: ("authentication_error", "invalid_api_key"),
+    404: ("not_found_error", "not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+    408: ("timeout_error", "request_timeout"),
+    413: ("invalid_request_error", "request_too_large"),
+    415: ("invalid_request_error", "unsupported_media_type"),
+    422: ("invalid_request_error", None),
+    429: ("rate_limit_error", "rate_limit_exceeded"),
+    500: ("server_error", "internal_error"),
+    503: ("service_unavailable_error", "service_unavailable"),
+    504: ("timeout_error", "request_timeout"),
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after: float | None = None, type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        kind, default_code = KINDS.get(status, ("invalid_request_error" if status < 500 else "server_error", None))
+        self.type = type or kind
+        self.code = code if code is not None else default_code
+        self.retry_after = retry_after
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        headers = {}
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(max(1, round(self.retry_after)))
+        return web.Response(status=self.status, body=msgspec.json.encode(self.body()),
+                            content_type="application/json", headers=headers)
+
+    def sse(self) -> bytes:
+        """The error as an SSE event, for a stream that already began (the openai SDK raises it)."""
+        return b"data: " + msgspec.json.encode(self.body()) + b"\n\n"
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)

@@ -1,0 +1,149 @@
+"""One choice's output state and its OpenAI JSON shapes (completion and chat, streamed or not).
+
+Choice.feed() turns the sidecar's TokenDeltas into text (via detokenizer.TextStream), finish
+reasons and logprobs; CompletionShape / ChatShape render choices and chunks exactly as the
+OpenAI API (and vLLM) do. Pure: no sockets, no aiohttp.
+"""
+
+from __future__ import annotations
+
+from batcher.protocol import FinishReason, TokenDelta
+from gateway.detokenizer import TextStream
+from gateway.tokenizer import ModelTokenizer
+
+FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
+
+
+class EngineError(Exception):
+    """A request ended with FinishReason.ERROR (worker failure): a 500, not the user's fault."""
+
+
+class Choice:
+    __slots__ = ("index", "request_id", "text", "eos", "finish_reason", "stop_reason", "parts", "want_logprobs",
+                 "lp_tokens", "lp_entries", "needs_abort", "first_token_at", "num_cached", "prefix")
+
+    def __init__(self, index: int, request_id: str, tok: ModelTokenizer, prompt_ids: list[int], stops: list[str],
+                 include_stop_str: bool, skip_special_tokens: bool, want_logprobs: bool, prefix: str = ""):
+        self.index = index
+        self.request_id = request_id
+        self.text = TextStream(tok, prompt_ids, stops, include_stop_str, skip_special_tokens)
+        self.eos = tok.eos_token_ids
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.parts: list[str] = [prefix] if prefix else []  # the whole text, for non-streaming answers
+        self.prefix = prefix  # echo: the prompt text, sent before the first generated text
+        self.want_logprobs = want_logprobs
+        self.lp_tokens: list[int] = []
+        self.lp_entries: list = []
+        self.needs_abort = False  # a stop string ended it before the sidecar did
+        self.first_token_at: float | None = None
+        self.num_cached = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.text.num_tokens
+
+    def feed(self, d: TokenDelta) -> tuple[str, list[int], list]:
+        """-> (new text, token ids consumed, their logprobs); sets finish_reason when the choice ends."""
+        if d.finish_reason == FinishReason.ERROR:
+            raise EngineError(d.error or "engine error")
+        if d.num_cached_tokens:
+            self.num_cached = d.num_cached_tokens
+        ids = d.new_token_ids
+        before = self.text.num_tokens
+        hide_stop_token = d.finish_reason == FinishReason.STOP and bool(ids)
+        piece = self.text.add(ids, hide_last=hide_stop_token)
+        consumed = ids[:self.text.num_tokens - before]
+        lps = d.logprobs[:len(consumed)] if (self.want_logprobs and d.logprobs) else []
+        if self.text.stop_str is not None:
+            self.finish_reason, self.stop_reason = "stop", self.text.stop_str
+            self.needs_abort = d.finish_reason is None
+        elif d.finish_reason is not None:
+            piece += self.text.finish()
+            if self.text.stop_str is not None:
+                self.finish_reason, self.stop_reason = "stop", self.text.stop_str
+            else:
+                self.finish_reason = FINISH[d.finish_reason]
+                if d.finish_reason == FinishReason.STOP and ids and ids[-1] not in self.eos:
+                    self.stop_reason = ids[-1]
+        if piece:
+            self.parts.append(piece)
+        if lps:
+            self.lp_tokens += consumed
+            self.lp_entries += lps
+        return piece, consumed, lps
+
+
+class _Shape:
+    def __init__(self, tok: ModelTokenizer):
+        self.tok = tok
+        self._token_text: dict[int, str] = {}
+
+    def token_text(self, token_id: int) -> str:
+        s = self._token_text.get(token_id)
+        if s is None:
+            s = self._token_text[token_id] = self.tok.decode([token_id], skip_special_tokens=False)
+        return s
+
+
+class CompletionShape(_Shape):
+    object = "text_completion"
+    chunk_object = "text_completion"
+
+    def logprobs(self, ids: list[int], lps: list, offset: int = 0) -> dict | None:
+        if not lps:
+            return None
+        tokens = [self.token_text(t) for t in ids]
+        offsets, pos = [], offset
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{self.token_text(i): v for i, v in zip(lp.top_ids, lp.top_logprobs)} for lp in lps],
+                "text_offset": offsets}
+
+    def choice(self, ch: Choice) -> dict:
+        return {"index": ch.index, "text": "".join(ch.parts),
+                "logprobs": self.logprobs(ch.lp_tokens, ch.lp_entries) if ch.want_logprobs else None,
+                "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+
+    def chunk_choice(self, ch: Choice, text: str, ids: list[int], lps: list, finished: bool) -> dict:
+        return {"index": ch.index, "text": text, "logprobs": self.logprobs(ids, lps) if lps else None,
+                "finish_reason": ch.finish_reason if finished else None,
+                "stop_reason": ch.stop_reason if finished else None}
+
+    def first_chunk_choice(self, ch: Choice) -> dict | None:
+        return {"index": ch.index, "text": ch.prefix, "logprobs": None, "finish_reason": None,
+                "stop_reason": None} if ch.prefix else None
+
+
+class ChatShape(_Shape):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def logprobs(self, ids: list[int], lps: list) -> dict | None:
+        if not lps:
+            return None
+        return {"content": [{**self._entry(t, lp.logprob),
+                             "top_logprobs": [self._entry(i, v) for i, v in zip(lp.top_ids, lp.top_logprobs)]}
+                            for t, lp in zip(ids, lps)]}
+
+    def choice(self, ch: Choice) -> dict:
+        return {"index": ch.index, "message": {"role": "assistant", "content": "".join(ch.parts)},
+                "logprobs": (self.logprobs(ch.lp_tokens, ch.lp_entries) or {"content": []}) if ch.want_logprobs
+                else None,
+                "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+
+    def chunk_choice(self, ch: Choice, text: str, ids: list[int], lps: list, finished: bool) -> dict:
+        return {"index": ch.index, "delta": {"content": text} if text else {},
+                "logprobs": self.logprobs(ids, lps) if lps else None,
+                "finish_reason": ch.finish_reason if finished else None,
+                "stop_reason": ch.stop_reason if finished else None}
+
+    def first_chunk_choice(self, ch: Choice) -> dict:
+        return {"index": ch.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}

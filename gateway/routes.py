@@ -1,0 +1,305 @@
+"""The OpenAI-compatible handlers: validate, tokenize, submit to the sidecar, answer (JSON or SSE).
+
+One HTTP request becomes prompts x n AddRequests (ids `<base>-<choice index>`) whose deltas share
+one queue; the answer merges them by choice index. Whatever way a request ends (finish, stop
+string, client disconnect, timeout, error), the `finally` of `_generate` aborts what is still
+running in the sidecar, so its KV blocks are freed. Must not import torch or batcher internals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import msgspec
+from aiohttp import web
+
+from batcher.protocol import AddRequest, Rejected
+from gateway import schemas as S
+from gateway.client import BatcherClient, SidecarLost
+from gateway.config import GatewayConfig
+from gateway.errors import ApiError, bad_request
+from gateway.metrics import Metrics
+from gateway.output import ChatShape, Choice, CompletionShape, EngineError
+from gateway.tokenizer import ChatTemplateError, ModelTokenizer
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DONE = b"data: [DONE]\n\n"
+_json = msgspec.json.encode
+
+
+def json_response(obj, status: int = 200) -> web.Response:
+    return web.Response(body=_json(obj), status=status, content_type="application/json")
+
+
+class Api:
+    def __init__(self, cfg: GatewayConfig, tok: ModelTokenizer, metrics: Metrics):
+        self.cfg = cfg
+        self.tok = tok
+        self.metrics = metrics
+        self.client: BatcherClient | None = None  # set on startup (needs the running loop)
+        self.in_flight = 0  # sequences submitted and not finished (admission cap)
+        self.active = 0  # generation handlers running (graceful drain waits for 0)
+        self.draining = False
+        self.created = int(time.time())
+        self.completion_shape = CompletionShape(tok)
+        self.chat_shape = ChatShape(tok)
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+
+    # ------------------------------------------------------------------ small routes
+    async def models(self, request: web.Request) -> web.Response:
+        card = {"id": self.tok.model_id, "object": "model", "created": self.created, "owned_by": "laneserve",
+                "root": self.cfg.model, "parent": None, "max_model_len": self.tok.max_model_len}
+        return json_response({"object": "list", "data": [card]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.draining:
+            raise ApiError(503, "the gateway is shutting down", retry_after=self.cfg.retry_after)
+        pong = await self.client.ping()
+        if pong is None:
+            raise ApiError(503, "the batcher sidecar did not answer", retry_after=self.cfg.retry_after)
+        if pong.workers_alive < 1:
+            raise ApiError(503, "no model worker is ready", retry_after=self.cfg.retry_after)
+        return json_response({"status": "ok", "workers_alive": pong.workers_alive})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        await self.client.ping()  # refresh the engine gauges; stale values if the sidecar is silent
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        req = S.parse(await request.read(), S.TokenizeRequest)
+        self._check_model(req.model)
+        if req.messages is not None:
+            text = self._render_chat(S.chat_messages(req.messages), req.add_generation_prompt)
+            ids = self.tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        elif req.prompt is not None:
+            ids = self.tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+        else:
+            raise bad_request("either prompt or messages is required.", param="prompt")
+        return json_response({"count": len(ids), "max_model_len": self.tok.max_model_len, "tokens": ids,
+                              "token_strs": None})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        req = S.parse(await request.read(), S.DetokenizeRequest)
+        self._check_model(req.model)
+        bad = next((t for t in req.tokens if not 0 <= t < self.tok.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is out of vocabulary (size {self.tok.vocab_size}).", param="tokens")
+        return json_response({"prompt": self.tok.decode(req.tokens)})
+
+    # ------------------------------------------------------------------ generation routes
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = S.parse(await request.read(), S.CompletionRequest)
+        self._check_model(req.model)
+        S.check_sampling(req, self.tok.vocab_size)
+        S.check_logprobs("logprobs", req.logprobs)
+        prompts = S.prompt_token_lists(req, self.tok)
+        max_tokens = [S.resolve_max_tokens(req.max_tokens, 16, len(p), self.tok.max_model_len) for p in prompts]
+        echo = None
+        if req.echo:
+            strings = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+            echo = [s if isinstance(s, str) else self.tok.decode(p) for s, p in zip(strings, prompts)] \
+                if all(isinstance(s, str) for s in strings) else [self.tok.decode(p) for p in prompts]
+        return await self._generate(request, req, "cmpl", self.completion_shape, prompts, max_tokens, req.logprobs,
+                                    echo)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        req = S.parse(await request.read(), S.ChatRequest)
+        self._check_model(req.model)
+        S.check_sampling(req, self.tok.vocab_size)
+        S.check_logprobs("top_logprobs", req.top_logprobs)
+        if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
+            raise bad_request("max_completion_tokens must be at least 1.", param="max_completion_tokens")
+        text = self._render_chat(S.chat_messages(req.messages), req.add_generation_prompt)
+        ids = self.tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        if not ids:
+            raise bad_request("the rendered conversation is empty.", param="messages")
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = [S.resolve_max_tokens(requested, None, len(ids), self.tok.max_model_len)]
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        return await self._generate(request, req, "chatcmpl", self.chat_shape, [ids], max_tokens, logprobs, None)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.tok.model_id:
+            raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    def _render_chat(self, messages: list[dict], add_generation_prompt: bool | None) -> str:
+        try:
+            return self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt is not False)
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), param="messages") from None
+
+    async def _generate(self, request: web.Request, req, prefix: str, shape, prompts: list[list[int]],
+                        max_tokens: list[int], logprobs: int | None, echo: list[str] | None) -> web.StreamResponse:
+        arrival = request.get("arrival", time.monotonic())
+        n = req.n or 1
+        if self.draining:
+            raise ApiError(503, "the gateway is shutting down", retry_after=self.cfg.retry_after)
+        num_seqs = len(prompts) * n
+        if num_seqs > S.MAX_SEQUENCES:
+            raise bad_request(f"prompts x n must be at most {S.MAX_SEQUENCES}, got {num_seqs}.", param="n")
+        cap = self.cfg.max_queued_requests
+        if cap and self.in_flight + num_seqs > cap:
+            raise ApiError(429, f"too many requests in flight ({self.in_flight} of {cap}); retry later.",
+                           retry_after=self.cfg.retry_after)
+        base = f"{prefix}-{uuid.uuid4().hex}"
+        stops = S.stop_strings(req)
+        include_stop, skip_special = bool(req.include_stop_str_in_output), req.skip_special_tokens is not False
+        choices, adds = [], []
+        now = time.time()
+        for p, ids in enumerate(prompts):
+            for j in range(n):
+                index = p * n + j
+                ch = Choice(index, f"{base}-{index}", self.tok, ids, stops, include_stop, skip_special,
+                            logprobs is not None, echo[p] if echo else "")
+                choices.append(ch)
+                params = S.sampling_params(req, self.tok, max_tokens[p], logprobs, index=j)
+                adds.append(AddRequest(request_id=ch.request_id, prompt_token_ids=ids, params=params,
+                                       arrival_time=now, priority=req.priority or 0))
+        if not await self.client.alive():
+            raise ApiError(503, "the batcher sidecar is not answering or has no ready worker; retry later.",
+                           retry_after=self.cfg.retry_after)
+        self.metrics.queue.observe(time.monotonic() - arrival)
+        by_id = {ch.request_id: ch for ch in choices}
+        unfinished = set(by_id)
+        self.in_flight += num_seqs
+        self.active += 1
+        self.metrics.in_flight.inc()
+        queue = self.client.submit(adds)
+        prompt_tokens = sum(len(p) for p in prompts)
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        run = _Run(self, request, req, shape, base, choices, by_id, unfinished, queue, prompt_tokens, arrival)
+        try:
+            async with asyncio.timeout(self.cfg.request_timeout or None):
+                return await (run.stream() if req.stream else run.collect())
+        except TimeoutError:
+            if run.response is not None:  # the stream began: end it with an error event
+                err = ApiError(504, f"request timed out after {self.cfg.request_timeout:g}s")
+                await run.end_with_error(err)
+                return run.response
+            raise ApiError(504, f"request timed out after {self.cfg.request_timeout:g}s") from None
+        finally:
+            self.in_flight -= num_seqs
+            self.active -= 1
+            self.metrics.in_flight.dec()
+            # Disconnect, timeout, stop string, error: whatever still runs in the sidecar is aborted.
+            to_abort = [ch.request_id for ch in choices if ch.request_id in unfinished or ch.needs_abort]
+            self.client.abort(to_abort)
+            self.client.release(by_id)
+            generated = sum(ch.num_tokens for ch in choices)
+            self.metrics.generation_tokens.inc(generated)
+
+
+class _Run:
+    """One HTTP generation request in flight: consumes its queue, writes JSON or SSE."""
+
+    def __init__(self, api: Api, request, req, shape, base, choices, by_id, unfinished, queue, prompt_tokens,
+                 arrival):
+        self.api, self.request, self.req, self.shape = api, request, req, shape
+        self.base, self.choices, self.by_id, self.unfinished = base, choices, by_id, unfinished
+        self.queue, self.prompt_tokens, self.arrival = queue, prompt_tokens, arrival
+        self.created = int(time.time())
+        self.model = api.tok.model_id
+        self.response: web.StreamResponse | None = None
+        self.include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+
+    def _item_choice(self, item) -> Choice:
+        """Raise for a terminal error item; return the choice a delta belongs to."""
+        if isinstance(item, Rejected):
+            if item.retryable:
+                raise ApiError(429, f"the engine cannot take the request now: {item.reason}",
+                               retry_after=self.api.cfg.retry_after)
+            raise bad_request(f"the engine rejected the request: {item.reason}")
+        if isinstance(item, SidecarLost):
+            raise ApiError(503, item.reason, retry_after=self.api.cfg.retry_after)
+        return self.by_id[item.request_id]
+
+    def _feed(self, ch: Choice, d) -> tuple[str, list, list]:
+        try:
+            piece, ids, lps = ch.feed(d)
+        except EngineError as exc:
+            raise ApiError(500, f"the engine failed this request: {exc}") from None
+        if ch.first_token_at is None and ch.num_tokens:
+            ch.first_token_at = time.monotonic()
+            self.api.metrics.ttft.observe(ch.first_token_at - self.arrival)
+        if ch.finish_reason is not None:
+            self.unfinished.discard(ch.request_id)
+            self._observe_finish(ch)
+        return piece, ids, lps
+
+    def _observe_finish(self, ch: Choice) -> None:
+        m, now = self.api.metrics, time.monotonic()
+        m.e2e.observe(now - self.arrival)
+        if ch.first_token_at is not None and ch.num_tokens > 1:
+            m.tpot.observe((now - ch.first_token_at) / (ch.num_tokens - 1))
+        m.request_success.labels(ch.finish_reason).inc()
+
+    def usage(self) -> dict:
+        completion = sum(ch.num_tokens for ch in self.choices)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
+
+    async def collect(self) -> web.Response:
+        while self.unfinished:
+            item = await self.queue.get()
+            ch = self._item_choice(item)
+            if ch.finish_reason is None:
+                self._feed(ch, item)
+        return json_response({"id": self.base, "object": self.shape.object, "created": self.created,
+                              "model": self.model, "choices": [self.shape.choice(ch) for ch in self.choices],
+                              "usage": self.usage()})
+
+    def _chunk(self, choices: list[dict], usage=None) -> bytes:
+        obj = {"id": self.base, "object": self.shape.chunk_object, "created": self.created, "model": self.model,
+               "choices": choices}
+        if self.include_usage:
+            obj["usage"] = usage
+        return b"data: " + _json(obj) + b"\n\n"
+
+    async def stream(self) -> web.StreamResponse:
+        # Wait for the first answer before sending headers: a Rejected then is still a real 429/400.
+        first = await self.queue.get()
+        self._item_choice(first)
+        self.response = web.StreamResponse(headers=SSE_HEADERS)
+        await self.response.prepare(self.request)
+        out = [self._chunk([c]) for ch in self.choices if (c := self.shape.first_chunk_choice(ch))]
+        item = first
+        try:
+            while True:
+                ch = self._item_choice(item)
+                if ch.finish_reason is None:
+                    piece, ids, lps = self._feed(ch, item)
+                    finished = ch.finish_reason is not None
+                    if piece or lps or finished:
+                        out.append(self._chunk([self.shape.chunk_choice(ch, piece, ids, lps, finished)]))
+                if not self.unfinished:
+                    break
+                if self.queue.empty() and out:  # write once per batch of deltas, not per delta
+                    await self.response.write(b"".join(out))
+                    out.clear()
+                item = await self.queue.get()
+        except ApiError as err:
+            out.append(err.sse())
+            await self.response.write(b"".join(out) + DONE)
+            return self.response
+        if self.include_usage:
+            out.append(self._chunk([], self.usage()))
+        out.append(DONE)
+        await self.response.write(b"".join(out))
+        await self.response.write_eof()
+        return self.response
+
+    async def end_with_error(self, err: ApiError) -> None:
+        try:
+            await self.response.write(err.sse() + DONE)
+        except (ConnectionError, RuntimeError):
+            pass

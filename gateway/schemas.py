@@ -1,0 +1,271 @@
+"""Request validation: OpenAI/vLLM request bodies as msgspec Structs, then ranges -> SamplingParams.
+
+Decoding is strict about types (wrong type -> 400 naming the field) and ignores unknown fields,
+as OpenAI does. Every check a request can fail happens here, at the edge, so the sidecar and
+workers can trust what they get. No I/O.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import msgspec
+
+from batcher.protocol import SamplingParams
+from gateway.errors import ApiError, bad_request
+from gateway.tokenizer import ModelTokenizer
+
+MAX_LOGPROBS = 20
+MAX_SEQUENCES = 256  # prompts x n in one request
+MAX_STOP_STRINGS = 16
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1 - MAX_SEQUENCES  # children get seed + index
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool | None = None
+
+
+class _Sampling(msgspec.Struct):
+    """Fields shared by both endpoints (vLLM's extras included)."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    user: str | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    priority: int | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list | None = None
+    logprobs: int | None = None
+    echo: bool | None = None
+    add_special_tokens: bool | None = None
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class Message(msgspec.Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    add_generation_prompt: bool | None = None
+    add_special_tokens: bool | None = None
+
+
+class TokenizeRequest(msgspec.Struct):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+
+
+class DetokenizeRequest(msgspec.Struct):
+    tokens: list[int]
+    model: str | None = None
+
+
+_decoders: dict[type, msgspec.json.Decoder] = {}
+_AT = re.compile(r" - at `\$\.?(.*)`$")
+
+
+def parse(body: bytes, cls: type):
+    """Decode a JSON body into `cls`; any JSON or type error is a 400 naming the field."""
+    dec = _decoders.get(cls) or _decoders.setdefault(cls, msgspec.json.Decoder(cls))
+    try:
+        return dec.decode(body)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        m = _AT.search(text)
+        param = m.group(1) if m and m.group(1) else None
+        raise bad_request(f"Invalid request: {text}", param=param) from None
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"Request body is not valid JSON: {exc}") from None
+
+
+def _finite(name: str, value: float | None, lo: float, hi: float, lo_open: bool = False) -> None:
+    if value is None:
+        return
+    if not math.isfinite(value) or value < lo or value > hi or (lo_open and value == lo):
+        bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise bad_request(f"{name} must be in {bound}, got {value}.", param=name)
+
+
+def check_sampling(req: _Sampling, vocab_size: int) -> None:
+    """Range checks that do not depend on the prompt."""
+    _finite("temperature", req.temperature, 0.0, 1e6)
+    _finite("top_p", req.top_p, 0.0, 1.0, lo_open=True)
+    _finite("min_p", req.min_p, 0.0, 1.0)
+    _finite("presence_penalty", req.presence_penalty, -2.0, 2.0)
+    _finite("frequency_penalty", req.frequency_penalty, -2.0, 2.0)
+    _finite("repetition_penalty", req.repetition_penalty, 0.0, 1e3, lo_open=True)
+    if req.top_k is not None and req.top_k < -1:
+        raise bad_request(f"top_k must be -1 (off), 0 (off) or positive, got {req.top_k}.", param="top_k")
+    if req.n is not None and not 1 <= req.n <= MAX_SEQUENCES:
+        raise bad_request(f"n must be in [1, {MAX_SEQUENCES}], got {req.n}.", param="n")
+    if req.seed is not None and not SEED_MIN <= req.seed <= SEED_MAX:
+        raise bad_request(f"seed must be in [{SEED_MIN}, {SEED_MAX}].", param="seed")
+    if req.min_tokens is not None and req.min_tokens < 0:
+        raise bad_request("min_tokens must be >= 0.", param="min_tokens")
+    if req.max_tokens is not None and req.max_tokens < 1:
+        raise bad_request(f"max_tokens must be at least 1, got {req.max_tokens}.", param="max_tokens")
+    for t in req.stop_token_ids or ():
+        if not 0 <= t < vocab_size:
+            raise bad_request(f"stop_token_ids: {t} is not a token id of this model (vocab {vocab_size}).",
+                              param="stop_token_ids")
+    stops = stop_strings(req)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings.", param="stop")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options can only be given when stream is true.", param="stream_options")
+    if req.priority is not None and abs(req.priority) > 2**31:
+        raise bad_request("priority out of range.", param="priority")
+
+
+def stop_strings(req: _Sampling) -> list[str]:
+    if req.stop is None:
+        return []
+    stops = [req.stop] if isinstance(req.stop, str) else req.stop
+    return [s for s in stops if s]
+
+
+def check_logprobs(name: str, value: int | None) -> None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise bad_request(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}.", param=name)
+
+
+def context_error(max_model_len: int, prompt_len: int, max_tokens: int) -> ApiError:
+    # vLLM's wording, which clients match with a regex.
+    return bad_request(
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the completion). "
+        "Please reduce the length of the messages or completion.", param=None,
+        code="context_length_exceeded")
+
+
+def resolve_max_tokens(requested: int | None, default: int | None, prompt_len: int, max_model_len: int) -> int:
+    """The max_tokens to run with; None default = the remaining context (chat)."""
+    remaining = max_model_len - prompt_len
+    if requested is not None:
+        if prompt_len + requested > max_model_len:
+            raise context_error(max_model_len, prompt_len, requested)
+        return requested
+    if remaining < 1:
+        raise context_error(max_model_len, prompt_len, 1 if default is None else default)
+    return remaining if default is None else min(default, remaining)
+
+
+def sampling_params(req: _Sampling, tok: ModelTokenizer, max_tokens: int, logprobs: int | None,
+                    index: int = 0) -> SamplingParams:
+    """The SamplingParams of choice `index` (seeded choices get seed + index, as vLLM does)."""
+    min_tokens = req.min_tokens or 0
+    if min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens}).", param="min_tokens")
+    stop_ids = list(req.stop_token_ids or ())
+    if not req.ignore_eos:
+        stop_ids += tok.eos_token_ids
+    top_k = req.top_k or 0
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else float(req.temperature),
+        top_p=1.0 if req.top_p is None else float(req.top_p),
+        top_k=0 if top_k < 0 else min(top_k, tok.vocab_size),
+        min_p=float(req.min_p or 0.0),
+        seed=None if req.seed is None else req.seed + index,
+        stop_token_ids=tuple(dict.fromkeys(stop_ids)),
+        min_tokens=min_tokens,
+        repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
+        presence_penalty=float(req.presence_penalty or 0.0),
+        frequency_penalty=float(req.frequency_penalty or 0.0),
+        logprobs=logprobs,
+    )
+
+
+def prompt_token_lists(req: CompletionRequest, tok: ModelTokenizer) -> list[list[int]]:
+    """prompt as a string, list of strings, token ids or list of token-id lists -> token-id lists."""
+    prompt = req.prompt
+    add_special = True if req.add_special_tokens is None else req.add_special_tokens
+    if prompt is None:
+        raise bad_request("prompt is required.", param="prompt")
+    if isinstance(prompt, str):
+        items: list = [prompt]
+    elif not prompt:
+        raise bad_request("prompt must not be empty.", param="prompt")
+    elif all(_is_token(t) for t in prompt):
+        items = [prompt]
+    elif all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        items = prompt
+    else:
+        raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of "
+                          "token-id lists.", param="prompt")
+    out = []
+    for p in items:
+        if isinstance(p, str):
+            if not p:
+                raise bad_request("prompt must not be empty.", param="prompt")
+            ids = tok.encode(p, add_special_tokens=add_special)
+        else:
+            if not all(_is_token(t) for t in p):
+                raise bad_request("a token-id prompt must be a list of integers.", param="prompt")
+            ids = p
+        if not ids:
+            raise bad_request("prompt must not be empty.", param="prompt")
+        bad = next((t for t in ids if not 0 <= t < tok.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is out of vocabulary (size {tok.vocab_size}).", param="prompt")
+        out.append(ids)
+    return out
+
+
+def _is_token(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def chat_messages(messages: list[Message] | None) -> list[dict]:
+    """Messages as the chat template expects them: content flattened to text."""
+    if not messages:
+        raise bad_request("messages must be a non-empty list.", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(m.content, list):
+            parts = []
+            for part in m.content:
+                if part.type != "text" or part.text is None:
+                    raise bad_request(f"messages[{i}]: only text content parts are supported, got {part.type!r}.",
+                                      param=f"messages[{i}].content")
+                parts.append(part.text)
+            content = "".join(parts)
+        else:
+            content = m.content or ""
+        msg = {"role": m.role, "content": content}
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    return out

@@ -1,0 +1,214 @@
+"""The model's tokenizer as the gateway sees it: encode, decode, chat template, eos ids, limits.
+
+`load_tokenizer("tiny")` builds the embedded byte-level tokenizer in code (docs/architecture.md);
+`load_tokenizer(DIR)` reads an HF checkpoint: tokenizer.json (via `tokenizers`),
+tokenizer_config.json (chat template rendered with jinja2 the way `transformers` does, bos/eos),
+generation_config.json (extra eos ids) and config.json (max_position_embeddings, vocab_size).
+Incremental detokenization and stop strings live in gateway/detokenizer.py.
+Must not import zmq, aiohttp or torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+TINY_SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]  # ids 256..259
+TINY_VOCAB_SIZE = 320  # the tiny model's (padded) embedding rows
+TINY_MAX_MODEL_LEN = 8192
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class ChatTemplateError(ValueError):
+    """The template rejected the conversation (raise_exception) or failed to render: a 400."""
+
+
+@dataclass
+class ModelTokenizer:
+    """Everything the gateway needs to know about the served model's text side."""
+
+    tokenizer: Tokenizer
+    model_id: str
+    vocab_size: int  # the model's embedding rows: valid token ids are [0, vocab_size)
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    bos_token: str | None = None
+    eos_token: str | None = None
+    bos_token_id: int | None = None
+    chat_template: str | None = None
+    template_vars: dict = field(default_factory=dict)  # other special tokens the template may use
+    add_bos_token: bool = False  # prepend bos when tokenizer.json's post-processor does not
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None \
+                and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str:
+        return self.tokenizer.id_to_token(token_id) or ""
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids
+
+    @property
+    def _special_ids(self) -> frozenset[int]:
+        cached = self.__dict__.get("_specials")
+        if cached is None:
+            cached = frozenset(i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special)
+            self.__dict__["_specials"] = cached
+        return cached
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **extra) -> str:
+        if not self.chat_template:
+            raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        try:
+            template = _compile(self.chat_template)
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                   **self.template_vars, **extra)
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from None
+        except (TypeError, KeyError, AttributeError, ValueError) as exc:
+            # HF templates index message fields freely; a malformed message must be a 400, not a 500.
+            raise ChatTemplateError(f"chat template failed on these messages: {exc}") from None
+
+
+def _raise_exception(message: str):
+    raise ChatTemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    import datetime
+
+    return datetime.datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=8)
+def _compile(source: str) -> jinja2.Template:
+    # Same environment as transformers' _compile_jinja_template, so HF templates render identically.
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable char map, which tokenizers' ByteLevel pre-tokenizer applies."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def build_tiny_tokenizer() -> Tokenizer:
+    """Byte-level: token id == byte value for 0..255, then the four specials at 256..259."""
+    byte_char = _bytes_to_unicode()
+    tok = Tokenizer(models.BPE(vocab={byte_char[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TINY_SPECIALS])
+    return tok
+
+
+def tiny_tokenizer(model_id: str = "tiny") -> ModelTokenizer:
+    return ModelTokenizer(tokenizer=build_tiny_tokenizer(), model_id=model_id, vocab_size=TINY_VOCAB_SIZE,
+                          max_model_len=TINY_MAX_MODEL_LEN, eos_token_ids=(257, 259), bos_token="<s>",
+                          eos_token="</s>", bos_token_id=256, chat_template=CHATML_TEMPLATE)
+
+
+def _token_text(value) -> str | None:
+    """tokenizer_config.json writes special tokens as a string or as an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _as_ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else [v for v in value if isinstance(v, int)]
+
+
+def load_tokenizer(model: str, served_model_name: str = "", max_model_len: int = 0) -> ModelTokenizer:
+    """The tokenizer for `tiny` or an HF checkpoint directory; max_model_len > 0 overrides the model's."""
+    if model == "tiny":
+        tok = tiny_tokenizer(served_model_name or "tiny")
+    else:
+        tok = _load_dir(model, served_model_name)
+    if max_model_len > 0:
+        tok.max_model_len = max_model_len
+    return tok
+
+
+def _load_dir(path: str, served_model_name: str) -> ModelTokenizer:
+    tj = os.path.join(path, "tokenizer.json")
+    if not os.path.exists(tj):
+        raise SystemExit(f"{path}: no tokenizer.json (the gateway reads the fast tokenizer file only)")
+    tokenizer = Tokenizer.from_file(tj)
+    tcfg = _read_json(os.path.join(path, "tokenizer_config.json"))
+    gcfg = _read_json(os.path.join(path, "generation_config.json"))
+    mcfg = _read_json(os.path.join(path, "config.json"))
+    text_cfg = mcfg.get("text_config", mcfg)
+    template = tcfg.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    if template is None and os.path.exists(os.path.join(path, "chat_template.jinja")):
+        with open(os.path.join(path, "chat_template.jinja"), encoding="utf-8") as f:
+            template = f.read()
+    bos, eos = _token_text(tcfg.get("bos_token")), _token_text(tcfg.get("eos_token"))
+    bos_id = tokenizer.token_to_id(bos) if bos else None
+    eos_ids: list[int] = []
+    if eos and tokenizer.token_to_id(eos) is not None:
+        eos_ids.append(tokenizer.token_to_id(eos))
+    for i in _as_ids(gcfg.get("eos_token_id")) + _as_ids(text_cfg.get("eos_token_id")):
+        if i not in eos_ids:
+            eos_ids.append(i)
+    extra = {k: _token_text(v) for k, v in tcfg.items()
+             if k.endswith("_token") and k not in ("bos_token", "eos_token") and _token_text(v) is not None}
+    vocab = max(int(text_cfg.get("vocab_size") or 0), tokenizer.get_vocab_size(with_added_tokens=True))
+    max_len = int(text_cfg.get("max_position_embeddings") or 0) or int(tcfg.get("model_max_length") or 0) or 2048
+    # A Llama-style tokenizer.json usually prepends bos in its post-processor; add_bos_token covers the rest.
+    add_bos = bool(tcfg.get("add_bos_token", False)) and bos_id is not None \
+        and bos_id not in tokenizer.encode("x", add_special_tokens=True).ids
+    return ModelTokenizer(tokenizer=tokenizer, model_id=served_model_name or os.path.basename(os.path.normpath(path)),
+                          vocab_size=vocab, max_model_len=max_len, eos_token_ids=tuple(eos_ids), bos_token=bos,
+                          eos_token=eos, bos_token_id=bos_id, chat_template=template, template_vars=extra,
+                          add_bos_token=add_bos)

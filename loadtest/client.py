@@ -1,0 +1,270 @@
+"""The open-loop HTTP client: replays a trace against any OpenAI-compatible server.
+
+Owns: probing the server (model id, max_model_len, a token alphabet from /tokenize), turning
+trace rows into requests (token-id prompts from `synth_token_ids`, or text through /detokenize),
+sending each at its scaled arrival time whatever the completions do, streaming the answer and
+recording per-request timings (`RequestRecord`). Bounded: the trace is finite, the connection
+pool has a size, and a wall-clock limit cancels what is still running (recorded as errors), so
+the run always stops by itself and every sent request ends up finished or errored.
+Must not import gateway/, batcher/, workers/: it talks HTTP only (vLLM's server works unchanged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import aiohttp
+
+from loadtest.traces import TraceRequest, synth_token_ids
+
+# Text tokenized once to learn ordinary (non-special) token ids of the server's vocabulary.
+PROBE_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs! "
+    "0123456789 +-*/=<>()[]{} retrieval augmented generation answers questions about documents; "
+    "serving systems batch requests, cache prefixes, and stream tokens back to every client, "
+    "while latency budgets: time to first token, time per output token, end to end, throughput."
+)
+
+
+@dataclass
+class LoadConfig:
+    url: str  # base URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is accepted)
+    model: str | None = None  # None: the first id from GET /v1/models
+    endpoint: str = "completions"  # or "chat"
+    speedup: float = 1.0  # arrival times are divided by this
+    max_connections: int = 256  # bounded pool; requests beyond it wait for a connection (counted in TTFT)
+    request_timeout: float = 600.0
+    time_limit: float | None = None  # wall seconds for the whole run; None: trace span + request_timeout
+    ignore_eos: bool = True
+    prompt_mode: str = "ids"  # "ids": token-id prompts; "text": /detokenize'd text (chat always uses text)
+    seed: int = 0
+    vocab_size: int = 256  # fallback alphabet range(vocab_size) when /tokenize is unavailable
+    api_key: str | None = None
+
+
+@dataclass
+class ServerInfo:
+    model: str
+    max_model_len: int | None
+    alphabet: list[int]  # ordinary token ids that synthesised prompts are mapped onto
+    tokenize_ok: bool
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    scheduled: float  # intended send time, s from run start (after --speedup)
+    input_tokens: int  # prompt length asked for (after any clamp)
+    max_tokens: int
+    trace_input_tokens: int
+    trace_output_tokens: int
+    clamped: bool = False  # shortened to fit max_model_len
+    sent: float | None = None  # when the request was handed to the pool, s from run start
+    status: int = 0  # HTTP status; 0: no response
+    error: str | None = None
+    ttft: float | None = None  # s from sent to the first generated text
+    e2e: float | None = None  # s from sent to the end of the stream
+    itl: list[float] = field(default_factory=list)  # gaps between successive content chunks
+    output_tokens: int = 0  # usage.completion_tokens, else the number of content chunks
+    prompt_tokens: int | None = None  # usage.prompt_tokens
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None and self.e2e is not None
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ok and self.ttft is not None and self.output_tokens > 1:
+            return (self.e2e - self.ttft) / (self.output_tokens - 1)
+        return None
+
+
+def _base(url: str) -> str:
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url
+
+
+async def _json(session: aiohttp.ClientSession, method: str, url: str, **kw):
+    async with session.request(method, url, **kw) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{method} {url}: HTTP {resp.status}: {(await resp.text())[:200]}")
+        return await resp.json(content_type=None)
+
+
+async def probe(session: aiohttp.ClientSession, cfg: LoadConfig) -> ServerInfo:
+    base = _base(cfg.url)
+    models = await _json(session, "GET", base + "/v1/models")
+    cards = models.get("data") or []
+    model = cfg.model or (cards[0]["id"] if cards else None)
+    if model is None:
+        raise RuntimeError(f"{base}/v1/models lists no model; pass --model")
+    card = next((c for c in cards if c.get("id") == model), {})
+    max_len = card.get("max_model_len")
+    try:
+        tok = await _json(session, "POST", base + "/tokenize",
+                          json={"model": model, "prompt": PROBE_TEXT, "add_special_tokens": False})
+        alphabet = sorted(set(int(t) for t in tok["tokens"]))
+        max_len = tok.get("max_model_len") or max_len
+        tokenize_ok = bool(alphabet)
+    except (RuntimeError, aiohttp.ClientError, KeyError, ValueError):
+        alphabet, tokenize_ok = [], False
+    return ServerInfo(model, int(max_len) if max_len else None, alphabet or list(range(cfg.vocab_size)),
+                      tokenize_ok)
+
+
+def fit_to_context(req: TraceRequest, max_model_len: int | None) -> tuple[TraceRequest, bool]:
+    """Shorten input (then output) so input + output <= max_model_len; keeps at least one of each."""
+    if max_model_len is None or req.input_tokens + req.output_tokens <= max_model_len:
+        return req, False
+    out = max(1, min(req.output_tokens, max_model_len // 2))
+    inp = max(1, min(req.input_tokens, max_model_len - out))
+    return replace(req, input_tokens=inp, output_tokens=out), True
+
+
+class LoadRunner:
+    """One run: dispatcher task + one task per sent request, all on one event loop."""
+
+    def __init__(self, trace: list[TraceRequest], cfg: LoadConfig,
+                 on_progress: Callable[[int, int, int], None] | None = None):
+        self.trace, self.cfg, self.on_progress = trace, cfg, on_progress
+        self.records: list[RequestRecord] = []
+        self.info: ServerInfo | None = None
+        self.sent = self.finished = self.errored = 0
+
+    # ------------------------------------------------------------------ prompts and payloads
+    async def _prompt(self, session, req: TraceRequest, index: int):
+        ids = synth_token_ids(req, seed=self.cfg.seed, vocab_size=1 << 30, salt=index)
+        alpha = self.info.alphabet
+        ids = [alpha[i % len(alpha)] for i in ids]
+        if self.cfg.prompt_mode == "ids" and self.cfg.endpoint == "completions":
+            return ids
+        out = await _json(session, "POST", _base(self.cfg.url) + "/detokenize",
+                          json={"model": self.info.model, "tokens": ids})
+        return out["prompt"]
+
+    def _payload(self, prompt, max_tokens: int) -> tuple[str, dict]:
+        body = {"model": self.info.model, "max_tokens": max_tokens, "stream": True,
+                "stream_options": {"include_usage": True}, "temperature": 0.0}
+        if self.cfg.ignore_eos:
+            body["ignore_eos"] = True
+        if self.cfg.endpoint == "chat":
+            return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}
+        return "/v1/completions", {**body, "prompt": prompt}
+
+    # ------------------------------------------------------------------ one request
+    async def _one(self, session, rec: RequestRecord, req: TraceRequest, t0: float) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            prompt = await self._prompt(session, req, rec.index)
+            path, body = self._payload(prompt, rec.max_tokens)
+            rec.sent = loop.time() - t0
+            start = loop.time()
+            async with session.post(_base(self.cfg.url) + path, json=body) as resp:
+                rec.status = resp.status
+                if resp.status != 200:
+                    rec.error = (await resp.text())[:500] or resp.reason or "error"
+                    return
+                await self._read_stream(resp, rec, start)
+        except asyncio.CancelledError:
+            rec.error = rec.error or "cancelled: run time limit reached"
+            raise
+        except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError, KeyError) as exc:
+            rec.error = f"{type(exc).__name__}: {exc}"[:500] or type(exc).__name__
+        finally:
+            if rec.ok:
+                self.finished += 1
+            else:
+                self.errored += 1
+            self._progress()
+
+    async def _read_stream(self, resp, rec: RequestRecord, start: float) -> None:
+        loop = asyncio.get_running_loop()
+        last = None
+        chunks = 0
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                rec.e2e = loop.time() - start
+                break
+            now = loop.time()
+            obj = json.loads(data)
+            if obj.get("error"):
+                err = obj["error"]
+                rec.error = (err.get("message") if isinstance(err, dict) else str(err)) or "stream error"
+                return
+            if obj.get("usage"):
+                rec.output_tokens = int(obj["usage"].get("completion_tokens") or 0)
+                rec.prompt_tokens = obj["usage"].get("prompt_tokens")
+            for ch in obj.get("choices") or ():
+                text = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
+                if text:
+                    chunks += 1
+                    if last is None:
+                        rec.ttft = now - start
+                    else:
+                        rec.itl.append(now - last)
+                    last = now
+        if rec.e2e is None:
+            rec.error = "stream ended without [DONE]"
+        elif rec.output_tokens == 0:
+            rec.output_tokens = chunks
+        if rec.ttft is None and rec.error is None and rec.output_tokens:
+            rec.ttft = rec.e2e  # all output came without text (e.g. special tokens only)
+
+    # ------------------------------------------------------------------ the run
+    def _progress(self) -> None:
+        if self.on_progress:
+            self.on_progress(self.sent, self.finished, self.errored)
+
+    async def run(self) -> dict:
+        cfg = self.cfg
+        span = (self.trace[-1].arrival / cfg.speedup) if self.trace else 0.0
+        limit = cfg.time_limit if cfg.time_limit is not None else span + cfg.request_timeout
+        timeout = aiohttp.ClientTimeout(total=cfg.request_timeout)
+        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
+        connector = aiohttp.TCPConnector(limit=cfg.max_connections)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
+            self.info = await probe(session, cfg)
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            wall0 = time.time()
+            deadline = t0 + limit
+            tasks: list[asyncio.Task] = []
+            for i, tr in enumerate(self.trace):
+                when = t0 + tr.arrival / cfg.speedup
+                if when >= deadline:
+                    break
+                if when > loop.time():
+                    await asyncio.sleep(when - loop.time())
+                fitted, clamped = fit_to_context(tr, self.info.max_model_len)
+                rec = RequestRecord(i, when - t0, fitted.input_tokens, fitted.output_tokens, tr.input_tokens,
+                                    tr.output_tokens, clamped)
+                self.records.append(rec)
+                self.sent += 1
+                tasks.append(asyncio.create_task(self._one(session, rec, fitted, t0)))
+                self._progress()
+            if tasks:
+                _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - loop.time()))
+                for t in pending:
+                    t.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+            wall = loop.time() - t0
+        return {"url": cfg.url, "model": self.info.model, "endpoint": cfg.endpoint, "speedup": cfg.speedup,
+                "max_model_len": self.info.max_model_len, "tokenizer_probe": self.info.tokenize_ok,
+                "alphabet_size": len(self.info.alphabet), "prompt_mode": cfg.prompt_mode,
+                "ignore_eos": cfg.ignore_eos, "planned": len(self.trace), "time_limit_s": limit,
+                "started_at": wall0, "wall_s": wall}
+
+
+def run_load(trace: list[TraceRequest], cfg: LoadConfig,
+             on_progress: Callable[[int, int, int], None] | None = None) -> tuple[list[RequestRecord], dict]:
+    runner = LoadRunner(trace, cfg, on_progress)
+    meta = asyncio.run(runner.run())
+    return runner.records, meta

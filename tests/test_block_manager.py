@@ -1,0 +1,135 @@
+"""BlockManager on its own: refcounts, chained hashes confirmed by tokens, LRU eviction, pinning."""
+
+from __future__ import annotations
+
+from batcher.block_manager import BlockManager, chain_hashes
+from batcher.protocol import SamplingParams
+from batcher.request import Request
+
+BS = 4
+
+
+def req(tokens, rid="r", internal=False) -> Request:
+    return Request(rid, list(tokens), SamplingParams(max_tokens=8), internal=internal)
+
+
+def prefill(bm: BlockManager, r: Request) -> int:
+    """Admit r like the scheduler does: prefix hit, blocks for the rest, compute it, register full blocks."""
+    hit = bm.acquire_prefix(r, bm.lookup(r))
+    r.num_computed_tokens = hit
+    assert bm.allocate(r, r.compute_target - hit)
+    r.num_computed_tokens = r.compute_target
+    bm.cache_full_blocks(r)
+    return hit
+
+
+def test_allocate_and_free_keep_exact_accounting():
+    bm = BlockManager(8, BS)
+    a = req(range(10))
+    assert bm.allocate(a, 10) and len(a.block_ids) == 3 and bm.num_free == 5
+    a.num_computed_tokens = 10
+    assert bm.allocate(a, 2) and len(a.block_ids) == 3  # 12 tokens still fit in 3 blocks
+    assert bm.allocate(a, 3) and len(a.block_ids) == 4
+    b = req(range(100, 120), "b")
+    assert not bm.allocate(b, 20) and b.block_ids == [] and bm.num_free == 4  # all or nothing
+    bm.check()
+    bm.free_blocks(a)
+    assert bm.num_free == 8 and a.block_ids == []
+    bm.check()
+
+
+def test_prefix_hit_shares_blocks_and_refcounts():
+    bm = BlockManager(16, BS)
+    a = req(list(range(10)), "a")
+    assert prefill(bm, a) == 0
+    b = req(list(range(8)) + [99, 98, 97], "b")  # shares 2 full blocks
+    assert prefill(bm, b) == 8
+    assert b.block_ids[:2] == a.block_ids[:2] and b.block_ids[2] != a.block_ids[2]
+    assert [bm.ref[x] for x in a.block_ids[:2]] == [2, 2]
+    assert bm.queries == 10 + 11 and bm.hits == 8
+    bm.free_blocks(a)
+    assert [bm.ref[x] for x in b.block_ids[:2]] == [1, 1]
+    bm.free_blocks(b)
+    bm.check()
+    assert bm.num_free == 16
+    # Freed blocks keep their hash: a third request still hits them.
+    c = req(list(range(8)) + [5], "c")
+    assert prefill(bm, c) == 8
+    bm.check()
+
+
+def test_whole_prompt_cached_still_leaves_one_token_to_compute():
+    bm = BlockManager(16, BS)
+    a = req(range(8), "a")
+    prefill(bm, a)
+    b = req(range(8), "b")
+    assert bm.lookup(b) == 1  # not 2: the worker must compute at least one token to sample
+
+
+def test_hash_collision_is_caught_by_comparing_tokens():
+    bm = BlockManager(16, BS)
+    a = req(range(8), "a")
+    prefill(bm, a)
+    # Forge a collision: make block 1's hash also the registered key for different tokens.
+    forged = req([0, 1, 2, 3, 40, 41, 42, 43, 44], "f")
+    h = chain_hashes(forged.token_ids, BS)
+    bm.cached[h[1]] = a.block_ids[1]
+    assert bm.lookup(forged) == 1  # block 0 is real, block 1's tokens differ -> no hit
+
+
+def test_lru_eviction_reuses_uncached_first_then_oldest_cached():
+    bm = BlockManager(6, BS)
+    old = req(range(0, 8), "old")
+    prefill(bm, old)
+    new = req(range(100, 108), "new")
+    prefill(bm, new)
+    bm.free_blocks(old)  # freed first: least recently used
+    bm.free_blocks(new)
+    assert len(bm.cached) == 4
+    x = req(range(200, 208), "x")
+    assert bm.allocate(x, 8)  # takes the 2 never-cached blocks: nothing evicted
+    assert len(bm.cached) == 4
+    y = req(range(300, 308), "y")
+    assert bm.allocate(y, 8)  # now evicts: the older request's blocks go first
+    assert bm.lookup(req(range(0, 9), "o2")) == 0
+    assert bm.lookup(req(range(100, 109), "n2")) == 2
+    bm.check()
+
+
+def test_eviction_order_takes_tail_blocks_before_head_blocks():
+    bm = BlockManager(4, BS)
+    a = req(list(range(16)) + [0], "a", internal=True)  # 16 computed tokens, 4 full blocks
+    prefill(bm, a)
+    bm.free_blocks(a)
+    z = req(range(500, 504), "z")
+    assert bm.allocate(z, 4)  # evicts one block: the last of the chain, so the prefix stays useful
+    assert bm.lookup(req(list(range(16)) + [1], "p")) == 3
+
+
+def test_pinned_blocks_survive_eviction_pressure():
+    bm = BlockManager(4, BS)
+    w = req(list(range(8)) + [0], "warm", internal=True)  # the sentinel token is never computed
+    prefill(bm, w)
+    bm.pin(w.block_ids)
+    bm.free_blocks(w)
+    assert bm.num_free == 2 and bm.num_usable == 2
+    hog = req(range(900, 908), "hog")
+    assert bm.allocate(hog, 8) and not bm.allocate(req(range(5), "more"), 4)
+    bm.free_blocks(hog)
+    assert bm.lookup(req(list(range(8)) + [7], "user")) == 2
+    bm.check()
+    assert bm.num_free + len(bm.pinned) == bm.num_blocks
+
+
+def test_duplicate_content_is_registered_once():
+    bm = BlockManager(8, BS)
+    a, b = req(range(9), "a"), req(range(9), "b")
+    for r in (a, b):  # both computed before either was registered (same step)
+        assert bm.allocate(r, 9)
+        r.num_computed_tokens = 9
+    bm.cache_full_blocks(a)
+    bm.cache_full_blocks(b)
+    assert len(bm.cached) == 2 and all(bm.hash[x] is None for x in b.block_ids)
+    bm.free_blocks(a)
+    bm.free_blocks(b)
+    bm.check()

@@ -1,0 +1,113 @@
+"""Start-up failures are one clear error naming the file and tensor; dummy weights; device/dtype choice."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.helpers_models import Sim, edit_config, greedy, make_checkpoint
+from workers.config import WorkerConfig
+from workers.loader import WeightLoadError, resolve_device, resolve_dtype
+from workers.model.config import ModelConfig, ModelConfigError
+from workers.runner import ModelRunner
+
+
+def runner_for(path: str, **kw) -> ModelRunner:
+    return ModelRunner(WorkerConfig(model=path, kv_cache_memory="2MiB", max_model_len=256, **kw))
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("llama"))
+    make_checkpoint(path, "llama")
+    return path
+
+
+def copy_ckpt(src: str, dst) -> str:
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        with open(os.path.join(src, name), "rb") as f, open(os.path.join(dst, name), "wb") as g:
+            g.write(f.read())
+    return str(dst)
+
+
+def test_unsupported_architecture_names_file_and_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(ModelConfigError, match=r"config\.json.*GPT2LMHeadModel"):
+        runner_for(str(tmp_path))
+
+
+def test_missing_directory_and_unsupported_rope(tmp_path):
+    with pytest.raises(ModelConfigError, match="not found"):
+        runner_for(str(tmp_path / "nope"))
+    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128, "vocab_size": 10,
+           "num_hidden_layers": 1, "num_attention_heads": 4, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    with pytest.raises(ModelConfigError, match="yarn"):
+        ModelConfig.from_dict(cfg, source="x/config.json")
+
+
+def test_missing_tensor_is_named(ckpt, tmp_path):
+    path = copy_ckpt(ckpt, tmp_path / "m")
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, file)
+    with pytest.raises(WeightLoadError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*missing"):
+        runner_for(path)
+
+
+def test_unexpected_tensor_names_file_and_tensor(ckpt, tmp_path):
+    path = copy_ckpt(ckpt, tmp_path / "m")
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    tensors["model.layers.0.self_attn.extra.weight"] = torch.zeros(2)
+    save_file(tensors, file)
+    with pytest.raises(WeightLoadError, match=r"model\.safetensors: unexpected tensor 'model\.layers\.0\.self_attn"):
+        runner_for(path)
+
+
+def test_mismatched_shape_names_file_and_tensor(ckpt, tmp_path):
+    path = copy_ckpt(ckpt, tmp_path / "m")
+    edit_config(path, intermediate_size=96)
+    with pytest.raises(WeightLoadError, match=r"model\.safetensors: tensor 'model\.layers\.0\.mlp\.gate_proj\.weight' "
+                                              r"has shape \[160, 64\].*\[96, 64\]"):
+        runner_for(path)
+
+
+def test_no_weights_at_all(ckpt, tmp_path):
+    path = copy_ckpt(ckpt, tmp_path / "m")
+    os.remove(os.path.join(path, "model.safetensors"))
+    with pytest.raises(WeightLoadError, match=r"no \*\.safetensors"):
+        runner_for(path)
+
+
+def test_dummy_load_format_builds_the_shapes_without_weights(ckpt, tmp_path):
+    path = copy_ckpt(ckpt, tmp_path / "m")
+    os.remove(os.path.join(path, "model.safetensors"))
+    a, b = runner_for(path, load_format="dummy"), runner_for(path, load_format="dummy")
+    real = load_file(os.path.join(ckpt, "model.safetensors"))
+    params = dict(a.model.named_parameters())
+    assert {k: tuple(v.shape) for k, v in real.items()} == {k: tuple(v.shape) for k, v in params.items()}
+    assert all(torch.equal(params[k], v) for k, v in b.model.named_parameters())  # seeded
+    sim = Sim(a)
+    sim.add("x", [1, 2, 3, 4, 5], greedy(3))
+    assert len(sim.run()["x"]) == 3
+
+
+def test_device_and_dtype_errors():
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    with pytest.raises(ValueError, match="--dtype 'float64'"):
+        resolve_dtype("float64", torch.device("cpu"))
+    with pytest.raises(ValueError, match="--device"):
+        resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            resolve_device("cuda")
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        ModelRunner(WorkerConfig(max_model_len=100_000))
+    with pytest.raises(ValueError, match="kv-cache-memory"):
+        ModelRunner(WorkerConfig(kv_cache_memory="1MiB"))  # smaller than one 8192-token sequence

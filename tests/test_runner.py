@@ -1,0 +1,111 @@
+"""ModelRunner on the embedded tiny model: determinism, seeds in batches, logprobs, state diffs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batcher import protocol as P
+from tests.helpers_models import Sim, greedy, random_prompt
+from workers.config import WorkerConfig
+from workers.model.tiny import TINY_CONFIG
+from workers.runner import ModelRunner
+
+
+def tiny(seed: int = 0, **kw) -> ModelRunner:
+    return ModelRunner(WorkerConfig(seed=seed, kv_cache_memory="8MiB", max_model_len=1024, **kw))
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return tiny()
+
+
+def test_tiny_runner_describes_itself(runner):
+    assert (runner.block_size, runner.max_model_len, runner.model_name) == (16, 1024, "tiny")
+    assert runner.num_blocks == (8 << 20) // (4 * 2 * 16 * 2 * 32 * 4)
+    assert runner.model_config.vocab_size == 320 and runner.model_config.eos_token_ids == (257, 259)
+
+
+def test_tiny_model_is_deterministic_in_its_seed(runner):
+    again, other = tiny(seed=0), tiny(seed=1)
+    mine, same, diff = (dict(r.model.named_parameters()) for r in (runner, again, other))
+    assert all(torch.equal(mine[k], same[k]) for k in mine)
+    assert not torch.equal(mine["model.layers.0.mlp.up_proj.weight"], diff["model.layers.0.mlp.up_proj.weight"])
+    prompt = random_prompt(20, seed=3, vocab=256)
+    outs = []
+    for r in (runner, again):
+        sim = Sim(r)
+        sim.add("a", prompt, greedy(24))
+        outs.append(sim.run()["a"])
+    assert outs[0] == outs[1]
+    assert len(set(outs[0])) > 3  # not a degenerate repeat of one token
+
+
+def seeded(n: int, seed: int) -> P.SamplingParams:
+    return P.SamplingParams(max_tokens=n, temperature=0.9, top_p=0.95, top_k=50, seed=seed)
+
+
+def test_seeded_sampling_same_alone_and_in_a_batch(runner):
+    prompt = random_prompt(21, seed=5, vocab=256)
+    sim = Sim(runner)
+    sim.add("s", prompt, seeded(24, 1234))
+    alone = sim.run()["s"]
+    sim = Sim(runner, budget=40)
+    sim.add("x", random_prompt(30, seed=6, vocab=256), P.SamplingParams(max_tokens=10, temperature=1.0))
+    sim.add("y", random_prompt(7, seed=7, vocab=256), seeded(30, 99))
+    sim.add("s", prompt, seeded(24, 1234), chunk=8)
+    sim.add("z", random_prompt(50, seed=8, vocab=256), greedy(5, repetition_penalty=1.3))
+    assert sim.run()["s"] == alone
+    sim = Sim(runner)
+    sim.add("s", prompt, seeded(24, 1235))
+    assert sim.run()["s"] != alone
+
+
+def test_preempted_request_resumes_identically(runner):
+    prompt = random_prompt(25, seed=9, vocab=256)
+    for params in (greedy(30), seeded(30, 7)):
+        sim = Sim(runner)
+        sim.add("a", prompt, params)
+        full = sim.run()["a"]
+        # recomputed from scratch after preemption: prompt + the 12 tokens it had, as a NewReq
+        sim = Sim(runner)
+        sim.add("a", prompt, params, output_token_ids=full[:12], chunk=16)
+        assert sim.run()["a"] == full
+
+
+def test_logprobs_only_for_requests_that_ask(runner):
+    sim = Sim(runner)
+    sim.add("lp", random_prompt(10, seed=11, vocab=256), greedy(6, logprobs=3))
+    sim.add("no", random_prompt(12, seed=12, vocab=256), greedy(6))
+    sim.run()
+    lps = sim.done["lp"].logprobs
+    assert len(lps) == 6 and sim.done["no"].logprobs == []  # "no" gets an empty list per step
+    for tok, lp in zip(sim.done["lp"].out, lps):
+        assert lp.top_ids[0] == tok and lp.logprob == pytest.approx(lp.top_logprobs[0])  # greedy = top-1
+        assert len(lp.top_ids) == 3 and lp.top_logprobs == sorted(lp.top_logprobs, reverse=True)
+
+
+def test_runner_state_follows_the_diffs(runner):
+    sp = greedy(100)
+    out = runner.execute(P.StepInput(step=0, new_reqs=[
+        P.NewReq(request_id="a", prompt_token_ids=list(range(20)), params=sp, block_ids=[3, 7]),
+        P.NewReq(request_id="b", prompt_token_ids=list(range(5)), params=sp, block_ids=[9])],
+        num_scheduled_tokens={"a": 16, "b": 5}))
+    assert out.request_ids == ["b"] and len(out.sampled_token_ids[0]) == 1  # a's chunk did not reach its end
+    assert runner.requests["a"].num_computed_tokens == 16
+    out = runner.execute(P.StepInput(step=1, cached_reqs=[P.CachedReq("a", [11])],
+                                     num_scheduled_tokens={"a": 4}, finished_req_ids=["b"]))
+    assert out.request_ids == ["a"] and "b" not in runner.requests
+    assert runner.requests["a"].block_ids == [3, 7, 11] and len(runner.requests["a"].token_ids) == 21
+    assert runner.execute(P.StepInput(step=2)).request_ids == []
+    runner.reset()
+    assert runner.requests == {}
+
+
+def test_bfloat16_on_cpu_runs():
+    r = tiny(dtype="bfloat16")
+    assert r.model.model.embed_tokens.weight.dtype == torch.bfloat16 and r.kv_cache.pool.dtype == torch.bfloat16
+    sim = Sim(r)
+    sim.add("a", random_prompt(20, seed=3, vocab=256), greedy(4))
+    assert all(0 <= t < TINY_CONFIG.vocab_size for t in sim.run()["a"])

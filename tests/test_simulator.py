@@ -1,0 +1,149 @@
+"""Each policy doing its job, with numbers, on replayed traces in simulated time (the real Scheduler)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import pytest
+
+from batcher.config import BatcherConfig
+from batcher.simulator import CostModel, SimRequest, main, simulate, summarize
+
+COST = CostModel(a=4.0, b=0.06, c=0.05, d=0.0001)
+
+
+def cfg(**kw) -> BatcherConfig:
+    return dataclasses.replace(BatcherConfig(), **kw)
+
+
+def tokens(k: int, n: int) -> list[int]:
+    return [(k * 7919 + j) % 32000 for j in range(n)]
+
+
+def bursty_trace(seed: int = 0, bursts: int = 6, per_burst: int = 40, long_frac: float = 0.25) -> list[SimRequest]:
+    """Gamma-distributed bursts (shape 0.5) of short RAG prompts mixed with >2k-token ones, 3 s apart."""
+    rng = random.Random(seed)
+    out, t = [], 0.0
+    for _ in range(bursts):
+        for _ in range(per_burst):
+            t += rng.gammavariate(0.5, 0.01)
+            n = rng.randrange(2500, 4000) if rng.random() < long_frac else rng.randrange(50, 400)
+            out.append(SimRequest(t, tokens(len(out), n), rng.randrange(30, 120)))
+        t += 3.0
+    return out
+
+
+def assert_clean(res, reqs: list[SimRequest]) -> None:
+    """Every request got all its tokens; every block is back in the pool (or pinned)."""
+    assert res.finish.get("LENGTH", 0) == len(reqs)
+    assert all(res.output_tokens[f"r{i}"] == r.output_tokens for i, r in enumerate(reqs))
+    for s in res.schedulers:
+        s.bm.check()
+        assert s.bm.num_free + len(s.bm.pinned) == s.num_blocks and s.num_unfinished == 0
+
+
+def test_gating_lowers_p95_tpot_of_running_decodes_in_bursts():
+    reqs = bursty_trace()
+    off = simulate(reqs, cfg(burst_gating=False), COST, num_blocks=4096)
+    on = simulate(reqs, cfg(burst_gating=True), COST, num_blocks=4096)
+    s_off, s_on = summarize(off), summarize(on)
+    # Measured: p95 TPOT 68.6 ms -> 38.9 ms, p50 TTFT 1390 -> 562 ms; longs pay with a bounded wait.
+    assert s_on["gated_prefills"] > 0 and s_off["gated_prefills"] == 0
+    assert s_on["tpot_ms"]["p95"] < 0.7 * s_off["tpot_ms"]["p95"], (s_on["tpot_ms"], s_off["tpot_ms"])
+    assert s_on["ttft_ms"]["p50"] < s_off["ttft_ms"]["p50"]
+    assert_clean(on, reqs)
+    assert_clean(off, reqs)
+
+
+def test_gated_long_prompts_are_never_starved():
+    # A sustained stream of short requests keeps >= 8 decodes active for 20 s; two long prompts arrive early.
+    rng = random.Random(3)
+    reqs = [SimRequest(0.05 * i, tokens(i, rng.randrange(50, 200)), 200) for i in range(400)]
+    reqs += [SimRequest(0.5, tokens(10_000, 3000), 20), SimRequest(0.6, tokens(10_001, 3000), 20)]
+    res = {}
+    for wait in (1.0, 1000.0):
+        res[wait] = simulate(reqs, cfg(max_gated_wait_s=wait, burst_queue_depth=0, burst_arrival_rate=5.0), COST,
+                             num_blocks=8192)
+        assert_clean(res[wait], reqs)
+        assert res[wait].gated_prefills == 2
+    # With the 1 s bound the long prompts start within ~1 s (+ their own prefill); unbounded they'd wait for the
+    # end of the stream (~20 s): the bound is what prevents starvation.
+    assert max(res[1.0].ttft) < 1.5
+    assert max(res[1000.0].ttft) > 10.0
+
+
+def test_bucketing_frees_nearly_done_sequences_blocks_sooner():
+    # Seven long generations and, admitted last, one short answer; the pool runs out when the short one has
+    # 8 tokens left. Newest-first alone preempts it; with buckets the newest long generation goes instead.
+    reqs = [SimRequest(0.001 * k, tokens(k, 100), 300 if k < 7 else 20) for k in range(8)]
+    flat = simulate(reqs, cfg(decode_buckets="", enable_prefix_caching=False), COST, num_blocks=60, check_kv=True)
+    buck = simulate(reqs, cfg(decode_buckets="8,16,32", enable_prefix_caching=False), COST, num_blocks=60,
+                    check_kv=True)
+    # Metric: time from a request's first token with <= 8 outputs left to its final delta (= its blocks freed).
+    # Measured: p95 1354 ms without buckets -> 56 ms with them.
+    f, b = summarize(flat)["near_done_to_free_ms"], summarize(buck)["near_done_to_free_ms"]
+    assert flat.preemptions > 0 and buck.preemptions > 0
+    assert b["p95"] < 100 < 1000 < f["p95"], (b, f)
+    assert b["mean"] < f["mean"] / 3
+    assert_clean(flat, reqs)
+    assert_clean(buck, reqs)
+
+
+def test_prefix_caching_cuts_prefill_tokens_by_the_shared_fraction():
+    shared, own, n = 1024, 256, 40
+    prefix = tokens(99, shared)
+    reqs = [SimRequest(0.2 * i, prefix + tokens(i, own), 8) for i in range(n)]
+    on = simulate(reqs, cfg(), COST, num_blocks=2048, check_kv=True)
+    off = simulate(reqs, cfg(enable_prefix_caching=False), COST, num_blocks=2048)
+    expected_cut = (n - 1) * shared / (n * (shared + own))  # the first request computes the prefix once
+    cut = 1 - on.prefill_tokens / off.prefill_tokens
+    assert off.prefill_tokens == n * (shared + own)
+    assert abs(cut - expected_cut) < 0.01, (cut, expected_cut)
+    assert summarize(on)["prefix_hit_rate"] == pytest.approx((n - 1) * shared / (n * (shared + own)), abs=0.01)
+    assert summarize(on)["ttft_ms"]["p50"] < summarize(off)["ttft_ms"]["p50"]
+    assert_clean(on, reqs)
+
+
+def test_tiny_pool_preempts_and_everyone_still_gets_the_right_token_count():
+    rng = random.Random(5)
+    reqs = [SimRequest(0.002 * i, tokens(i % 7, rng.randrange(20, 120)), rng.randrange(1, 80)) for i in range(150)]
+    res = simulate(reqs, cfg(), COST, num_blocks=24, check_kv=True)  # 24 blocks of 16 tokens
+    assert res.preemptions > 10
+    assert_clean(res, reqs)
+
+
+def test_aborts_mid_trace_free_everything():
+    rng = random.Random(6)
+    reqs = [SimRequest(0.01 * i, tokens(i, rng.randrange(20, 500)), 100) for i in range(60)]
+    aborts = {f"r{i}": 0.01 * i + 0.05 for i in range(0, 60, 3)}
+    res = simulate(reqs, cfg(), COST, num_blocks=512, check_kv=True, aborts=aborts)
+    assert res.finish["ABORT"] == 20 and res.finish["LENGTH"] == 40
+    for s in res.schedulers:
+        s.bm.check()
+        assert s.bm.num_free == s.num_blocks
+
+
+def test_warm_prefix_pool_serves_hits_from_the_first_request():
+    system = tokens(42, 512)
+    reqs = [SimRequest(0.0 + 0.001 * i, system + tokens(i, 100), 4) for i in range(16)]
+    res = simulate(reqs, cfg(), COST, num_blocks=512, check_kv=True, warm_prefixes=[system])
+    # Every request, even those arriving together, gets the 512 pinned tokens (32 blocks) from the cache.
+    assert all(res.first_chunk_cached[f"r{i}"] == 512 for i in range(16))
+    for s in res.schedulers:
+        assert len(s.bm.pinned) == 32 and s.bm.num_free == 512 - 32
+
+
+def test_cli_writes_a_summary(tmp_path):
+    traces = pytest.importorskip("loadtest.traces")
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": 0.05 * i, "input_length": 100 + i, "output_length": 10})
+                             + "\n" for i in range(50)))
+    out = tmp_path / "out.json"
+    assert main(["--trace", str(trace), "--json", str(out), "--limit", "40", "--speedup", "2",
+                 "--config", '{"max_num_seqs": 8, "num_blocks": 256}']) == 0
+    s = json.loads(out.read_text())
+    assert s["requests"] == 40 and s["finish"] == {"LENGTH": 40} and s["output_tokens"] == 400
+    assert {"p50", "p95", "p99"} <= set(s["ttft_ms"]) and s["throughput_tok_s"] > 0
+    assert traces is not None

@@ -1,0 +1,152 @@
+"""loadtest.traces: readers on the shipped files (numbers from ../shared/traces/README.md),
+generator statistics, prompt synthesis."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loadtest.traces import TraceRequest, gamma_bursts, load_trace, poisson, rag, save_trace, synth_token_ids
+
+TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+
+# file -> (rows, span seconds, input mean, output mean) from the README
+SHIPPED = {
+    "AzureLLMInferenceTrace_code.csv": (8819, 3436, 2048, 27.9),
+    "AzureLLMInferenceTrace_conv.csv": (19366, 3502, 1155, 211),
+    "AzureLLMInferenceTrace_code.replay.jsonl": (8819, 3436, 2048, 27.9),
+    "AzureLLMInferenceTrace_conv.replay.jsonl": (19366, 3502, 1155, 211),
+    "mooncake_conversation_trace.jsonl": (12031, 3537, 12035, 343),
+    "mooncake_synthetic_trace.jsonl": (3993, 1022, 15325, 149),
+    "BurstGPT_1_first400.csv": (383, 37274 - 5, None, None),  # 17 failed rows dropped
+    "BurstGPT_3_first400.csv": (399, 41453, None, None),  # 1 failed row dropped
+    "BurstGPT_1_first400.replay.jsonl": (383, 37274 - 5, None, None),
+    "BurstGPT_3_first400.replay.jsonl": (399, 41453, None, None),
+}
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    if not TRACES.is_dir():
+        pytest.fail(f"shipped traces missing at {TRACES}")
+    return {name: load_trace(str(TRACES / name)) for name in SHIPPED}
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_trace_matches_readme(loaded, name):
+    rows, span, in_mean, out_mean = SHIPPED[name]
+    reqs = loaded[name]
+    assert len(reqs) == rows
+    assert reqs[0].arrival == 0.0
+    arrivals = [r.arrival for r in reqs]
+    assert arrivals == sorted(arrivals)
+    assert reqs[-1].arrival == pytest.approx(span, abs=1.0)
+    assert all(r.input_tokens > 0 and r.output_tokens > 0 for r in reqs)
+    if in_mean is not None:
+        assert np.mean([r.input_tokens for r in reqs]) == pytest.approx(in_mean, rel=0.01)
+        assert np.mean([r.output_tokens for r in reqs]) == pytest.approx(out_mean, rel=0.01)
+
+
+def test_csv_and_replay_agree(loaded):
+    for stem in ("AzureLLMInferenceTrace_code", "BurstGPT_1_first400", "BurstGPT_3_first400"):
+        a, b = loaded[stem + ".csv"], loaded[stem + ".replay.jsonl"]
+        assert [(r.input_tokens, r.output_tokens) for r in a] == [(r.input_tokens, r.output_tokens) for r in b]
+        assert max(abs(x.arrival - y.arrival) for x, y in zip(a, b)) < 1e-5
+
+
+@pytest.mark.parametrize("name,repeat", [("mooncake_conversation_trace.jsonl", 0.366),
+                                         ("mooncake_synthetic_trace.jsonl", 0.640)])
+def test_mooncake_hash_ids(loaded, name, repeat):
+    reqs = loaded[name]
+    assert all(len(r.hash_ids) == math.ceil(r.input_tokens / 512) for r in reqs)
+    seen: set[int] = set()
+    total = repeated = 0
+    for r in reqs:
+        for h in r.hash_ids:
+            total += 1
+            repeated += h in seen
+            seen.add(h)
+    assert repeated / total == pytest.approx(repeat, abs=0.001)
+
+
+def test_limit_and_save_roundtrip(tmp_path):
+    reqs = load_trace(str(TRACES / "mooncake_conversation_trace.jsonl"), limit=50)
+    assert len(reqs) == 50 and reqs[0].arrival == 0.0
+    out = tmp_path / "x.replay.jsonl"
+    save_trace(str(out), reqs)
+    back = load_trace(str(out))
+    assert [r.hash_ids for r in back] == [r.hash_ids for r in reqs]
+    assert [r.arrival for r in back] == pytest.approx([r.arrival for r in reqs])
+
+
+def test_unknown_csv_is_rejected(tmp_path):
+    p = tmp_path / "x.csv"
+    p.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError):
+        load_trace(str(p))
+
+
+def _gaps(reqs):
+    return np.diff([r.arrival for r in reqs])
+
+
+def test_poisson_rate_and_cv():
+    reqs = poisson(20.0, 8000, (10, 100), 16, seed=1)
+    g = _gaps(reqs)
+    assert reqs[0].arrival == 0.0
+    assert 1 / g.mean() == pytest.approx(20.0, rel=0.05)
+    assert g.std() / g.mean() == pytest.approx(1.0, abs=0.05)
+    ins = [r.input_tokens for r in reqs]
+    assert min(ins) == 10 and max(ins) == 100 and all(r.output_tokens == 16 for r in reqs)
+    assert poisson(20.0, 100, 8, 8, seed=1) == poisson(20.0, 100, 8, 8, seed=1)
+    assert poisson(20.0, 100, 8, 8, seed=1) != poisson(20.0, 100, 8, 8, seed=2)
+
+
+@pytest.mark.parametrize("burstiness", [0.25, 4.0])
+def test_gamma_burstiness_sets_cv(burstiness):
+    g = _gaps(gamma_bursts(5.0, 8000, burstiness, 32, 32, seed=3))
+    assert 1 / g.mean() == pytest.approx(5.0, rel=0.07)
+    assert g.std() / g.mean() == pytest.approx(1 / math.sqrt(burstiness), rel=0.1)
+
+
+def test_rag_hit_rate_and_shared_prefixes():
+    n, docs, hit = 4000, 20, 0.6
+    reqs = rag(10.0, n, docs, 1000, (20, 40), 16, hit, burstiness=0.5, seed=4)
+    blocks = math.ceil(1000 / 512)
+    assert all(len(r.hash_ids) == blocks for r in reqs)
+    assert all(blocks * 512 + 20 <= r.input_tokens <= blocks * 512 + 40 for r in reqs)
+    first = [r.hash_ids[0] for r in reqs]
+    pooled = sum(h < docs * blocks for h in first)
+    assert pooled / n == pytest.approx(hit, abs=0.03)
+    # prefix hit rate an infinite cache would see: requests whose document was seen before
+    seen, reused = set(), 0
+    for h in first:
+        reused += h in seen
+        seen.add(h)
+    assert reused / n == pytest.approx(hit - docs / n, abs=0.03)
+    g = _gaps(reqs)
+    assert g.std() / g.mean() == pytest.approx(math.sqrt(2), rel=0.1)
+
+
+def test_synth_token_ids_shares_exactly_the_common_prefix():
+    a = TraceRequest(0.0, 1300, 8, (1, 2, 3))
+    b = TraceRequest(0.5, 1300, 8, (1, 2, 9))
+    c = TraceRequest(0.7, 700, 8, (1,))  # partial hash coverage: tail past block 0 is unique
+    ta, tb, tc = synth_token_ids(a), synth_token_ids(b), synth_token_ids(c)
+    assert len(ta) == len(tb) == 1300 and len(tc) == 700
+    assert ta[:1024] == tb[:1024] and ta[1024:] != tb[1024:]
+    assert tc[:512] == ta[:512] and tc[512:] != ta[512:700]
+    assert synth_token_ids(a) == ta  # deterministic
+    assert synth_token_ids(a, seed=1)[:512] != ta[:512]
+    assert all(0 <= t < 300 for t in synth_token_ids(a, vocab_size=300))
+    # identical rows told apart by salt; no hash_ids -> nothing shared
+    p = TraceRequest(1.0, 64, 4)
+    assert synth_token_ids(p) == synth_token_ids(p)
+    assert synth_token_ids(p, salt=1) != synth_token_ids(p, salt=2)
+    # RAG: the document blocks are shared, the question is not
+    r1, r2 = [r for r in rag(1.0, 200, 1, 512, 30, 4, 1.0, seed=0)][:2]
+    s1, s2 = synth_token_ids(r1), synth_token_ids(r2)
+    assert s1[:512] == s2[:512] and s1[512:] != s2[512:]

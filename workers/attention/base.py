@@ -1,0 +1,55 @@
+"""The attention backend interface and the per-step metadata every backend reads.
+
+Owns the shape of a step as attention sees it (vLLM vocabulary). Must not know requests,
+sampling or the model: a backend gets q/k/v of one layer and that layer's slice of the pool.
+
+A step packs the scheduled tokens of all sequences into one flat batch, decodes first:
+sequences 0..num_decodes-1 have exactly one query token, the rest are prefill chunks that
+may start anywhere (chunked prefill, prefix-cache hits). Sequence i's query tokens are
+rows query_start_loc[i]:query_start_loc[i+1]; its context (cached + new) is seq_lens[i]
+tokens, so its queries sit at positions seq_lens[i]-query_len .. seq_lens[i]-1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    query_start_loc: torch.Tensor  # [B+1] int32, on device
+    seq_lens: torch.Tensor  # [B] int32, context length incl. this step's tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int32 (padded with 0)
+    slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V goes in the flattened pool
+    num_decodes: int  # leading sequences with one query token each (= their token count)
+    # host copies, so backends can plan without a device sync
+    query_lens_cpu: list[int] = field(default_factory=list)
+    seq_lens_cpu: list[int] = field(default_factory=list)
+    # filled by AttentionBackend.prepare(); backend-private, computed once per step for all layers
+    plan: object = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+class AttentionBackend:
+    """prepare() once per step, then forward() once per layer."""
+
+    name = "base"
+
+    def prepare(self, meta: AttentionMetadata, block_size: int, sliding_window: int | None) -> None:
+        raise NotImplementedError
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] of this step's tokens (RoPE applied); k/v_cache
+        [num_blocks, block_size, Hkv, D] of this layer. Writes k/v into the cache at
+        meta.slot_mapping, then returns attention output [T, Hq, D]."""
+        raise NotImplementedError

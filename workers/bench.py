@@ -1,0 +1,271 @@
+"""`laneserve bench`: decode throughput of our engine against the HBM roofline and HF `generate`.
+
+One command runs every part and prints one table; JSON goes to --out. Parts:
+  roofline  device copy bandwidth -> weight bytes / bandwidth = batch-1 floor per step
+  engine    ModelRunner.execute decode steps at several concurrencies (prefilled to --context)
+  hf        transformers.generate on the same shapes and weights (eager, dynamic cache)
+Timing: CUDA events / synchronised wall clock after warm-up, medians. On CPU it runs the
+tiny model so the code path stays tested; the numbers that matter come from a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from batcher import protocol as P
+
+MISTRAL_7B = {
+    "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "vocab_size": 32000, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "sliding_window": None, "torch_dtype": "bfloat16",
+    "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+}
+
+
+def write_dummy_model_dir(path: str, config: dict = MISTRAL_7B) -> str:
+    """A checkpoint dir with config.json and a word-level tokenizer covering the vocab; weights come
+    from --load-format dummy (random), so the compute is that of the real model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, config["vocab_size"])}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}, f)
+    return path
+
+
+@dataclass
+class Row:
+    part: str
+    batch: int
+    context: int
+    ms_per_step: float
+    tok_per_s: float
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def measure_copy_bandwidth(nbytes: int = 4 << 30) -> float:
+    """Device-to-device copy, bytes read + written per second (median of 20)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(25):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        if i >= 5:
+            times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / statistics.median(times)
+
+
+# ---------------------------------------------------------------------------------------------- engine
+class EngineDriver:
+    """Drives ModelRunner.execute with StepInputs as the sidecar would (decode-only steady state)."""
+
+    def __init__(self, runner, context: int, seed: int = 0):
+        self.runner = runner
+        self.context = context
+        self.page = runner.block_size
+        self.gen = torch.Generator().manual_seed(seed)
+        self.step = 0
+        self.next_block = 0
+        self.reqs: dict[str, dict] = {}
+
+    def _blocks(self, n: int) -> list[int]:
+        if self.next_block + n > self.runner.num_blocks:
+            raise RuntimeError(f"KV pool too small: need {self.next_block + n} blocks, have {self.runner.num_blocks}")
+        ids = list(range(self.next_block, self.next_block + n))
+        self.next_block += n
+        return ids
+
+    def prefill(self, batch: int, vocab: int, chunk: int) -> None:
+        params = P.SamplingParams(max_tokens=1 << 20, temperature=0.0)
+        new = []
+        for i in range(batch):
+            rid = f"b{i}"
+            prompt = torch.randint(3, vocab, (self.context,), generator=self.gen).tolist()
+            blocks = self._blocks((self.context + 1 + self.page) // self.page + 64)
+            self.reqs[rid] = {"len": self.context}
+            new.append(P.NewReq(request_id=rid, prompt_token_ids=prompt, params=params, block_ids=blocks))
+        # prefill in token-budget chunks, several requests per step
+        pending = {r.request_id: self.context for r in new}
+        sent_new = False
+        while pending:
+            budget, sched = chunk, {}
+            for rid, left in list(pending.items()):
+                if budget <= 0:
+                    break
+                n = min(left, budget)
+                sched[rid] = n
+                budget -= n
+                pending[rid] -= n
+                if pending[rid] == 0:
+                    del pending[rid]
+            self._run(P.StepInput(step=self.step, new_reqs=new if not sent_new else [], num_scheduled_tokens=sched))
+            sent_new = True
+        for r in self.reqs.values():
+            r["len"] += 1  # the token sampled at the end of prefill
+
+    def decode_step(self) -> float:
+        sched = {rid: 1 for rid in self.reqs}
+        for r in self.reqs.values():
+            r["len"] += 1
+        t0 = time.perf_counter()
+        self._run(P.StepInput(step=self.step, num_scheduled_tokens=sched))
+        return time.perf_counter() - t0
+
+    def _run(self, step: P.StepInput) -> P.StepOutput:
+        out = self.runner.execute(step)
+        if out.error:
+            raise RuntimeError(out.error)
+        self.step += 1
+        return out
+
+    def finish(self) -> None:
+        self._run(P.StepInput(step=self.step, finished_req_ids=list(self.reqs)))
+        self.reqs.clear()
+        self.next_block = 0
+
+
+def bench_engine(runner, batches: list[int], context: int, steps: int, vocab: int, chunk: int) -> list[Row]:
+    rows = []
+    for batch in batches:
+        drv = EngineDriver(runner, context)
+        drv.prefill(batch, vocab, chunk)
+        times = [drv.decode_step() for _ in range(steps + 5)][5:]
+        drv.finish()
+        ms = statistics.median(times) * 1e3
+        rows.append(Row("engine", batch, context, ms, batch / ms * 1e3))
+        print(f"  engine  batch {batch:4d}  {ms:8.2f} ms/step  {batch / ms * 1e3:9.0f} tok/s", flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- HF baseline
+def bench_hf(model_dir: str, batches: list[int], prompt_len: int, new_tokens: int, device: str, dtype) -> list[Row]:
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(model_dir)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype).eval()
+    rows = []
+    for batch in batches:
+        ids = torch.randint(3, cfg.vocab_size, (batch, prompt_len), device=device)
+        kw = dict(do_sample=False, min_new_tokens=new_tokens, max_new_tokens=new_tokens, pad_token_id=0)
+        with torch.inference_mode():
+            model.generate(ids, **{**kw, "min_new_tokens": 4, "max_new_tokens": 4})  # warm-up
+            sync()
+            t0 = time.perf_counter()
+            model.generate(ids, **kw)
+            sync()
+            t_gen = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            model.generate(ids, **{**kw, "min_new_tokens": 1, "max_new_tokens": 1})  # prefill alone
+            sync()
+            t_pre = time.perf_counter() - t0
+        decode_s = max(t_gen - t_pre, 1e-9) / (new_tokens - 1)
+        rows.append(Row("hf", batch, prompt_len, decode_s * 1e3, batch / decode_s,
+                        note=f"generate {new_tokens} tokens, prefill excluded"))
+        print(f"  hf      batch {batch:4d}  {decode_s * 1e3:8.2f} ms/step  {batch / decode_s:9.0f} tok/s", flush=True)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def print_table(rows: list[Row], roofline: dict) -> None:
+    print()
+    if roofline:
+        print(f"copy bandwidth {roofline['copy_bw_tb_s']:.2f} TB/s; weights {roofline['weight_gb']:.2f} GB; "
+              f"batch-1 roofline {roofline['roofline_ms']:.2f} ms/step = {roofline['roofline_tok_s']:.0f} tok/s")
+    hf = {r.batch: r for r in rows if r.part == "hf"}
+    print(f"{'part':8} {'batch':>6} {'context':>8} {'ms/step':>9} {'tok/s':>10} {'vs HF':>7} {'vs roofline':>12}")
+    for r in rows:
+        vs_hf = f"{r.tok_per_s / hf[r.batch].tok_per_s:6.1f}x" if r.part != "hf" and r.batch in hf else ""
+        vs_roof = (f"{roofline['roofline_ms'] / r.ms_per_step * 100:10.0f}%" if roofline and r.batch == 1 else "")
+        print(f"{r.part:8} {r.batch:6d} {r.context:8d} {r.ms_per_step:9.2f} {r.tok_per_s:10.0f} {vs_hf:>7} {vs_roof:>12}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="laneserve bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="", help="checkpoint dir; default: a Mistral-7B-shaped dummy on GPU, tiny on CPU")
+    ap.add_argument("--parts", default="roofline,engine,hf", help="comma list of roofline,engine,hf")
+    ap.add_argument("--batches", default="1,8,32,64,128,256")
+    ap.add_argument("--hf-batches", default="1,32,64")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--out", default="", help="write JSON here")
+    args = ap.parse_args(argv)
+
+    from workers.config import WorkerConfig
+    from workers.runner import ModelRunner
+
+    gpu = torch.cuda.is_available()
+    parts = set(args.parts.split(","))
+    model = args.model
+    if not model:
+        model = write_dummy_model_dir(tempfile.mkdtemp(prefix="bench-model-")) if gpu else "tiny"
+    rows: list[Row] = []
+    roofline: dict = {}
+    batches = [int(b) for b in args.batches.split(",")]
+    result: dict = {"argv": sys.argv, "date": time.strftime("%Y-%m-%d"), "device": (
+        torch.cuda.get_device_name() if gpu else "cpu"), "torch": torch.__version__}
+    if "engine" in parts or "roofline" in parts:
+        cfg = WorkerConfig(model=model, load_format="dummy" if model != "tiny" else "auto",
+                           dtype="bfloat16" if gpu else "float32", max_num_seqs=max(batches),
+                           max_model_len=args.context + args.steps + 128, max_num_batched_tokens=8192)
+        for name in ("kv_cache_dtype", "enforce_eager"):
+            if hasattr(cfg, name):
+                setattr(cfg, name, getattr(args, name))
+        runner = ModelRunner(cfg)
+        weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+        if "roofline" in parts and gpu:
+            bw = measure_copy_bandwidth()
+            roofline = {"copy_bw_tb_s": bw / 1e12, "weight_gb": weight_bytes / 1e9,
+                        "roofline_ms": weight_bytes / bw * 1e3, "roofline_tok_s": bw / weight_bytes}
+        if "engine" in parts:
+            vocab = runner.model_config.vocab_size if hasattr(runner, "model_config") else 256
+            rows += bench_engine(runner, batches, args.context, args.steps, min(vocab, 32000), 8192)
+        del runner
+        if gpu:
+            torch.cuda.empty_cache()
+    if "hf" in parts and model != "tiny":
+        rows += bench_hf(model, [int(b) for b in args.hf_batches.split(",")], 512, 128,
+                         "cuda" if gpu else "cpu", torch.bfloat16 if gpu else torch.float32)
+    print_table(rows, roofline)
+    result.update(roofline=roofline, rows=[asdict(r) for r in rows])
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

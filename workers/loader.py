@@ -1,0 +1,145 @@
+"""Model loading: pick device and dtype, build the module, fill its weights.
+
+Owns the checks a bad checkpoint fails at start-up (one clear error naming the file and
+tensor, never a traceback deep in a forward) and the weight sources: safetensors files
+(sharded via model.safetensors.index.json too), seeded random weights for `tiny`, and
+`--load-format dummy` (random weights, real shapes, for benchmarks). Tensors are read
+one at a time with safe_open and copied straight into the target dtype and device, so at
+most one tensor is staged, never a whole host copy. Must not know requests or the KV pool.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import torch
+
+from workers.model.config import ModelConfig
+from workers.model.llama import LlamaForCausalLM
+from workers.model.tiny import TINY_CONFIG, init_random_
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+# tensors some checkpoints carry that the model recomputes or shares
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint whose weights don't fit the model; the message names file and tensor."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r}: expected auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name}: only cpu and cuda are supported")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto = float32 on CPU, bfloat16 on CUDA (float16 where the GPU lacks bf16)."""
+    if name == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if name not in DTYPES:
+        raise ValueError(f"--dtype {name!r}: choose auto, {', '.join(DTYPES)}")
+    dtype = DTYPES[name]
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"--dtype bfloat16: {torch.cuda.get_device_name(device)} cannot run bfloat16; use float16")
+    try:  # the ops a forward needs, on a tiny tensor, so a gap shows here and not mid-step
+        x = torch.ones(2, 4, dtype=dtype, device=device)
+        torch.nn.functional.scaled_dot_product_attention(x[None], x[None], x[None])
+        (x @ x.T).float().sum().item()
+    except RuntimeError as e:
+        raise ValueError(f"--dtype {name}: device {device} cannot run it ({e})") from None
+    return dtype
+
+
+def load_model_config(model: str) -> ModelConfig:
+    return TINY_CONFIG if model == "tiny" else ModelConfig.from_dir(model)
+
+
+def load_model(model: str, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+               load_format: str = "auto", seed: int = 0) -> LlamaForCausalLM:
+    """Build on the meta device, materialise in dtype on device, then fill the weights."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"--load-format {load_format!r}: choose {', '.join(LOAD_FORMATS)}")
+    with torch.device("meta"):
+        net = LlamaForCausalLM(model_cfg)
+    net = net.to(dtype).to_empty(device=device)
+    net.requires_grad_(False).eval()
+    if model == "tiny":
+        # generated on CPU so the weights are the same whatever the device
+        init_random_(net, torch.Generator().manual_seed(seed))
+    elif load_format == "dummy":
+        init_random_(net, torch.Generator(device=device).manual_seed(seed))
+    else:
+        load_safetensors(net, model)
+    return net
+
+
+def _checkpoint_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise WeightLoadError(f"{index}: cannot read the weight map: {e}") from None
+        files = [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise WeightLoadError(f"{index}: lists shard {os.path.basename(missing[0])}, which is not in {path}")
+        return files
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise WeightLoadError(f"{path}: no *.safetensors files (other weight formats are not supported; "
+                              "use --load-format dummy for random weights)")
+    return files
+
+
+@torch.no_grad()
+def load_safetensors(net: LlamaForCausalLM, path: str) -> None:
+    """Copy every checkpoint tensor into the parameter of the same name, checking names and shapes."""
+    from safetensors import safe_open
+
+    params = dict(net.named_parameters())
+    tied = net.config.tie_word_embeddings
+    loaded: set[str] = set()
+    problems: list[str] = []
+    device = next(iter(params.values())).device
+    for file in _checkpoint_files(path):
+        name_of_file = os.path.basename(file)
+        try:
+            handle = safe_open(file, framework="pt", device=str(device))
+        except Exception as e:  # safetensors raises its own error types
+            raise WeightLoadError(f"{file}: not a readable safetensors file: {e}") from None
+        with handle as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                    continue
+                param = params.get(name)
+                if param is None:
+                    problems.append(f"{name_of_file}: unexpected tensor {name!r}")
+                    continue
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != tuple(param.shape):
+                    problems.append(f"{name_of_file}: tensor {name!r} has shape {list(shape)}, "
+                                    f"the config ({path}/config.json) implies {list(param.shape)}")
+                    continue
+                param.copy_(f.get_tensor(name))
+                loaded.add(name)
+    problems += [f"tensor {name!r} (shape {list(params[name].shape)}) is missing from every *.safetensors file"
+                 for name in params if name not in loaded]
+    if problems:
+        more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
+        raise WeightLoadError(f"checkpoint {path} does not match its config:\n  " + "\n  ".join(problems[:10]) + more)

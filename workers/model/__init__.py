@@ -1,0 +1,1 @@
+"""Model definitions (plain nn.Modules, no request concepts) and their configs."""

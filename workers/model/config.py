@@ -1,0 +1,97 @@
+"""ModelConfig: the few numbers our Llama-family module needs, read from an HF config.json.
+
+Owns parsing and validating config.json (architecture, RoPE scaling, biases). Must not
+touch weights or devices. An unsupported checkpoint fails here, once, naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ModelConfigError(ValueError):
+    """A checkpoint whose config.json we cannot serve; the message names the file."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "llama3"|"linear", ...}; None = default RoPE
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2; Llama with attention_bias
+    o_bias: bool = False  # Llama with attention_bias
+    mlp_bias: bool = False
+    sliding_window: int | None = None  # Mistral: keys older than this many positions are not attended
+    torch_dtype: str = "float32"  # the checkpoint's dtype (informational)
+    eos_token_ids: tuple[int, ...] = field(default=())
+
+    @classmethod
+    def from_dir(cls, path: str) -> "ModelConfig":
+        file = os.path.join(path, "config.json")
+        if not os.path.isfile(file):
+            raise ModelConfigError(f"{file}: not found (--model must be 'tiny' or a checkpoint directory)")
+        try:
+            with open(file) as f:
+                raw = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ModelConfigError(f"{file}: cannot read: {e}") from None
+        return cls.from_dict(raw, source=file)
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
+        archs = d.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelConfigError(f"{source}: unsupported architecture {archs or d.get('model_type')!r}; "
+                                   f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if "text_config" in d:  # multimodal wrappers are not in the family
+            raise ModelConfigError(f"{source}: multimodal configs are not supported")
+        act = d.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ModelConfigError(f"{source}: hidden_act {act!r} is not supported (only silu)")
+        num_heads = d["num_attention_heads"]
+        hidden = d["hidden_size"]
+        # transformers >= 5 folds rope_theta into rope_parameters; older files use rope_scaling.
+        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ModelConfigError(f"{source}: rope type {rope_type!r} is not supported "
+                                   f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+        if arch == "Qwen2ForCausalLM":
+            qkv_bias, o_bias = True, False
+            window = d.get("sliding_window") if d.get("use_sliding_window") else None
+            if window is not None and d.get("max_window_layers", 0) < d["num_hidden_layers"]:
+                raise ModelConfigError(f"{source}: per-layer sliding windows (max_window_layers) are not supported")
+        else:
+            qkv_bias = o_bias = bool(d.get("attention_bias", False))
+            window = d.get("sliding_window") if arch == "MistralForCausalLM" else None
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            architecture=arch, vocab_size=d["vocab_size"], hidden_size=hidden,
+            intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"], num_heads=num_heads,
+            num_kv_heads=d.get("num_key_value_heads") or num_heads,
+            head_dim=d.get("head_dim") or hidden // num_heads,
+            max_position_embeddings=d.get("max_position_embeddings", 4096), rope_theta=theta,
+            rope_scaling=rope_scaling, rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), qkv_bias=qkv_bias, o_bias=o_bias,
+            mlp_bias=bool(d.get("mlp_bias", False)), sliding_window=window,
+            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"), eos_token_ids=eos_ids,
+        )

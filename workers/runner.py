@@ -1,0 +1,180 @@
+"""ModelRunner: per-request state from StepInput diffs, input preparation, one forward, sampling.
+
+Owns the worker's view of its requests (token ids, block ids, num_computed_tokens) and the
+step loop body of docs/architecture.md ("ModelRunner"). Trusts the sidecar's StepInput (it
+is validated at decode); errors propagate to the worker loop, which fails the step and
+calls reset(). Must not do I/O or asyncio: workers/main.py owns the socket.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from batcher import protocol as P
+from workers.attention import AttentionMetadata, get_backend
+from workers.config import WorkerConfig
+from workers.kv_cache import BLOCK_SIZE, DEFAULT_CPU_KV_BYTES, KVCache, bytes_per_block, gpu_kv_budget, parse_bytes
+from workers.loader import load_model, load_model_config, resolve_device, resolve_dtype
+from workers.sampling import SampleRow, sample
+
+log = logging.getLogger("laneserve.worker")
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    params: P.SamplingParams
+    token_ids: list[int]  # prompt + outputs
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    sample_row: SampleRow = field(init=False)
+
+    def __post_init__(self):
+        self.sample_row = SampleRow(self.params, self.token_ids, self.num_prompt_tokens)  # shares token_ids
+
+
+class ModelRunner:
+    def __init__(self, cfg: WorkerConfig):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        if self.device.type == "cpu" and cfg.num_threads > 0:
+            torch.set_num_threads(cfg.num_threads)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.model_config = load_model_config(cfg.model)
+        self.model_name = cfg.model
+        self.block_size = BLOCK_SIZE
+        mc = self.model_config
+        limit = mc.max_position_embeddings
+        if cfg.max_model_len > limit:
+            raise ValueError(f"--max-model-len {cfg.max_model_len} exceeds the model's max_position_embeddings {limit}")
+        self.max_model_len = cfg.max_model_len or limit
+        self.model = load_model(cfg.model, mc, self.dtype, self.device, cfg.load_format, cfg.seed)
+        self.backend = get_backend(cfg.attention_backend)
+        self.requests: dict[str, RequestState] = {}
+        self.kv_cache = self._allocate_kv_cache()
+        self.num_blocks = self.kv_cache.num_blocks
+        self.model.bind(self.kv_cache.layer_caches(), self.backend, self.max_model_len)
+        log.info("model %s on %s/%s: %d KV blocks (%.0f MiB)", cfg.model, self.device, str(self.dtype).split(".")[-1],
+                 self.num_blocks, self.kv_cache.nbytes / 2**20)
+
+    # ------------------------------------------------------------------ KV pool
+    def _allocate_kv_cache(self) -> KVCache:
+        mc = self.model_config
+        per_block = bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        budget = parse_bytes(self.cfg.kv_cache_memory)
+        if not budget:
+            budget = self._measure_gpu_budget() if self.device.type == "cuda" else DEFAULT_CPU_KV_BYTES
+        num_blocks = budget // per_block
+        need = -(-self.max_model_len // BLOCK_SIZE)
+        if num_blocks < need:
+            raise ValueError(f"KV cache budget {budget / 2**20:.0f} MiB holds {num_blocks} blocks, fewer than the "
+                             f"{need} one {self.max_model_len}-token sequence needs: raise --kv-cache-memory "
+                             "(or --gpu-memory-utilization) or lower --max-model-len")
+        return KVCache(mc.num_layers, num_blocks, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+
+    def _measure_gpu_budget(self) -> int:
+        """Warm up with a max_num_batched_tokens prefill on a scratch pool, then size from what is left."""
+        mc = self.model_config
+        tokens = min(self.cfg.max_num_batched_tokens, self.max_model_len)
+        scratch = KVCache(mc.num_layers, -(-tokens // BLOCK_SIZE), mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+        self.model.bind(scratch.layer_caches(), self.backend, self.max_model_len)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        state = RequestState("warmup", P.SamplingParams(temperature=0.0), [0] * tokens, tokens,
+                             list(range(scratch.num_blocks)), 0)
+        self.requests["warmup"] = state
+        self.execute(P.StepInput(step=-1, num_scheduled_tokens={"warmup": tokens}))
+        self.requests.clear()
+        del scratch
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        return gpu_kv_budget(self.device, self.cfg.gpu_memory_utilization)
+
+    # ------------------------------------------------------------------ step
+    def reset(self) -> None:
+        """Forget every request (after a failed step the sidecar fails them all)."""
+        self.requests.clear()
+
+    def execute(self, step: P.StepInput) -> P.StepOutput:
+        t0 = time.perf_counter()
+        for rid in step.finished_req_ids:
+            self.requests.pop(rid, None)
+        for r in step.new_reqs:
+            self.requests[r.request_id] = RequestState(
+                r.request_id, r.params, list(r.prompt_token_ids) + list(r.output_token_ids),
+                len(r.prompt_token_ids), list(r.block_ids), r.num_computed_tokens)
+        for c in step.cached_reqs:
+            self.requests[c.request_id].block_ids.extend(c.new_block_ids)
+        out = P.StepOutput(step=step.step, worker_id=self.cfg.worker_id)
+        if not step.num_scheduled_tokens:
+            return out
+        with torch.inference_mode():
+            sampled_reqs, tokens, logprobs = self._run(step.num_scheduled_tokens)
+        out.request_ids = [r.request_id for r in sampled_reqs]
+        out.sampled_token_ids = [[t] for t in tokens]
+        if logprobs is not None:
+            out.logprobs = [[lp] if lp is not None else [] for lp in logprobs]
+        out.execute_time = time.perf_counter() - t0
+        return out
+
+    def _run(self, scheduled: dict[str, int]):
+        # Decodes (one token) first: the attention backend batches them as one call.
+        order = sorted(scheduled, key=lambda rid: scheduled[rid] != 1)
+        reqs = [self.requests[rid] for rid in order]
+        input_ids, positions, slots, query_lens, seq_lens, tables = [], [], [], [], [], []
+        bs = BLOCK_SIZE
+        for r in reqs:
+            n, start = scheduled[r.request_id], r.num_computed_tokens
+            pos = np.arange(start, start + n)
+            num_blocks = -(-(start + n) // bs)
+            blocks = np.asarray(r.block_ids[:num_blocks], dtype=np.int64)
+            input_ids.append(np.asarray(r.token_ids[start:start + n], dtype=np.int64))
+            positions.append(pos)
+            slots.append(blocks[pos // bs] * bs + pos % bs)
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(blocks)
+        width = max(len(t) for t in tables)
+        block_tables = np.zeros((len(reqs), width), dtype=np.int32)
+        for i, t in enumerate(tables):
+            block_tables[i, :len(t)] = t
+        qsl = np.zeros(len(reqs) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=qsl[1:])
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
+            block_tables=torch.from_numpy(block_tables).to(dev),
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            num_decodes=_leading_ones(query_lens),
+            query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+        self.backend.prepare(meta, bs, self.model_config.sliding_window)
+        hidden = self.model(torch.from_numpy(np.concatenate(input_ids)).to(dev),
+                            torch.from_numpy(np.concatenate(positions)).to(dev), meta)
+
+        # A request samples when this step's chunk reaches the end of its tokens.
+        sample_idx, sampled_reqs = [], []
+        for i, r in enumerate(reqs):
+            r.num_computed_tokens += query_lens[i]
+            if r.num_computed_tokens == len(r.token_ids):
+                sample_idx.append(int(qsl[i + 1]) - 1)
+                sampled_reqs.append(r)
+        if not sampled_reqs:
+            return [], [], None
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=dev)])
+        tokens, logprobs = sample(logits, [r.sample_row for r in sampled_reqs])
+        for r, t in zip(sampled_reqs, tokens):
+            r.token_ids.append(t)
+        return sampled_reqs, tokens, logprobs
+
+
+def _leading_ones(query_lens: list[int]) -> int:
+    n = 0
+    while n < len(query_lens) and query_lens[n] == 1:
+        n += 1
+    return n

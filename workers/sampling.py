@@ -1,0 +1,156 @@
+"""Batched sampling: penalties, greedy, temperature, min-p, top-k, top-p, seeds, logprobs.
+
+Owns turning one step's logits [B, V] into one token per row, vectorised over the batch
+(per-row parameters are tensors, masks are built with one sort). Must not know blocks or
+the model.
+
+Semantics (vLLM's):
+- penalties: repetition over prompt + output tokens (positive logits divided, negative
+  multiplied), frequency (times count) and presence (once) over output tokens only;
+  applied before greedy argmax too.
+- min_tokens: the request's stop_token_ids are masked until it has that many outputs.
+- order: penalties -> temperature -> min-p -> top-k -> top-p (top-p on the top-k
+  renormalised distribution) -> sample as argmax(probs / Exp(1) noise).
+- seed: a seeded request's noise comes from a generator seeded with (seed, output index),
+  so its tokens depend on nothing but its own seed and history: not on batch mates, not
+  on preemption and recompute.
+- logprobs: of the model's raw distribution (log_softmax of the logits before penalties,
+  temperature and masks), vLLM's default "raw_logprobs": the sampled token's plus top-N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batcher.protocol import SamplingParams, TokenLogprobs
+
+GREEDY_EPS = 1e-5
+_SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio odd constant: spreads (seed, index) over the 63-bit space
+
+
+@dataclass
+class SampleRow:
+    """What sampling needs of one request; token_ids is prompt + outputs so far."""
+
+    params: SamplingParams
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+def seed_for(seed: int, output_index: int) -> int:
+    return (seed * _SEED_MIX + output_index) & ((1 << 63) - 1)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """In place, vLLM's formulas; counts built from the token lists with one scatter_add each."""
+    B, V = logits.shape
+    device = logits.device
+    rep = torch.tensor([r.params.repetition_penalty for r in rows], device=device)
+    freq = torch.tensor([r.params.frequency_penalty for r in rows], device=device)
+    pres = torch.tensor([r.params.presence_penalty for r in rows], device=device)
+    out_counts = _bin_counts([r.token_ids[r.num_prompt_tokens:] for r in rows], V, device)
+    if bool((rep != 1.0).any()):
+        prompt_seen = _bin_counts([r.token_ids[:r.num_prompt_tokens] for r in rows], V, device) > 0
+        factor = torch.where(prompt_seen | (out_counts > 0), rep[:, None], 1.0)
+        logits.copy_(torch.where(logits > 0, logits / factor, logits * factor))
+    logits -= freq[:, None] * out_counts
+    logits -= pres[:, None] * (out_counts > 0)
+
+
+def _bin_counts(seqs: list[list[int]], vocab: int, device) -> torch.Tensor:
+    width = max((len(s) for s in seqs), default=0)
+    padded = torch.full((len(seqs), width + 1), vocab, dtype=torch.int64)  # vocab = padding bin, dropped
+    for i, s in enumerate(seqs):
+        padded[i, :len(s)] = torch.tensor(s, dtype=torch.int64)
+    counts = torch.zeros(len(seqs), vocab + 1, device=device)
+    counts.scatter_add_(1, padded.to(device), torch.ones(padded.shape, device=device))
+    return counts[:, :vocab]
+
+
+def min_p_mask(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """True where a token is dropped: prob < min_p * (the row's top prob)."""
+    return probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+
+
+def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """True where a token is dropped. top_k <= 0 keeps all; top_p is applied to what top-k kept,
+    keeping the smallest prefix (by prob, descending) whose mass reaches top_p. One sort."""
+    B, V = logits.shape
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(V, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, V).clamp(max=V)
+    drop_sorted = rank >= k[:, None]
+    probs = sorted_logits.masked_fill(drop_sorted, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    p = torch.where(top_p < 1.0, top_p, 2.0)  # top_p 1: never drop, whatever the rounding of cumsum
+    drop_sorted |= mass_before >= p[:, None]
+    return torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+
+
+def exponential_noise(rows: list[SampleRow], shape: tuple[int, int], device) -> torch.Tensor:
+    """Exp(1) noise per row; a seeded row draws from its own (seed, output index) generator."""
+    q = torch.empty(shape, device=device).exponential_()
+    for i, r in enumerate(rows):
+        if r.params.seed is not None:
+            g = torch.Generator(device=device).manual_seed(seed_for(r.params.seed, r.num_output_tokens))
+            q[i].exponential_(generator=g)
+    return q
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+    """logits [B, V] (any float dtype) -> (one token id per row, per-row logprobs or None when no row asked)."""
+    logits = logits.float()
+    B, V = logits.shape
+    device = logits.device
+    raw_logprobs = logits.log_softmax(dim=-1) if any(r.params.logprobs is not None for r in rows) else None
+
+    if any(r.params.min_tokens and r.num_output_tokens < r.params.min_tokens for r in rows):
+        logits = logits.clone()
+        for i, r in enumerate(rows):
+            if r.num_output_tokens < r.params.min_tokens:
+                ids = [t for t in r.params.stop_token_ids if 0 <= t < V]
+                logits[i, ids] = float("-inf")
+    if any(r.params.repetition_penalty != 1.0 or r.params.frequency_penalty or r.params.presence_penalty
+           for r in rows):
+        logits = logits.clone()
+        apply_penalties(logits, rows)
+
+    tokens = logits.argmax(dim=-1)
+    temps = [r.params.temperature for r in rows]
+    if any(t >= GREEDY_EPS for t in temps):
+        greedy = torch.tensor([t < GREEDY_EPS for t in temps], device=device)
+        temp = torch.tensor([t if t >= GREEDY_EPS else 1.0 for t in temps], device=device)
+        scaled = logits / temp[:, None]
+        min_p = torch.tensor([r.params.min_p for r in rows], device=device)
+        if bool((min_p > 0).any()):
+            scaled = scaled.masked_fill(min_p_mask(scaled.softmax(dim=-1), min_p), float("-inf"))
+        top_k = torch.tensor([r.params.top_k for r in rows], device=device)
+        top_p = torch.tensor([r.params.top_p for r in rows], device=device)
+        if bool(((top_k > 0) & (top_k < V)).any() or (top_p < 1.0).any()):
+            scaled = scaled.masked_fill(top_k_top_p_mask(scaled, top_k, top_p), float("-inf"))
+        probs = scaled.softmax(dim=-1)
+        sampled = (probs / exponential_noise(rows, (B, V), device)).argmax(dim=-1)
+        tokens = torch.where(greedy, tokens, sampled)
+
+    token_list = tokens.tolist()
+    if raw_logprobs is None:
+        return token_list, None
+    return token_list, _logprobs(raw_logprobs, tokens, rows)
+
+
+def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow]) -> list[TokenLogprobs | None]:
+    chosen = raw.gather(1, tokens[:, None]).squeeze(1).tolist()
+    top_n = max(r.params.logprobs or 0 for r in rows)
+    top_vals, top_ids = (raw.topk(min(top_n, raw.shape[1]), dim=-1) if top_n else (raw[:, :0], raw[:, :0].long()))
+    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    out: list[TokenLogprobs | None] = []
+    for i, r in enumerate(rows):
+        n = r.params.logprobs
+        out.append(None if n is None else TokenLogprobs(chosen[i], top_ids[i][:n], top_vals[i][:n]))
+    return out
