@@ -17,6 +17,8 @@ from batcher import protocol as P
 
 ARCHS = ("llama", "mistral", "qwen2")
 BLOCK = 16
+# CI runs on CPU; WORKER_TEST_DEVICE=cuda reruns the same exactness checks on a GPU (fp32).
+DEVICE = os.environ.get("WORKER_TEST_DEVICE", "cpu")
 
 
 def make_checkpoint(path: str, arch: str, *, seed: int = 0, max_shard_size: str | None = None, **overrides):

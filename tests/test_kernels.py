@@ -23,11 +23,11 @@ DTYPE = torch.bfloat16 if ON_GPU else torch.float32
 PAGE = 16
 
 
-def reference_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=None, v_scale=None):
+def reference_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=None, v_scale=None, window=None):
     out = torch.empty(q.shape, dtype=torch.float64)
     group = q.shape[1] // k_cache.shape[2]
     for b, n in enumerate(seq_lens.tolist()):
-        slots = torch.arange(n)
+        slots = torch.arange(max(0, n - window) if window else 0, n)
         blocks = block_tables[b].cpu()[slots // PAGE]
         k = k_cache.cpu()[blocks, slots % PAGE].double()  # [n, Hkv, D]
         v = v_cache.cpu()[blocks, slots % PAGE].double()
@@ -76,6 +76,14 @@ def test_paged_decode_matches_reference(batch, heads, kv_heads, dim, max_len, pa
         paged_decode(q, kc, vc, bt, lens, scale, num_parts=parts, out=out)
         ref = reference_decode(q, kc, vc, bt, lens, scale)
         assert not torch.isnan(out).any()
+        assert rel_err(out, ref) < (1e-2 if ON_GPU else 1e-5)
+
+
+def test_paged_decode_sliding_window():
+    q, kc, vc, bt, lens = make_case(3, 8, 2, 32, 90, 5)
+    for parts in (1, 2):
+        out = paged_decode(q, kc, vc, bt, lens, 32 ** -0.5, num_parts=parts, window=40)
+        ref = reference_decode(q, kc, vc, bt, lens, 32 ** -0.5, window=40)
         assert rel_err(out, ref) < (1e-2 if ON_GPU else 1e-5)
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.helpers_models import Sim, edit_config, greedy, make_checkpoint
+from tests.helpers_models import DEVICE, Sim, edit_config, greedy, make_checkpoint
 from workers.config import WorkerConfig
 from workers.loader import WeightLoadError, resolve_device, resolve_dtype
 from workers.model.config import ModelConfig, ModelConfigError
@@ -17,7 +17,7 @@ from workers.runner import ModelRunner
 
 
 def runner_for(path: str, **kw) -> ModelRunner:
-    return ModelRunner(WorkerConfig(model=path, kv_cache_memory="2MiB", max_model_len=256, **kw))
+    return ModelRunner(WorkerConfig(model=path, device=DEVICE, kv_cache_memory="2MiB", max_model_len=256, **kw))
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers_models import ARCHS, Sim, greedy, hf_greedy, make_checkpoint, random_prompt
+from tests.helpers_models import ARCHS, DEVICE, Sim, greedy, hf_greedy, make_checkpoint, random_prompt
 from workers.attention import AttentionMetadata
 from workers.config import WorkerConfig
 from workers.runner import ModelRunner
@@ -26,7 +26,8 @@ def setup(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp(arch))
     # qwen2 is saved in several shards so the index path is exercised
     hf = make_checkpoint(path, arch, seed=ARCHS.index(arch), max_shard_size="40KB" if arch == "qwen2" else None)
-    runner = ModelRunner(WorkerConfig(model=path, kv_cache_memory="4MiB", max_model_len=512))
+    runner = ModelRunner(WorkerConfig(model=path, device=DEVICE, dtype="float32", kv_cache_memory="4MiB",
+                                       max_model_len=512))
     return arch, path, hf, runner, hf_greedy(hf, PROMPT, N_NEW)
 
 
@@ -42,13 +43,16 @@ def test_prefill_logits_match_hf(setup):
     _, _, hf, runner, _ = setup
     T = len(PROMPT)
     blocks = list(range(-(-T // 16)))
+    dev = runner.device
     meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0, T], dtype=torch.int32), seq_lens=torch.tensor([T], dtype=torch.int32),
-        block_tables=torch.tensor([blocks], dtype=torch.int32), slot_mapping=torch.arange(T),
+        query_start_loc=torch.tensor([0, T], dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([T], dtype=torch.int32, device=dev),
+        block_tables=torch.tensor([blocks], dtype=torch.int32, device=dev), slot_mapping=torch.arange(T, device=dev),
         num_decodes=0, query_lens_cpu=[T], seq_lens_cpu=[T])
     with torch.inference_mode():
         runner.backend.prepare(meta, 16, runner.model_config.sliding_window)
-        ours = runner.model.compute_logits(runner.model(torch.tensor(PROMPT), torch.arange(T), meta))
+        hidden = runner.model(torch.tensor(PROMPT, device=dev), torch.arange(T, device=dev), meta)
+        ours = runner.model.compute_logits(hidden).cpu()
         ref = hf(torch.tensor([PROMPT])).logits[0]
     rel = (ours - ref).abs().max() / ref.abs().max()
     assert rel < 1e-4, f"max relative logit error {rel:.2e}"

@@ -64,12 +64,11 @@ async def test_chat_streaming_and_non_streaming_agree(stack):
         assert chunks[-1].usage.completion_tokens == 10
 
 
-def test_chat_default_max_tokens_is_the_remaining_context(client):
+def test_chat_over_the_context_is_a_400_with_vllms_wording(client):
     msgs = [{"role": "user", "content": "x" * 8150}]
-    out = client.chat.completions.create(model="tiny", messages=msgs, **GREEDY)
-    assert out.choices[0].finish_reason == "length"
-    assert out.usage.completion_tokens == 8192 - out.usage.prompt_tokens
-    with pytest.raises(openai.BadRequestError, match=r"maximum context length is 8192 tokens"):
+    with pytest.raises(openai.BadRequestError, match=r"maximum context length is 8192 tokens\. However, you "
+                                                     r"requested 8268 tokens \(8168 in the messages, 100 in the "
+                                                     r"completion\)"):
         client.chat.completions.create(model="tiny", messages=msgs, max_tokens=100)
 
 
@@ -106,11 +105,11 @@ def _greedy_text(client, prompt, n_tokens=40):
 
 
 def _pick_stop(text: str) -> str:
-    for start in range(len(text) // 3, len(text) - 3):
-        cand = text[start:start + 3]
-        if "\ufffd" not in cand and cand.isprintable():
+    for start in range(len(text) // 3, len(text) - 2):
+        cand = text[start:start + 2]
+        if "\ufffd" not in cand:
             return cand
-    pytest.skip("no printable 3-character substring in the greedy output")
+    pytest.skip("no 2-character substring without U+FFFD in the greedy output")
 
 
 def test_stop_strings_cut_the_output_streaming_and_not(client):

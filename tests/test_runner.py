@@ -6,14 +6,15 @@ import pytest
 import torch
 
 from batcher import protocol as P
-from tests.helpers_models import Sim, greedy, random_prompt
+from tests.helpers_models import DEVICE, Sim, greedy, random_prompt
 from workers.config import WorkerConfig
 from workers.model.tiny import TINY_CONFIG
 from workers.runner import ModelRunner
 
 
 def tiny(seed: int = 0, **kw) -> ModelRunner:
-    return ModelRunner(WorkerConfig(seed=seed, kv_cache_memory="8MiB", max_model_len=1024, **kw))
+    kw = {"dtype": "float32", **kw}
+    return ModelRunner(WorkerConfig(seed=seed, device=DEVICE, kv_cache_memory="8MiB", max_model_len=1024, **kw))
 
 
 @pytest.fixture(scope="module")

@@ -29,15 +29,18 @@ def _decode_kernel(
     sm_scale,
     s_qb, s_qh, s_kb, s_kt, s_kh, s_btb, s_ob, s_oh,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_PARTS: tl.constexpr, QUANT: tl.constexpr,
+    NUM_PARTS: tl.constexpr, QUANT: tl.constexpr, WINDOW: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     part = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
-    # Each sequence splits its own length into NUM_PARTS chunks of whole BLOCK_N tiles.
-    part_len = tl.cdiv(tl.cdiv(seq_len, NUM_PARTS), BLOCK_N) * BLOCK_N
-    start = part * part_len
+    lo = 0
+    if WINDOW > 0:  # sliding window: the query (at seq_len - 1) sees the last WINDOW positions
+        lo = tl.maximum(seq_len - WINDOW, 0)
+    # Each sequence splits its own span into NUM_PARTS chunks of whole BLOCK_N tiles.
+    part_len = tl.cdiv(tl.cdiv(seq_len - lo, NUM_PARTS), BLOCK_N) * BLOCK_N
+    start = lo + part * part_len
     end = tl.minimum(start + part_len, seq_len)
 
     offs_g = tl.arange(0, G_PAD)
@@ -112,7 +115,7 @@ def num_partitions(batch: int, num_kv_heads: int, max_model_len: int, num_sms: i
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, sm_scale: float, num_parts: int = 1,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """q [B, Hq, D]; k/v_cache [num_blocks, page, Hkv, D]; block_tables [B, max_blocks] int32;
     seq_lens [B] int32 (context length incl. the new token, already written). Returns [B, Hq, D]."""
     batch, num_heads, head_dim = q.shape
@@ -134,7 +137,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=head_dim, PAGE=page, BLOCK_N=max(page, 64),
-        NUM_PARTS=num_parts, QUANT=quant, num_warps=4, num_stages=2,
+        NUM_PARTS=num_parts, QUANT=quant, WINDOW=window or 0, num_warps=4, num_stages=2,
     )
     if num_parts > 1:
         _reduce_kernel[(batch, num_heads)](po, pm, pl, out, out.stride(0), out.stride(1), num_heads,

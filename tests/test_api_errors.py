@@ -1,0 +1,172 @@
+"""Every error status of the gateway, over raw HTTP, as OpenAI error JSON; plus auth, limits, timeouts,
+the sidecar being absent, and graceful drain on shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+
+import aiohttp
+import openai
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.schemas import resolve_max_tokens
+
+CTX_RE = re.compile(r"This model's maximum context length is (\d+) tokens\. However, you requested (\d+) tokens "
+                    r"\((\d+) in the messages, (\d+) in the completion\)\. Please reduce the length of the messages "
+                    r"or completion\.")
+
+
+async def _call(session, method, url, expect, **kw):
+    async with session.request(method, url, **kw) as resp:
+        body = await resp.read()
+        assert resp.status == expect, (resp.status, body[:300])
+        if expect >= 400:
+            err = json.loads(body)["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["message"]
+            return err, resp.headers
+        return json.loads(body) if body else None, resp.headers
+
+
+async def test_bad_requests_are_400_with_openai_error_json(stack):
+    url = stack.url("/v1/completions")
+    async with aiohttp.ClientSession() as s:
+        err, _ = await _call(s, "POST", url, 400, data=b"{not json")
+        assert err["type"] == "invalid_request_error"
+        err, _ = await _call(s, "POST", url, 400, json={"model": "tiny", "prompt": "x", "max_tokens": "ten"})
+        assert err["param"] == "max_tokens"
+        err, _ = await _call(s, "POST", url, 400, json={"prompt": "x", "temperature": True})
+        assert err["param"] == "temperature"
+        await _call(s, "POST", url, 400, json=["a", "list"])
+        await _call(s, "POST", url, 400, json={"prompt": ""})
+        await _call(s, "POST", url, 400, json={"prompt": []})
+        await _call(s, "POST", url, 400, json={"prompt": [1, "a"]})
+        await _call(s, "POST", url, 400, json={"prompt": [1, 99999]})
+        await _call(s, "POST", url, 400, json={"prompt": "x", "n": 0})
+        await _call(s, "POST", url, 400, json={"prompt": "x", "top_p": 0})
+        await _call(s, "POST", url, 400, json={"prompt": "x", "logprobs": 21})
+        await _call(s, "POST", url, 400, json={"prompt": "x", "stream_options": {"include_usage": True}})
+        await _call(s, "POST", stack.url("/v1/chat/completions"), 400, json={"messages": []})
+        await _call(s, "POST", stack.url("/v1/chat/completions"), 400,
+                    json={"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
+        # unknown fields are ignored, as OpenAI does
+        ok, _ = await _call(s, "POST", url, 200, json={"prompt": "x", "max_tokens": 2, "frobnicate": {"a": 1}})
+        assert ok["usage"]["completion_tokens"] <= 2
+
+
+async def test_context_length_error_keeps_vllms_wording(stack):
+    async with aiohttp.ClientSession() as s:
+        err, _ = await _call(s, "POST", stack.url("/v1/completions"), 400,
+                             json={"prompt": list(range(100)) * 80, "max_tokens": 500})
+    m = CTX_RE.fullmatch(err["message"])
+    assert m and m.groups() == ("8192", "8500", "8000", "500")
+
+
+def test_default_max_tokens_completion_16_chat_the_remaining_context():
+    assert resolve_max_tokens(None, 16, 100, 8192) == 16
+    assert resolve_max_tokens(None, 16, 8185, 8192) == 7
+    assert resolve_max_tokens(None, None, 100, 8192) == 8092
+    assert resolve_max_tokens(50, None, 100, 8192) == 50
+
+
+async def test_404_405_and_unknown_model(stack):
+    async with aiohttp.ClientSession() as s:
+        err, _ = await _call(s, "POST", stack.url("/v1/completions"), 404, json={"model": "gpt-9", "prompt": "x"})
+        assert err["code"] == "model_not_found" and err["param"] == "model"
+        await _call(s, "GET", stack.url("/v1/nothing"), 404)
+        await _call(s, "GET", stack.url("/v1/completions"), 405)
+
+
+@pytest.fixture(scope="module")
+def guarded(request):
+    """A stack with an API key (from the env var), a small body limit, a queue cap of 2 and a 3 s timeout."""
+    from tests.stack import Stack
+
+    st = Stack("--max-body-bytes", "4096", "--max-queued-requests", "2", "--request-timeout", "3",
+               env={"LANESERVE_API_KEY": "sekret"})
+    yield st
+    st.stop()
+
+
+AUTH = {"Authorization": "Bearer sekret"}
+
+
+async def test_api_key_guards_everything_but_health_and_metrics(guarded):
+    body = {"prompt": "x", "max_tokens": 2}
+    async with aiohttp.ClientSession() as s:
+        err, _ = await _call(s, "POST", guarded.url("/v1/completions"), 401, json=body)
+        assert err["type"] == "authentication_error"
+        await _call(s, "POST", guarded.url("/v1/completions"), 401, json=body, headers={"Authorization": "Bearer no"})
+        await _call(s, "GET", guarded.url("/v1/models"), 401)
+        await _call(s, "GET", guarded.url("/nowhere"), 401)
+        await _call(s, "POST", guarded.url("/v1/completions"), 200, json=body, headers=AUTH)
+        await _call(s, "GET", guarded.url("/health"), 200)
+        async with s.get(guarded.url("/metrics")) as r:
+            assert r.status == 200 and "laneserve:kv_cache_blocks_free" in await r.text()
+
+
+async def test_body_over_max_body_bytes_is_413(guarded):
+    async with aiohttp.ClientSession() as s:
+        err, _ = await _call(s, "POST", guarded.url("/v1/completions"), 413, json={"prompt": "x" * 5000},
+                             headers=AUTH)
+
+
+async def test_over_max_queued_requests_is_429_with_retry_after(guarded):
+    hold = {"prompt": "hold", "n": 2, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(guarded.url("/v1/completions"), json=hold, headers=AUTH) as held:
+            assert held.status == 200
+            await held.content.readline()  # the two sequences are in flight now
+            err, headers = await _call(s, "POST", guarded.url("/v1/completions"), 429,
+                                       json={"prompt": "x", "max_tokens": 1}, headers=AUTH)
+            assert int(headers["Retry-After"]) >= 1 and err["type"] == "rate_limit_error"
+            held.close()
+
+
+async def test_request_timeout_is_504_or_an_error_event_in_a_stream(guarded):
+    long = {"prompt": "slow", "max_tokens": 8000, "ignore_eos": True}
+    async with aiohttp.ClientSession() as s:
+        err, _ = await _call(s, "POST", guarded.url("/v1/completions"), 504, json=long, headers=AUTH)
+        assert "timed out" in err["message"]
+    client = openai.OpenAI(base_url=guarded.api, api_key="sekret", max_retries=0)
+    with pytest.raises(openai.APIError, match="timed out"):
+        for _ in client.completions.create(model="tiny", prompt="slow", max_tokens=8000, stream=True,
+                                           extra_body={"ignore_eos": True}):
+            pass
+
+
+async def test_no_sidecar_is_503_with_retry_after(tmp_path):
+    cfg = GatewayConfig(batcher_address=f"ipc://{tmp_path}/nobody.sock", sidecar_timeout=0.2, retry_after=2)
+    async with TestClient(TestServer(create_app(cfg))) as c:
+        resp = await c.post("/v1/completions", json={"prompt": "x"})
+        assert resp.status == 503 and resp.headers["Retry-After"] == "2"
+        assert (await resp.json())["error"]["type"] == "service_unavailable_error"
+        resp = await c.get("/health")
+        assert resp.status == 503
+        resp = await c.get("/metrics")  # still answers, with stale engine gauges
+        assert resp.status == 200
+
+
+def test_sigint_drains_an_in_flight_stream(make_stack):
+    st = make_stack()
+    body = {"prompt": "drain", "max_tokens": 64, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            async with s.post(st.url("/v1/completions"), json=body) as resp:
+                assert resp.status == 200
+                lines = [await resp.content.readline()]
+                st.proc.send_signal(signal.SIGINT)
+                lines += [line async for line in resp.content]
+        return [ln.decode().strip() for ln in lines if ln.strip()]
+
+    lines = asyncio.run(go())
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][len("data: "):])["usage"]["completion_tokens"] == 64
+    assert st.proc.wait(30) == 0

@@ -1,0 +1,80 @@
+"""The GPU attention backend: Triton paged decode, Triton KV writes, SDPA for prefill chunks.
+
+Owns per-step planning for the GPU path. Decodes read K/V straight from the pages
+(workers/kernels/paged_attention.py), so the step needs no gather and the decode part is
+CUDA-graph safe (everything it reads lives in the metadata tensors). Prefill chunks run
+through SDPA (flash attention when the chunk starts at 0, the memory-efficient kernel
+with an offset causal mask when it starts mid-prompt) over K/V gathered from the pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from workers.attention.base import AttentionBackend, AttentionMetadata
+from workers.kernels.paged_attention import num_partitions, paged_decode, write_kv
+
+
+@dataclass
+class _Plan:
+    num_parts: int
+    # per prefill sequence: (q_start, q_end, key slots [L], mask [1, nq, L] or None for plain causal)
+    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, num_kv_heads: int, num_sms: int):
+        self.num_kv_heads = num_kv_heads
+        self.num_sms = num_sms
+        self.window: int | None = None
+        self.k_scales: list[torch.Tensor | None] | None = None  # int8 pools: per-layer [Hkv] scales
+
+    def prepare(self, meta: AttentionMetadata, block_size: int, sliding_window: int | None) -> None:
+        self.window = sliding_window
+        nd = meta.num_decodes
+        parts = 1
+        if nd:
+            parts = num_partitions(nd, self.num_kv_heads, max(meta.seq_lens_cpu[:nd]), self.num_sms)
+        device = meta.slot_mapping.device
+        prefills = []
+        start = nd
+        for i in range(nd, meta.num_seqs):
+            nq, seq_len = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
+            k_pos = torch.arange(seq_len, device=device)
+            slots = meta.block_tables[i, k_pos // block_size].long() * block_size + k_pos % block_size
+            mask = None
+            if nq != seq_len or (sliding_window is not None and seq_len > sliding_window):
+                q_pos = k_pos[seq_len - nq:, None]
+                ok = k_pos[None, :] <= q_pos
+                if sliding_window is not None:
+                    ok &= k_pos[None, :] > q_pos - sliding_window
+                mask = ok[None]
+            prefills.append((start, start + nq, slots, mask))
+            start += nq
+        meta.plan = _Plan(parts, prefills)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        plan: _Plan = meta.plan
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
+                         num_parts=plan.num_parts, out=out[:nd], window=self.window)
+        if plan.prefills:
+            flat_k = k_cache.view(-1, *k_cache.shape[2:])
+            flat_v = v_cache.view(-1, *v_cache.shape[2:])
+            for q_start, q_end, slots, mask in plan.prefills:
+                kp = flat_k[slots].transpose(0, 1)  # [Hkv, L, D]
+                vp = flat_v[slots].transpose(0, 1)
+                qp = q[q_start:q_end].transpose(0, 1)  # [Hq, nq, D]
+                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None,
+                                                   scale=scale, enable_gqa=True)
+                out[q_start:q_end] = o.transpose(0, 1)
+        return out

@@ -1,0 +1,105 @@
+"""CUDA graphs for decode-only steps: captured once at start, replayed with static inputs.
+
+Owns the static input buffers, the capture list of padded batch sizes and the replay.
+A decode step of n sequences replays the graph of the smallest captured size >= n; the
+padding rows write no K/V (slot -1) and their logits are dropped. The size list is fixed
+(1, 2, 4, 8, then every 8 to 64, every 16 to 128, every 32 after) so the shapes the
+bucketed scheduler produces under bursty mixes map onto few, stable graphs.
+Host inputs go through pinned buffers with non-blocking copies.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from workers.attention.base import AttentionMetadata
+
+log = logging.getLogger("laneserve.worker")
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4] + list(range(8, 64, 8)) + list(range(64, 128, 16)) + list(range(128, 1025, 32))
+    out = [s for s in sizes if s < max_num_seqs]
+    return out + [max_num_seqs]
+
+
+class DecodeGraphs:
+    def __init__(self, model, backend, max_num_seqs: int, max_model_len: int, block_size: int,
+                 device: torch.device):
+        self.model, self.backend, self.block_size = model, backend, block_size
+        self.sizes = capture_sizes(max_num_seqs)
+        n = self.sizes[-1]
+        self.max_blocks = -(-max_model_len // block_size)
+        self.max_model_len = max_model_len
+        i64, i32 = torch.int64, torch.int32
+        self.input_ids = torch.zeros(n, dtype=i64, device=device)
+        self.positions = torch.zeros(n, dtype=i64, device=device)
+        self.slots = torch.full((n,), -1, dtype=i64, device=device)
+        self.seq_lens = torch.ones(n, dtype=i32, device=device)
+        self.block_tables = torch.zeros(n, self.max_blocks, dtype=i32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=i32, device=device)
+        # pinned host staging: ids, positions, slots, seq_lens in one int64 buffer; tables apart
+        self.host_vec = torch.zeros(4, n, dtype=i64, pin_memory=True)
+        self.host_tables = torch.zeros(n, self.max_blocks, dtype=i32, pin_memory=True)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.capture_seconds = 0.0
+        self.capture_bytes = 0
+
+    def meta(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(query_start_loc=self.query_start_loc[:bs + 1], seq_lens=self.seq_lens[:bs],
+                                 block_tables=self.block_tables[:bs], slot_mapping=self.slots[:bs], num_decodes=bs,
+                                 query_lens_cpu=[1] * bs, seq_lens_cpu=[self.max_model_len] * bs)
+
+    def capture(self) -> None:
+        t0 = time.perf_counter()
+        before = torch.cuda.memory_allocated()
+        pool = torch.cuda.graph_pool_handle()
+        window = self.model.sliding_window
+        with torch.inference_mode():
+            for bs in reversed(self.sizes):  # largest first: later graphs reuse its memory pool
+                meta = self.meta(bs)
+                self.backend.prepare(meta, self.block_size, window)
+                for _ in range(2):  # warm-up: autotuning and lazy init stay out of the graph
+                    self.model.compute_logits(self.model(self.input_ids[:bs], self.positions[:bs], meta))
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    hidden = self.model(self.input_ids[:bs], self.positions[:bs], meta)
+                    self.logits[bs] = self.model.compute_logits(hidden)
+                self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - t0
+        self.capture_bytes = torch.cuda.memory_allocated() - before
+        log.info("captured %d decode graphs (batch 1..%d) in %.1fs, %.0f MiB", len(self.sizes), self.sizes[-1],
+                 self.capture_seconds, self.capture_bytes / 2**20)
+
+    def can_run(self, n: int) -> bool:
+        return n <= self.sizes[-1]
+
+    def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: list[int],
+            tables: list[np.ndarray]) -> torch.Tensor:
+        """One decode step of n = len(input_ids) sequences -> logits [n, vocab]."""
+        n = len(input_ids)
+        bs = next(s for s in self.sizes if s >= n)
+        vec = self.host_vec.numpy()
+        vec[0, :n], vec[1, :n], vec[2, :n], vec[3, :n] = input_ids, positions, slots, seq_lens
+        vec[2, n:bs] = -1  # padding rows write no K/V
+        vec[3, n:bs] = 1
+        host_tables = self.host_tables.numpy()
+        for i, t in enumerate(tables):
+            host_tables[i, :len(t)] = t
+        dev = self.input_ids.device
+        staged = self.host_vec[:, :bs].to(dev, non_blocking=True)
+        self.input_ids[:bs].copy_(staged[0])
+        self.positions[:bs].copy_(staged[1])
+        self.slots[:bs].copy_(staged[2])
+        self.seq_lens[:bs].copy_(staged[3])
+        width = max(len(t) for t in tables)
+        self.block_tables[:n, :width].copy_(self.host_tables[:n, :width], non_blocking=True)
+        self.graphs[bs].replay()
+        return self.logits[bs][:n]
