@@ -135,12 +135,15 @@ class BlockManager:
             req.new_block_ids.append(bid)
         return True
 
-    def cache_full_blocks(self, req: Request) -> None:
-        """Register the request's newly full, computed blocks in the prefix cache."""
+    def cache_full_blocks(self, req: Request, num_tokens: int | None = None) -> None:
+        """Register the request's newly full blocks among its first num_tokens [all computed] in the prefix cache.
+
+        With steps in flight, num_tokens is what the step just done computed: later K/V is still being written.
+        """
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        full = req.num_computed_tokens // bs
+        full = (req.num_computed_tokens if num_tokens is None else num_tokens) // bs
         hashes = req.block_hashes
         if len(hashes) < full:
             chain_hashes(req.token_ids, bs, len(hashes), hashes[-1] if hashes else None, hashes, full)

@@ -45,6 +45,9 @@ class BatcherConfig:
         "longest a long prompt is held back by gating; then it is admitted in arrival order"))
     affinity_max_load_gap: int = field(default=64, metadata=_h(
         "prefix affinity yields to least-load when the prefix holder has this many more unfinished requests"))
+    async_scheduling: bool = field(default=True, metadata=_h(
+        "schedule step N+1 while the worker runs step N (2 steps in flight per worker), hiding the sidecar's "
+        "update/schedule and the socket round trip from the GPU"))
 
 
 def load_warm_prefixes(path: str) -> list[list[int]]:

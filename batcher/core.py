@@ -3,7 +3,10 @@
 inputs (gateway ROUTER, worker ROUTER) -> Scheduler.schedule() -> StepInput to the
 worker -> StepOutput -> Scheduler.update() -> TokenBatch to each gateway.
 One Scheduler per worker, each owning that worker's KV block pool; batcher.router
-picks the worker for a new request. Must not import torch.
+picks the worker for a new request. With --async-scheduling each worker has up to
+two steps in flight: the next one waits in the worker's socket while it runs the
+current one, so the sidecar's work and the round trip are off the GPU's path.
+Must not import torch.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import logging
 import os
 import signal
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import zmq
@@ -32,7 +36,8 @@ class WorkerSlot:
     worker_id: int
     identity: bytes
     scheduler: Scheduler
-    in_flight: bool = False
+    in_flight: deque[int] = field(default_factory=deque)  # step numbers sent, oldest first
+    stale: set[int] = field(default_factory=set)  # steps in flight when fail_all() ran: their outputs are dropped
     last_seen: float = field(default_factory=time.monotonic)
 
 
@@ -106,14 +111,29 @@ class Batcher:
         if slot is None or slot.identity != ident:
             log.warning("step output from unknown worker %d dropped", msg.worker_id)
             return
-        slot.in_flight = False
         slot.last_seen = time.monotonic()
+        if msg.step in slot.stale:  # scheduled before a fail_all(): its requests are gone
+            slot.stale.discard(msg.step)
+            return
+        if not slot.in_flight or msg.step != slot.in_flight[0]:
+            expected = slot.in_flight[0] if slot.in_flight else None
+            log.error("worker %d returned step %d, expected %s: failing its requests", msg.worker_id, msg.step,
+                      expected)
+            await self.fail_worker(slot, f"worker {msg.worker_id} returned step {msg.step}, expected {expected}")
+            return
+        slot.in_flight.popleft()
         if msg.error is not None:
             log.error("worker %d failed step %d: %s", msg.worker_id, msg.step, msg.error)
-            await self.emit(slot.scheduler.fail_all(f"worker error: {msg.error.splitlines()[-1]}"))
+            await self.fail_worker(slot, f"worker error: {msg.error.splitlines()[-1]}")
             return
         await self.emit(slot.scheduler.update(msg, time.monotonic()))
         await self.kick(msg.worker_id)
+
+    async def fail_worker(self, slot: WorkerSlot, error: str) -> None:
+        """ERROR for all of the worker's requests; outputs of the steps it still has queued are dropped."""
+        slot.stale.update(slot.in_flight)
+        slot.in_flight.clear()
+        await self.emit(slot.scheduler.fail_all(error))
 
     async def heartbeat(self, ident: bytes, msg: P.Heartbeat) -> None:
         slot = self.workers.get(msg.worker_id)
@@ -121,23 +141,31 @@ class Batcher:
             slot.last_seen = time.monotonic()
 
     async def worker_lost(self, worker_id: int, why: str) -> None:
-        slot = self.workers.pop(worker_id)
+        slot = self.workers.pop(worker_id, None)
+        if slot is None:  # already handled (two sends failed at once)
+            return
         log.error("worker %d lost (%s): failing its %d requests", worker_id, why, slot.scheduler.num_unfinished)
         await self.emit(slot.scheduler.fail_all(f"worker {worker_id} lost: {why}"))
 
     async def kick(self, worker_id: int) -> None:
-        """Start the worker's next step if it is idle and has work."""
-        slot = self.workers.get(worker_id)
-        if slot is None or slot.in_flight:
-            return
-        step = slot.scheduler.schedule(time.monotonic())
-        if step is None:
-            return
-        slot.in_flight = True
-        try:
-            await self.back.send_multipart([slot.identity, P.encode(step)])
-        except zmq.ZMQError as exc:  # the worker's socket is gone (ROUTER_MANDATORY)
-            await self.worker_lost(worker_id, f"send failed: {exc}")
+        """Keep up to max_inflight_steps steps at the worker while there is work (1 without async scheduling).
+
+        The worker runs them in order and appends its own sampled tokens, so step N+1, scheduled before
+        N's output is back, can already decode the token N samples.
+        """
+        while True:
+            slot = self.workers.get(worker_id)  # re-read: a send may yield to a handler that replaced the worker
+            if slot is None or len(slot.in_flight) >= slot.scheduler.max_inflight_steps:
+                return
+            step = slot.scheduler.schedule(time.monotonic())
+            if step is None:
+                return
+            slot.in_flight.append(step.step)
+            try:  # sends queue in order on the socket, so concurrent kicks keep the step order
+                await self.back.send_multipart([slot.identity, P.encode(step)])
+            except zmq.ZMQError as exc:  # the worker's socket is gone (ROUTER_MANDATORY)
+                await self.worker_lost(worker_id, f"send failed: {exc}")
+                return
 
     # ------------------------------------------------------------------ output
     async def emit(self, deltas: list[P.TokenDelta]) -> None:

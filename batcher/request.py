@@ -24,7 +24,7 @@ class Request:
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "params", "arrival_time", "status",
                  "num_computed_tokens", "block_ids", "block_hashes", "num_cached_tokens", "max_len",
                  "internal", "on_worker", "first_delta_sent", "new_block_ids", "admit_seq", "seen_at",
-                 "gated_since", "num_preemptions", "num_registered_blocks")
+                 "gated_since", "num_preemptions", "num_registered_blocks", "num_output_placeholders")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float = 0.0, max_len: int = 1 << 62, internal: bool = False):
@@ -34,7 +34,7 @@ class Request:
         self.params = params
         self.arrival_time = arrival_time
         self.status = Status.WAITING
-        self.num_computed_tokens = 0  # tokens whose K/V is in block_ids (after the step in flight)
+        self.num_computed_tokens = 0  # tokens whose K/V is in block_ids once the steps in flight are done
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # chained hash of each full block, computed lazily
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
@@ -50,6 +50,9 @@ class Request:
         self.gated_since: float | None = None
         self.num_preemptions = 0
         self.num_registered_blocks = 0  # leading full blocks already offered to the prefix cache
+        # Tokens that steps in flight will sample for it (async scheduling, vLLM's name): the worker already
+        # has them when it runs the next step, so the scheduler counts them as known tokens of unknown value.
+        self.num_output_placeholders = 0
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -70,8 +73,11 @@ class Request:
 
     @property
     def compute_target(self) -> int:
-        """How many tokens must have K/V before the worker samples (warm prefixes never sample)."""
-        return len(self.token_ids) - 1 if self.internal else len(self.token_ids)
+        """How many tokens must have K/V before the worker samples (warm prefixes never sample).
+
+        Counts the placeholders of tokens still being sampled by steps in flight.
+        """
+        return len(self.token_ids) + self.num_output_placeholders - self.internal
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -84,12 +90,12 @@ class Request:
 
     @property
     def tokens_remaining(self) -> int:
-        """Outputs still allowed (max_tokens - generated): the decode bucket key."""
-        return self.params.max_tokens - self.num_output_tokens
+        """Outputs still allowed (max_tokens - generated, in-flight samples included): the decode bucket key."""
+        return self.params.max_tokens - self.num_output_tokens - self.num_output_placeholders
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})")
+        return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}"
+                f"+{self.num_output_placeholders}, computed={self.num_computed_tokens}, blocks={len(self.block_ids)})")
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

@@ -5,14 +5,16 @@ Owns the waiting queue and the running set of one worker, its KV block pool
 decodes first then chunked prefill, decode buckets, burst gating
 (batcher/burst.py), watermark admission, preemption by recompute, stop checks.
 Pure: no I/O (except reading the --warm-prefix file once at construction), no
-asyncio, time is passed in. `schedule()` and `update()` alternate strictly.
-Policy choices are explained in docs/scheduling.md.
+asyncio, time is passed in. Async scheduling: up to `max_inflight_steps` steps
+may be scheduled before their outputs come back; `update()` takes the outputs of
+the oldest. Policy choices are explained in docs/scheduling.md.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
 from collections import deque
+from typing import NamedTuple
 from typing import Iterable
 
 from batcher.block_manager import BlockManager
@@ -23,11 +25,21 @@ from batcher.protocol import (AddRequest, CachedReq, EngineStats, FinishReason, 
 from batcher.request import Request, Status, blocks_for
 
 WARM_PREFIX_ID = "__warm__/"  # internal requests that fill the warm prefix pool
+MAX_INFLIGHT_STEPS = 2  # with --async-scheduling: the worker runs one step while the next one waits in its socket
 _WARM_PARAMS = SamplingParams(max_tokens=1)
 
 
 def _sort_key(item: tuple) -> tuple[int, int]:
     return item[0], item[1]
+
+
+class Scheduled(NamedTuple):
+    """What one step in flight does to one request, checked against the request when its output comes back."""
+
+    req: Request
+    computed: int  # req.num_computed_tokens once this step is done
+    samples: bool  # the chunk reaches the end of its tokens: the worker samples one for it
+    epoch: int  # req.num_preemptions when scheduled: a preempted request's old steps are void
 
 
 def parse_buckets(spec: str) -> list[int]:
@@ -49,6 +61,7 @@ class Scheduler:
         if warm_prefixes is None:
             warm_prefixes = load_warm_prefixes(cfg.warm_prefix) if cfg.warm_prefix else []
         self.warm_prefixes = warm_prefixes
+        self.max_inflight_steps = MAX_INFLIGHT_STEPS if cfg.async_scheduling else 1
         self.step_no = 0  # counters survive fail_all()
         self.admit_counter = 0
         self.preemptions = 0
@@ -63,7 +76,7 @@ class Scheduler:
         self.running: dict[str, Request] = {}  # insertion order = admission order
         self.finished_ids: list[str] = []  # for the next StepInput: the worker drops their state
         self.pending: list[TokenDelta] = []  # deltas made outside update() (rejections), sent with the next
-        self.in_flight: list[tuple[Request, int]] = []  # (request, tokens scheduled) of the step in flight
+        self.in_flight: deque[tuple[int, list[Scheduled]]] = deque()  # (step number, its requests), oldest first
         self.new_arrivals = 0
         self.num_internal = 0
         self._queue_warm_prefixes()
@@ -129,6 +142,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def schedule(self, now: float) -> StepInput | None:
+        """The next step, or None: nothing to run, or max_inflight_steps already in flight."""
+        if len(self.in_flight) >= self.max_inflight_steps:
+            return None
         self.gate.detector.observe(now, self.new_arrivals, len(self.waiting) - self.num_internal)
         self.new_arrivals = 0
         budget = self.cfg.max_num_batched_tokens
@@ -136,24 +152,32 @@ class Scheduler:
         budget, active, preempted = self._schedule_running(batch, budget)
         if not preempted:  # admitting while evicting would just thrash
             self._admit_waiting(now, batch, budget, active)
-        if not batch and not self.finished_ids and not self.pending:
+        # An empty step carries finished ids to the worker, or error deltas back through update() (a step
+        # already in flight brings those back anyway).
+        if not batch and not self.finished_ids and (not self.pending or self.in_flight):
             return None
         self.step_no += 1
-        step = self._build_step(batch)
-        self.in_flight = batch
-        return step
+        return self._build_step(batch)
 
     def _run_order(self) -> list[tuple[Request, int]]:
         """(request, tokens left to compute): decodes by bucket (lowest tokens-remaining first), then running
-        prefills; oldest first within each. Hot path: properties inlined (compute_target = len - internal)."""
+        prefills; oldest first within each. Hot path: properties inlined (compute_target = len + placeholders -
+        internal). Left out (they wait for the steps in flight): requests whose in-flight samples already reach
+        max_tokens or the context limit, and warm prefixes whose last chunk is in flight."""
         buckets = self.buckets
         prefill_key = len(buckets) + 1
         keyed = []
         for r in self.running.values():
             toks = r.token_ids
-            left = len(toks) - r.internal - r.num_computed_tokens
+            ph = r.num_output_placeholders
+            remaining = r.params.max_tokens - len(toks) + r.num_prompt_tokens - ph
+            if ph and (remaining <= 0 or len(toks) + ph >= r.max_len):
+                continue
+            left = len(toks) + ph - r.internal - r.num_computed_tokens
+            if left <= 0:
+                continue
             if left == 1:
-                key = bisect_left(buckets, r.params.max_tokens - len(toks) + r.num_prompt_tokens)
+                key = bisect_left(buckets, remaining)
             else:
                 key = prefill_key
             keyed.append((key, r.admit_seq, r, left))
@@ -188,8 +212,10 @@ class Scheduler:
         """Blocks for n more tokens of req, preempting from the back of order; False if req lost its place."""
         while not self.bm.allocate(req, n):
             victim = order.pop()[0]
-            if victim is req and not order:  # alone, and the whole pool still can't hold it
-                self._finish(req)
+            if victim is req and not order:
+                if len(self.running) > 1:  # others hold blocks but wait on steps in flight: they end soon
+                    return False
+                self._finish(req)  # alone, and the whole pool still can't hold it
                 self.pending.append(TokenDelta(req.request_id, [], FinishReason.ERROR, error=(
                     f"KV cache too small for {req.num_computed_tokens + n} tokens of context")))
                 return False
@@ -241,6 +267,7 @@ class Scheduler:
 
     def _build_step(self, batch: list[tuple[Request, int]]) -> StepInput:
         new_reqs, cached_reqs, num_scheduled = [], [], {}
+        flight: list[Scheduled] = []
         for req, n in batch:
             num_scheduled[req.request_id] = n
             if not req.on_worker:
@@ -252,34 +279,51 @@ class Scheduler:
             elif req.new_block_ids:
                 cached_reqs.append(CachedReq(req.request_id, req.new_block_ids))
             req.new_block_ids = []
-            req.num_computed_tokens += n
+            done = req.num_computed_tokens + n
+            req.num_computed_tokens = done
+            samples = done == req.compute_target and not req.internal
+            if samples:  # next step it decodes the token sampled now: the worker has it by then
+                req.num_output_placeholders += 1
+            flight.append(Scheduled(req, done, samples, req.num_preemptions))
+        self.in_flight.append((self.step_no, flight))
         finished, self.finished_ids = self.finished_ids, []
         return StepInput(step=self.step_no, new_reqs=new_reqs, cached_reqs=cached_reqs,
                          num_scheduled_tokens=num_scheduled, finished_req_ids=finished)
 
     # ------------------------------------------------------------------ step output
     def update(self, out: StepOutput, now: float) -> list[TokenDelta]:
+        """Apply the output of the oldest step in flight (ValueError if out is another step's)."""
+        if not self.in_flight or out.step != self.in_flight[0][0]:
+            raise ValueError(f"output of step {out.step}, but the oldest step in flight is "
+                             f"{self.in_flight[0][0] if self.in_flight else None}")
         deltas, self.pending = self.pending, []
         bs = self.block_size
         running = Status.RUNNING
-        for req, _ in self.in_flight:  # K/V of this step is now in the cache: offer full blocks to it
-            if req.status is running:
-                if req.num_computed_tokens // bs > req.num_registered_blocks:
-                    self.bm.cache_full_blocks(req)
-                if req.internal and req.num_uncomputed_tokens == 0:
-                    self._finish_warm(req)
-        self.in_flight = []
+        sampling: dict[str, Request] = {}
+        for req, done, samples, epoch in self.in_flight.popleft()[1]:
+            if req.status is not running or req.num_preemptions != epoch:
+                continue  # finished, aborted or preempted since it was scheduled: its share of the step is void
+            if done // bs > req.num_registered_blocks:  # this K/V is in the cache now: offer full blocks to it
+                self.bm.cache_full_blocks(req, done)
+            if samples:
+                req.num_output_placeholders -= 1
+                sampling[req.request_id] = req
+            elif req.internal and done == req.compute_target:
+                self._finish_warm(req)
         logprobs = out.logprobs
-        requests = self.requests
         for i, rid in enumerate(out.request_ids):
-            req = requests.get(rid)
-            # Tokens for a request aborted meanwhile, or one that was not due to sample, are dropped.
-            if req is None or req.status is not running or req.num_computed_tokens != len(req.token_ids):
+            # Tokens for a request that finished, was aborted or preempted meanwhile are dropped: with steps in
+            # flight a request that stopped in step N has one more token coming from step N+1.
+            req = sampling.pop(rid, None)
+            if req is None:
                 continue
             delta = self._append_tokens(req, out.sampled_token_ids[i])
             if logprobs is not None:
                 delta.logprobs = logprobs[i]
             deltas.append(delta)
+        for rid, req in sampling.items():  # the worker broke the contract; don't leave the request hanging
+            self._finish(req)
+            deltas.append(TokenDelta(rid, [], FinishReason.ERROR, error=f"worker sampled no token in step {out.step}"))
         return deltas
 
     def _append_tokens(self, req: Request, tokens: list[int]) -> TokenDelta:
@@ -329,6 +373,7 @@ class Scheduler:
         self.bm.free_blocks(req)
         req.status = Status.WAITING
         req.num_computed_tokens = 0
+        req.num_output_placeholders = 0  # tokens sampled for it by steps in flight are dropped (epoch changes)
         req.num_preemptions += 1
         if req.on_worker:
             self.finished_ids.append(req.request_id)

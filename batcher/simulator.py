@@ -1,6 +1,7 @@
 """`laneserve simulate`: replay a trace through the real Scheduler in simulated time.
 
-Owns the discrete-event loop (arrivals, one step in flight per worker), a
+Owns the discrete-event loop (arrivals, one step in flight per worker, or with
+`pipelined` up to the scheduler's max_inflight_steps run back to back), a
 stand-in worker that executes StepInputs exactly as the ModelRunner contract
 says (per-request tokens / blocks / num_computed_tokens, sample one token when
 a request's tokens are all computed) with a deterministic "model", the step-cost
@@ -21,6 +22,7 @@ import json
 import math
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -142,8 +144,14 @@ class SimResult:
 
 def simulate(requests: list[SimRequest], cfg: BatcherConfig, cost: CostModel = CostModel(), num_blocks: int = 8192,
              block_size: int = 16, max_model_len: int = 32768, num_workers: int = 1, check_kv: bool = False,
-             aborts: dict[str, float] | None = None, warm_prefixes: list[list[int]] | None = None) -> SimResult:
-    """Run the trace to completion; every request must get exactly one finishing delta (else RuntimeError)."""
+             aborts: dict[str, float] | None = None, warm_prefixes: list[list[int]] | None = None,
+             pipelined: bool = False) -> SimResult:
+    """Run the trace to completion; every request must get exactly one finishing delta (else RuntimeError).
+
+    pipelined: keep up to max_inflight_steps (async scheduling) steps per worker, each starting when the previous
+    one ends. The cost model has no host time to hide, so this shows the policy effect of scheduling one step
+    ahead (admissions and finishes seen a step later), not the overlap gain. Default: strict alternation.
+    """
     scheds = {w: Scheduler(cfg, num_blocks, block_size, max_model_len, warm_prefixes) for w in range(num_workers)}
     workers = {w: SimWorker(num_blocks, block_size, check_kv) for w in range(num_workers)}
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
@@ -160,24 +168,26 @@ def simulate(requests: list[SimRequest], cfg: BatcherConfig, cost: CostModel = C
     for seq, (rid, t) in enumerate((aborts or {}).items()):
         events.append((t, 2, seq, rid))
     heapq.heapify(events)
-    busy: dict[int, tuple[StepOutput, float]] = {}  # worker -> (output, step start)
+    busy: dict[int, deque[StepOutput]] = {w: deque() for w in scheds}  # outputs of the steps in flight
+    free_at = dict.fromkeys(scheds, 0.0)  # when the worker is done with the steps it holds
     now = 0.0
 
     def start(w: int) -> None:
-        if w in busy:
-            return
-        step = scheds[w].schedule(now)
-        if step is None:
-            return
-        out, (pf, dec, kv) = workers[w].execute(step)
-        dt = cost.step_seconds(pf, dec, kv)
-        res.steps += 1
-        res.prefill_tokens += pf
-        res.decode_tokens += dec
-        bm = scheds[w].bm
-        res.block_seconds += (bm.num_blocks - bm.num_free) * dt
-        busy[w] = (out, now)
-        heapq.heappush(events, (now + dt, 0, w, None))
+        depth = scheds[w].max_inflight_steps if pipelined else 1
+        while len(busy[w]) < depth:
+            step = scheds[w].schedule(now)
+            if step is None:
+                return
+            out, (pf, dec, kv) = workers[w].execute(step)  # in order: the same state the worker would see
+            dt = cost.step_seconds(pf, dec, kv)
+            res.steps += 1
+            res.prefill_tokens += pf
+            res.decode_tokens += dec
+            bm = scheds[w].bm
+            res.block_seconds += (bm.num_blocks - bm.num_free) * dt
+            busy[w].append(out)
+            free_at[w] = max(now, free_at[w]) + dt
+            heapq.heappush(events, (free_at[w], 0, w, None))
 
     def deliver(deltas) -> None:
         for d in deltas:
@@ -223,8 +233,7 @@ def simulate(requests: list[SimRequest], cfg: BatcherConfig, cost: CostModel = C
                 start(w)
         else:
             w = seq
-            out, _ = busy.pop(w)
-            deliver(scheds[w].update(out, now))
+            deliver(scheds[w].update(busy[w].popleft(), now))
             start(w)
         if not events:  # idle everywhere: anything still unfinished would hang
             for w in scheds:
@@ -306,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the summary here")
     ap.add_argument("--limit", type=int, help="first N requests of the trace")
     ap.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by X")
+    ap.add_argument("--pipelined", action="store_true", help="keep 2 steps in flight per worker (async scheduling)")
     ap.add_argument("--bench-step", action="store_true", help="time one schedule()+update() with 256 running")
     args = ap.parse_args(argv)
     if args.bench_step:
@@ -319,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     res = simulate(reqs, cfg, CostModel.load(args.cost_model), num_blocks=int(extra.get("num_blocks", 8192)),
                    block_size=block_size, max_model_len=int(extra.get("max_model_len", 32768)),
-                   num_workers=int(extra.get("num_workers", 1)))
+                   num_workers=int(extra.get("num_workers", 1)), pipelined=args.pipelined)
     summary = summarize(res) | {"wall_s": round(time.perf_counter() - t0, 2)}
     _print(summary)
     if args.json:

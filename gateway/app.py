@@ -21,7 +21,7 @@ from gateway.client import BatcherClient
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError
 from gateway.metrics import Metrics
-from gateway.routes import Api
+from gateway.routes import ARRIVAL, Api
 from gateway.tokenizer import ModelTokenizer, load_tokenizer
 
 log = logging.getLogger("laneserve.gateway")
@@ -41,7 +41,7 @@ def _http_error(exc: web.HTTPException, request: web.Request) -> ApiError:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler):
-    request["arrival"] = time.monotonic()
+    request[ARRIVAL] = time.monotonic()
     api = request.app[API_KEY]
     try:
         return await handler(request)

@@ -27,6 +27,7 @@ from gateway.tokenizer import ChatTemplateError, ModelTokenizer
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"
 _json = msgspec.json.encode
+ARRIVAL = web.RequestKey("arrival", float)  # monotonic time the request reached the gateway
 
 
 def json_response(obj, status: int = 200) -> web.Response:
@@ -140,7 +141,7 @@ class Api:
 
     async def _generate(self, request: web.Request, req, prefix: str, shape, prompts: list[list[int]],
                         max_tokens: list[int], logprobs: int | None, echo: list[str] | None) -> web.StreamResponse:
-        arrival = request.get("arrival", time.monotonic())
+        arrival = request.get(ARRIVAL, time.monotonic())
         n = req.n or 1
         if self.draining:
             raise ApiError(503, "the gateway is shutting down", retry_after=self.cfg.retry_after)

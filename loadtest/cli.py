@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--start", type=float, default=0.0, help="trace window start, trace seconds")
     w.add_argument("--duration", type=float, default=None, help="trace window length, trace seconds")
     w.add_argument("--max-requests", type=int, default=None)
+    w.add_argument("--max-input-tokens", type=int, default=None, help="cap each prompt (e.g. for a small model)")
+    w.add_argument("--max-output-tokens", type=int, default=None, help="cap each output")
     w.add_argument("--time-limit", type=float, default=None,
                    help="wall seconds for the whole run (default: trace span + request timeout)")
     w.add_argument("--request-timeout", type=float, default=600.0)
@@ -78,14 +80,33 @@ def make_trace(args: argparse.Namespace) -> list[traces.TraceRequest]:
                           args.output_tokens, args.hit_rate, args.burstiness, seed=args.seed)
     else:
         reqs = traces.load_trace(args.trace)
-    return traces.window(reqs, args.start, args.duration, args.max_requests)
+    reqs = traces.window(reqs, args.start, args.duration, args.max_requests)
+    return traces.cap(reqs, args.max_input_tokens, args.max_output_tokens)
+
+
+def _run(trace, cfg, console, progress: bool):
+    from loadtest.client import run_load
+
+    if not progress:
+        return run_load(trace, cfg)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("sent {task.fields[sent]} errors {task.fields[errors]}"), console=console) as bar:
+        task = bar.add_task("requests", total=len(trace), sent=0, errors=0)
+
+        def on_progress(sent: int, finished: int, errored: int) -> None:
+            bar.update(task, completed=finished + errored, sent=sent, errors=errored)
+
+        return run_load(trace, cfg, on_progress)
 
 
 def run_main(argv: list[str]) -> int:
+    import aiohttp
     from rich.console import Console
 
     from loadtest import report
-    from loadtest.client import LoadConfig, run_load
+    from loadtest.client import LoadConfig
 
     args = build_parser().parse_args(argv)
     slo = report.parse_slo(args.slo)
@@ -97,21 +118,13 @@ def run_main(argv: list[str]) -> int:
                      max_connections=args.max_connections, request_timeout=args.request_timeout,
                      time_limit=args.time_limit, ignore_eos=args.ignore_eos, prompt_mode=args.prompt_mode,
                      seed=args.seed, api_key=args.api_key)
-    if args.progress and console.is_terminal:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      TextColumn("sent {task.fields[sent]} errors {task.fields[errors]}"),
-                      console=console) as bar:
-            task = bar.add_task("requests", total=len(trace), sent=0, errors=0)
-
-            def on_progress(sent: int, finished: int, errored: int) -> None:
-                bar.update(task, completed=finished + errored, sent=sent, errors=errored)
-
-            records, meta = run_load(trace, cfg, on_progress)
-    else:
-        records, meta = run_load(trace, cfg)
+    try:
+        records, meta = _run(trace, cfg, console, args.progress and console.is_terminal)
+    except (aiohttp.ClientError, OSError, RuntimeError, ValueError) as exc:  # the probe failed
+        console.print(f"[red]loadtest failed before the run: {exc}")
+        return 2
     meta.update(trace=args.trace, start=args.start, duration=args.duration, max_requests=args.max_requests,
+                max_input_tokens=args.max_input_tokens, max_output_tokens=args.max_output_tokens,
                 seed=args.seed, slo=args.slo)
     summary = report.summarize(records, slo)
     path = report.write_report(args.out, meta, summary, records)
@@ -124,6 +137,14 @@ def run_main(argv: list[str]) -> int:
     return 0 if summary["finished"] or not summary["sent"] else 1
 
 
+def _run_name(path: str) -> str:
+    """runs/burst/report.json -> 'burst' (the --out directory names the run)."""
+    from pathlib import Path
+
+    p = Path(path)
+    return p.parent.name if p.name == "report.json" and p.parent.name else p.stem
+
+
 def compare_main(argv: list[str]) -> int:
     from loadtest import report
 
@@ -133,7 +154,8 @@ def compare_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     with open(args.a) as fa, open(args.b) as fb:
         a, b = json.load(fa), json.load(fb)
-    report.print_compare(a, b, (args.a, args.b))
+    names = tuple(_run_name(x) for x in (args.a, args.b))
+    report.print_compare(a, b, names if names[0] != names[1] else (args.a, args.b))
     return 0
 
 

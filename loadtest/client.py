@@ -68,8 +68,8 @@ class RequestRecord:
     error: str | None = None
     ttft: float | None = None  # s from sent to the first generated text
     e2e: float | None = None  # s from sent to the end of the stream
-    itl: list[float] = field(default_factory=list)  # gaps between successive content chunks
-    output_tokens: int = 0  # usage.completion_tokens, else the number of content chunks
+    itl: list[float] = field(default_factory=list)  # gaps between successive streamed chunks
+    output_tokens: int = 0  # usage.completion_tokens, else the number of chunks
     prompt_tokens: int | None = None  # usage.prompt_tokens
 
     @property
@@ -81,6 +81,11 @@ class RequestRecord:
         if self.ok and self.ttft is not None and self.output_tokens > 1:
             return (self.e2e - self.ttft) / (self.output_tokens - 1)
         return None
+
+
+def _role_only(choice: dict) -> bool:
+    delta = choice.get("delta") or {}
+    return not delta.get("content") and choice.get("finish_reason") is None and "role" in delta
 
 
 def _base(url: str) -> str:
@@ -133,6 +138,7 @@ class LoadRunner:
         self.trace, self.cfg, self.on_progress = trace, cfg, on_progress
         self.records: list[RequestRecord] = []
         self.info: ServerInfo | None = None
+        self.meta: dict = {}
         self.sent = self.finished = self.errored = 0
 
     # ------------------------------------------------------------------ prompts and payloads
@@ -170,7 +176,7 @@ class LoadRunner:
                     return
                 await self._read_stream(resp, rec, start)
         except asyncio.CancelledError:
-            rec.error = rec.error or "cancelled: run time limit reached"
+            rec.error = rec.error or "cancelled: the run stopped (time limit or interrupt)"
             raise
         except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError, KeyError) as exc:
             rec.error = f"{type(exc).__name__}: {exc}"[:500] or type(exc).__name__
@@ -202,21 +208,21 @@ class LoadRunner:
             if obj.get("usage"):
                 rec.output_tokens = int(obj["usage"].get("completion_tokens") or 0)
                 rec.prompt_tokens = obj["usage"].get("prompt_tokens")
-            for ch in obj.get("choices") or ():
-                text = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
-                if text:
-                    chunks += 1
-                    if last is None:
-                        rec.ttft = now - start
-                    else:
-                        rec.itl.append(now - last)
-                    last = now
+            # As vLLM's benchmark: every chunk with choices is a token event, text or not (a byte-level
+            # tokenizer may hold back a partial UTF-8 character). The chat role chunk comes first and
+            # carries no content, so it does not count.
+            choices = obj.get("choices") or ()
+            if choices and not (self.cfg.endpoint == "chat" and _role_only(choices[0])):
+                chunks += 1
+                if last is None:
+                    rec.ttft = now - start
+                else:
+                    rec.itl.append(now - last)
+                last = now
         if rec.e2e is None:
             rec.error = "stream ended without [DONE]"
         elif rec.output_tokens == 0:
             rec.output_tokens = chunks
-        if rec.ttft is None and rec.error is None and rec.output_tokens:
-            rec.ttft = rec.e2e  # all output came without text (e.g. special tokens only)
 
     # ------------------------------------------------------------------ the run
     def _progress(self) -> None:
@@ -234,8 +240,12 @@ class LoadRunner:
             self.info = await probe(session, cfg)
             loop = asyncio.get_running_loop()
             t0 = loop.time()
-            wall0 = time.time()
             deadline = t0 + limit
+            self.meta = {"url": cfg.url, "model": self.info.model, "endpoint": cfg.endpoint, "speedup": cfg.speedup,
+                         "max_model_len": self.info.max_model_len, "tokenizer_probe": self.info.tokenize_ok,
+                         "alphabet_size": len(self.info.alphabet), "prompt_mode": cfg.prompt_mode,
+                         "ignore_eos": cfg.ignore_eos, "planned": len(self.trace), "time_limit_s": limit,
+                         "started_at": time.time(), "wall_s": None, "interrupted": False}
             tasks: list[asyncio.Task] = []
             for i, tr in enumerate(self.trace):
                 when = t0 + tr.arrival / cfg.speedup
@@ -255,16 +265,17 @@ class LoadRunner:
                 for t in pending:
                     t.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
-            wall = loop.time() - t0
-        return {"url": cfg.url, "model": self.info.model, "endpoint": cfg.endpoint, "speedup": cfg.speedup,
-                "max_model_len": self.info.max_model_len, "tokenizer_probe": self.info.tokenize_ok,
-                "alphabet_size": len(self.info.alphabet), "prompt_mode": cfg.prompt_mode,
-                "ignore_eos": cfg.ignore_eos, "planned": len(self.trace), "time_limit_s": limit,
-                "started_at": wall0, "wall_s": wall}
+            self.meta["wall_s"] = loop.time() - t0
+        return self.meta
 
 
 def run_load(trace: list[TraceRequest], cfg: LoadConfig,
              on_progress: Callable[[int, int, int], None] | None = None) -> tuple[list[RequestRecord], dict]:
     runner = LoadRunner(trace, cfg, on_progress)
-    meta = asyncio.run(runner.run())
+    try:
+        meta = asyncio.run(runner.run())
+    except KeyboardInterrupt:  # asyncio.run cancelled the tasks: keep what was measured
+        if not runner.meta:
+            raise
+        meta = {**runner.meta, "interrupted": True}
     return runner.records, meta

@@ -39,9 +39,12 @@ def plot_run(records: list[RequestRecord], out_dir: str | Path, title: str = "")
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
     times = np.asarray([r.sent for r in sent])
     if times.size:
-        bins = np.arange(0, max(times.max(), 1.0) + 1.0, 1.0)
-        ax1.hist(times, bins=bins, color="tab:blue")
+        # ~60 bins over the run, whole seconds once the run is longer than a minute
+        width = max(times.max() / 60, 0.05) if times.max() < 60 else float(np.ceil(times.max() / 60))
+        counts, edges = np.histogram(times, bins=np.arange(0, times.max() + width, width))
+        ax1.bar(edges[:-1], counts / width, width=width, align="edge", color="tab:blue")
     ax1.set_ylabel("requests sent / s")
+    ax1.grid(alpha=0.3)
     ax1.set_title(title or "arrivals and TTFT over time")
     timed = [r for r in ok if r.ttft is not None]
     ax2.scatter([r.sent for r in timed], [r.ttft * 1e3 for r in timed], s=6, label="TTFT (ok)")
@@ -49,7 +52,7 @@ def plot_run(records: list[RequestRecord], out_dir: str | Path, title: str = "")
         ax2.scatter([r.sent for r in bad], [0] * len(bad), s=12, marker="x", color="tab:red", label="error")
     ax2.set_ylabel("TTFT ms")
     ax2.set_xlabel("s since start")
-    ax2.legend(loc="upper left")
+    ax2.legend(loc="best")
     ax2.grid(alpha=0.3)
     timeline = out / "timeline.png"
     fig.tight_layout()

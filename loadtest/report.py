@@ -120,12 +120,25 @@ def _rows(s: dict) -> list[tuple[str, object]]:
 
 def print_report(meta: dict, s: dict, console: Console | None = None) -> None:
     console = console or Console()
-    t = Table(title=f"laneserve loadtest: {meta.get('model')} @ {meta.get('url')}")
+    console.print(f"laneserve loadtest: model {meta.get('model')} at {meta.get('url')}")
+    t = Table(title="requests and throughput")
     t.add_column("metric")
     t.add_column("value", justify="right")
     for label, v in _rows(s):
-        t.add_row(label, _fmt(v))
+        if not label.split()[0].lower() in LATENCIES:
+            t.add_row(label, _fmt(v))
+    lat = Table(title="latency (ms)")
+    cols = ("n", "mean", *(f"p{p}" for p in PERCENTILES), "max")
+    for c in ("", *cols):
+        lat.add_column(c, justify="right" if c else "left")
+    for name in LATENCIES:
+        st = s[f"{name}_ms"]
+        lat.add_row(name.upper(), *(_fmt(st.get(c)) for c in cols))
     console.print(t)
+    console.print(lat)
+    planned = meta.get("planned")
+    if planned is not None and planned > s["sent"]:
+        console.print(f"[yellow]{planned - s['sent']} of {planned} trace requests were not sent (time limit)")
     if s["slo"]:
         terms = ", ".join(f"{k}<={v:g}ms" for k, v in s["slo"].items())
         console.print(f"goodput: {100 * s['goodput']:.1f}% of sent requests met {terms}")
@@ -140,7 +153,7 @@ def print_report(meta: dict, s: dict, console: Console | None = None) -> None:
         console.print(f"[yellow]client lag p99 {lag['p99']:.0f} ms: the load generator fell behind the trace")
 
 
-def compare(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> list[tuple[str, object, object, float | None]]:
+def compare(a: dict, b: dict) -> list[tuple[str, object, object, float | None]]:
     """Rows (metric, A, B, B/A) of two report.json objects."""
     out = []
     for (label, va), (_, vb) in zip(_rows(a["summary"]), _rows(b["summary"])):
@@ -154,6 +167,6 @@ def print_compare(a: dict, b: dict, names: tuple[str, str], console: Console | N
     t = Table(title="laneserve loadtest compare")
     for col in ("metric", names[0], names[1], "B/A"):
         t.add_column(col, justify="left" if col == "metric" else "right")
-    for label, va, vb, ratio in compare(a, b, names):
+    for label, va, vb, ratio in compare(a, b):
         t.add_row(label, _fmt(va), _fmt(vb), "-" if ratio is None else f"{ratio:.2f}x")
     console.print(t)

@@ -219,3 +219,11 @@ def window(reqs: list[TraceRequest], start: float = 0.0, duration: float | None 
     end = math.inf if duration is None else start + duration
     picked = [r for r in reqs if start <= r.arrival < end]
     return _finish(picked, max_requests)
+
+
+def cap(reqs: list[TraceRequest], max_input: int | None = None, max_output: int | None = None) -> list[TraceRequest]:
+    """Clip token counts (e.g. to replay a real trace's timing on a small model); hash_ids are kept,
+    so shared prefixes stay shared up to the cut."""
+    mi, mo = max_input or math.inf, max_output or math.inf
+    return [TraceRequest(r.arrival, int(min(r.input_tokens, mi)), int(min(r.output_tokens, mo)), r.hash_ids)
+            for r in reqs]

@@ -123,8 +123,10 @@ class ModelRunner:
         return out
 
     def _run(self, scheduled: dict[str, int]):
-        # Decodes (one token) first: the attention backend batches them as one call.
-        order = sorted(scheduled, key=lambda rid: scheduled[rid] != 1)
+        # Decodes (one token) first, longest context first: the attention backend batches them
+        # into padded calls, and neighbours of similar length waste little padding.
+        order = sorted(scheduled, key=lambda rid: (scheduled[rid] != 1,
+                                                   -self.requests[rid].num_computed_tokens * (scheduled[rid] == 1)))
         reqs = [self.requests[rid] for rid in order]
         input_ids, positions, slots, query_lens, seq_lens, tables = [], [], [], [], [], []
         bs = BLOCK_SIZE

@@ -19,10 +19,16 @@ import torch.nn.functional as F
 from workers.attention.base import AttentionBackend, AttentionMetadata
 
 
+# Most gathered key rows one padded decode call may hold: bounds the transient K/V copy
+# (rows x Hkv x D each, for K and V) whatever the batch and context lengths.
+MAX_DECODE_GATHER = 1 << 16
+
+
 @dataclass
 class _Plan:
-    decode_slots: torch.Tensor | None  # [num_decodes, max_len] int64 slots (0 where masked)
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_len] bool, True = attend
+    # decode groups: (first row, end row, slots [rows, max_len] int64 (0 where masked),
+    # mask [rows, 1, 1, max_len] bool, True = attend)
+    decodes: list[tuple[int, int, torch.Tensor, torch.Tensor]]
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (q_start, q_end, slots [L], mask [1, nq, L])
 
 
@@ -41,16 +47,25 @@ def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> to
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
+    def __init__(self, max_decode_gather: int = MAX_DECODE_GATHER):
+        self.max_decode_gather = max_decode_gather
+
     def prepare(self, meta: AttentionMetadata, block_size: int, sliding_window: int | None) -> None:
         device = meta.slot_mapping.device
         nd = meta.num_decodes
-        decode_slots = decode_mask = None
-        if nd:
-            lens = meta.seq_lens[:nd].long()
-            k_pos = torch.arange(max(meta.seq_lens_cpu[:nd]), device=device)
+        decodes = []
+        lo = 0
+        while lo < nd:  # consecutive groups, each padded to its own longest context
+            hi, longest = lo + 1, meta.seq_lens_cpu[lo]
+            while hi < nd and max(longest, meta.seq_lens_cpu[hi]) * (hi + 1 - lo) <= self.max_decode_gather:
+                longest = max(longest, meta.seq_lens_cpu[hi])
+                hi += 1
+            lens = meta.seq_lens[lo:hi].long()
+            k_pos = torch.arange(longest, device=device)
             mask = _allowed((lens - 1)[:, None], k_pos[None, :], sliding_window) & (k_pos[None, :] < lens[:, None])
-            decode_slots = torch.where(mask, _key_slots(meta.block_tables[:nd], k_pos, block_size), 0)
-            decode_mask = mask[:, None, None, :]
+            slots = torch.where(mask, _key_slots(meta.block_tables[lo:hi], k_pos, block_size), 0)
+            decodes.append((lo, hi, slots, mask[:, None, None, :]))
+            lo = hi
         prefills = []
         start = sum(meta.query_lens_cpu[:nd])
         for i in range(nd, meta.num_seqs):
@@ -62,7 +77,7 @@ class TorchAttentionBackend(AttentionBackend):
             mask = _allowed(q_pos[:, None], k_pos[None, :], sliding_window)[None]
             prefills.append((q_start, q_start + nq, slots, mask))
             start += nq
-        meta.plan = _Plan(decode_slots, decode_mask, prefills)
+        meta.plan = _Plan(decodes, prefills)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -72,13 +87,12 @@ class TorchAttentionBackend(AttentionBackend):
         flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
         flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
         out = torch.empty_like(q)
-        nd = meta.num_decodes
-        if nd:
-            kd = flat_k[plan.decode_slots].transpose(1, 2).to(q.dtype)  # [nd, Hkv, L, D]
-            vd = flat_v[plan.decode_slots].transpose(1, 2).to(q.dtype)
-            qd = q[:nd].unsqueeze(2)  # [nd, Hq, 1, D]
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True)
-            out[:nd] = o.squeeze(2)
+        for lo, hi, slots, mask in plan.decodes:
+            kd = flat_k[slots].transpose(1, 2).to(q.dtype)  # [rows, Hkv, L, D]
+            vd = flat_v[slots].transpose(1, 2).to(q.dtype)
+            qd = q[lo:hi].unsqueeze(2)  # [rows, Hq, 1, D]
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=True)
+            out[lo:hi] = o.squeeze(2)
         for q_start, q_end, slots, mask in plan.prefills:
             kp = flat_k[slots].transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
             vp = flat_v[slots].transpose(0, 1).to(q.dtype)

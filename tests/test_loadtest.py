@@ -1,0 +1,264 @@
+"""loadtest: the open-loop client, the report math, compare, the CLI, and a replay against the stack.
+
+The client is first run against a small stand-in OpenAI server defined here (loadtest targets
+any OpenAI-compatible server; the stand-in lets a test force 429s, hangs and a small context),
+then for real against `laneserve serve --model tiny` (the `stack` fixture).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from loadtest import cli, report
+from loadtest.client import PROBE_TEXT, LoadConfig, LoadRunner, RequestRecord, fit_to_context
+from loadtest.traces import TraceRequest, load_trace, rag
+
+TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+FAIL_429, HANG, MID_ERROR = 13, 17, 19  # max_tokens the stand-in answers with a 429 / never / an error event
+
+
+class StandIn:
+    """A minimal OpenAI-style server on loopback: byte 'tokenizer', streamed completions."""
+
+    def __init__(self, max_model_len: int = 4096, token_delay: float = 0.02):
+        self.max_model_len, self.token_delay = max_model_len, token_delay
+        self.bodies: list[dict] = []
+        self.active = self.max_active = 0
+        self.runner: web.AppRunner | None = None
+        self.release = asyncio.Event()  # lets hung handlers end at shutdown
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_post("/v1/completions", self.generate)
+        app.router.add_post("/v1/chat/completions", self.generate)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+    async def stop(self) -> None:
+        self.release.set()
+        await self.runner.cleanup()
+
+    async def models(self, request):
+        return web.json_response({"data": [{"id": "standin", "max_model_len": self.max_model_len}]})
+
+    async def tokenize(self, request):
+        body = await request.json()
+        ids = list(body["prompt"].encode())
+        return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len})
+
+    async def detokenize(self, request):
+        body = await request.json()
+        return web.json_response({"prompt": bytes(body["tokens"]).decode(errors="replace")})
+
+    async def generate(self, request):
+        body = await request.json()
+        self.bodies.append(body)
+        n = body["max_tokens"]
+        if n == FAIL_429:
+            return web.json_response({"error": {"message": "busy"}}, status=429)
+        chat = "messages" in body
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        try:
+            if n == HANG:
+                await self.release.wait()
+                return resp
+            if n == MID_ERROR:
+                await resp.write(_sse({"choices": [{"index": 0, "text": "x"}]}))
+                await resp.write(_sse({"error": {"message": "engine failed", "code": 500}}) + b"data: [DONE]\n\n")
+                return resp
+            if chat:
+                await resp.write(_sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}]}))
+            for i in range(n):
+                await asyncio.sleep(self.token_delay)
+                choice = {"index": 0, "delta": {"content": "x"}} if chat else {"index": 0, "text": "x"}
+                choice["finish_reason"] = "length" if i == n - 1 else None
+                await resp.write(_sse({"choices": [choice]}))
+            prompt = len(body["prompt"]) if "prompt" in body else len(body["messages"][0]["content"])
+            await resp.write(_sse({"choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": n}}))
+            await resp.write(b"data: [DONE]\n\n")
+        finally:
+            self.active -= 1
+        return resp
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+async def _run(trace, **kw):
+    server = StandIn(**{k: kw.pop(k) for k in ("max_model_len", "token_delay") if k in kw})
+    url = await server.start()
+    try:
+        runner = LoadRunner(trace, LoadConfig(url=url, **kw))
+        t = time.monotonic()
+        meta = await runner.run()
+        meta["test_wall_s"] = time.monotonic() - t
+    finally:
+        await server.stop()
+    return server, runner.records, meta
+
+
+async def test_open_loop_accounts_for_every_request():
+    # 30 requests 40 ms apart, each streaming for ~8 x 20 ms: an open loop overlaps them.
+    outs = [8] * 30
+    outs[5], outs[9], outs[12] = FAIL_429, HANG, MID_ERROR
+    trace = [TraceRequest(0.04 * i, 20 + i, o) for i, o in enumerate(outs)]
+    server, records, meta = await _run(trace, time_limit=3.0, request_timeout=30.0)
+    assert meta["test_wall_s"] < 5.0  # the hung request was cut by the time limit
+    s = report.summarize(records, report.parse_slo("ttft=5s"))
+    assert s["sent"] == 30 == s["finished"] + s["errored"]
+    assert s["finished"] == 27 and s["errors_by_status"] == {"200": 2, "429": 1}
+    assert "busy" in records[5].error and "time limit" in records[9].error
+    assert records[12].error == "engine failed" and records[12].ttft is not None
+    assert server.max_active >= 3
+    assert s["dispatch_lag_ms"]["p50"] < 50
+    assert all(r.output_tokens == 8 and len(r.itl) == 7 for r in records if r.ok)
+    assert s["output_tokens"] == 27 * 8 and s["output_tokens_short"] == 0
+    assert s["goodput"] == pytest.approx(27 / 30)
+    assert meta["model"] == "standin" and meta["planned"] == 30
+
+
+async def test_prompts_are_token_ids_from_the_servers_vocab_with_shared_prefixes():
+    trace = rag(50.0, 12, num_docs=2, doc_tokens=512, question_tokens=24, output_tokens=3, hit_rate=1.0, seed=1)
+    server, records, _ = await _run(trace, token_delay=0.0)
+    assert all(r.ok for r in records)
+    alphabet = set(PROBE_TEXT.encode())
+    by_doc: dict[int, list[list[int]]] = {}
+    for body in server.bodies:
+        p = body["prompt"]
+        assert len(p) == 512 + 24 and set(p) <= alphabet
+        assert body["max_tokens"] == 3 and body["ignore_eos"] is True and body["stream"] is True
+        assert body["stream_options"] == {"include_usage": True}
+        by_doc.setdefault(tuple(p[:512]), []).append(p)
+    assert len(by_doc) == len({tr.hash_ids for tr in trace}) <= 2
+    questions = [tuple(p[512:]) for p in (b["prompt"] for b in server.bodies)]
+    assert len(set(questions)) == len(questions)
+
+
+async def test_context_clamp_and_chat_text_prompts():
+    trace = [TraceRequest(0.0, 150, 30), TraceRequest(0.01, 40, 4)]
+    server, records, meta = await _run(trace, max_model_len=100, endpoint="chat", token_delay=0.0)
+    assert meta["max_model_len"] == 100
+    long, short = sorted(records, key=lambda r: -r.trace_input_tokens)
+    assert long.clamped and long.input_tokens + long.max_tokens <= 100 and long.max_tokens == 30
+    assert not short.clamped and short.ok and short.output_tokens == 4 and len(short.itl) == 3
+    assert all("messages" in b and isinstance(b["messages"][0]["content"], str) for b in server.bodies)
+    assert report.summarize(records)["clamped"] == 1
+
+
+def test_fit_to_context():
+    assert fit_to_context(TraceRequest(0, 10, 10), None) == (TraceRequest(0, 10, 10), False)
+    assert fit_to_context(TraceRequest(0, 10, 10), 20)[1] is False
+    r, clamped = fit_to_context(TraceRequest(0, 10_000, 5_000, (1, 2)), 4096)
+    assert clamped and r.input_tokens + r.output_tokens <= 4096 and r.output_tokens == 2048 and r.hash_ids == (1, 2)
+
+
+def _rec(i, ttft_ms, e2e_ms, out, status=200, error=None):
+    r = RequestRecord(index=i, scheduled=float(i), input_tokens=100, max_tokens=out, trace_input_tokens=100,
+                      trace_output_tokens=out, sent=float(i), status=status, error=error)
+    if status == 200 and error is None:
+        r.ttft, r.e2e, r.output_tokens = ttft_ms / 1e3, e2e_ms / 1e3, out
+        r.itl = [(e2e_ms - ttft_ms) / 1e3 / (out - 1)] * (out - 1)
+    return r
+
+
+def test_summary_percentiles_throughput_goodput():
+    # 100 ok requests: TTFT 1..100 ms, 11 output tokens, TPOT = 10 ms for the first 50, 40 ms after
+    recs = [_rec(i, i + 1, i + 1 + (100 if i < 50 else 400), 11) for i in range(100)]
+    recs.append(_rec(100, 0, 0, 11, status=503, error="down"))
+    recs.append(_rec(101, 0, 0, 11, status=0, error="ClientConnectorError"))
+    s = report.summarize(recs, report.parse_slo("ttft=80ms,tpot=30ms"))
+    assert s["sent"] == 102 and s["finished"] == 100 and s["errored"] == 2
+    assert s["ttft_ms"]["p50"] == pytest.approx(50.5) and s["ttft_ms"]["p99"] == pytest.approx(99.01)
+    assert s["ttft_ms"]["max"] == pytest.approx(100.0) and s["ttft_ms"]["n"] == 100
+    assert s["tpot_ms"]["p50"] == pytest.approx(25.0) and s["tpot_ms"]["p90"] == pytest.approx(40.0)
+    assert s["itl_ms"]["n"] == 1000 and s["itl_ms"]["mean"] == pytest.approx(25.0)
+    duration = (99 + 0.1 + 0.4) - 0  # last ok ends at sent 99 + e2e 0.5 s
+    assert s["duration_s"] == pytest.approx(duration)
+    assert s["request_throughput"] == pytest.approx(100 / duration)
+    assert s["output_tok_s"] == pytest.approx(1100 / duration)
+    assert s["total_tok_s"] == pytest.approx((1100 + 100 * 100) / duration)
+    assert s["goodput"] == pytest.approx(50 / 102)  # TTFT <= 80 and TPOT <= 30: requests 0..49
+    assert s["errors_by_status"] == {"0": 1, "503": 1}
+    assert report.summarize([], {})["sent"] == 0
+
+
+def test_parse_slo():
+    assert report.parse_slo("ttft=120ms,tpot=30ms") == {"ttft": pytest.approx(0.12), "tpot": pytest.approx(0.03)}
+    assert report.parse_slo("e2e=2s, itl=500") == {"e2e": 2.0, "itl": pytest.approx(0.5)}
+    assert report.parse_slo("") == {}
+    with pytest.raises(ValueError):
+        report.parse_slo("latency=3")
+
+
+def test_compare_two_reports(tmp_path, capsys):
+    a = [_rec(i, 100, 300, 5) for i in range(10)]
+    b = [_rec(i, 200, 400, 5) for i in range(10)]
+    pa = report.write_report(tmp_path / "a", {"model": "m"}, report.summarize(a), a)
+    pb = report.write_report(tmp_path / "b", {"model": "m"}, report.summarize(b), b)
+    assert len(report.load_records(tmp_path / "a" / "records.jsonl")) == 10
+    rows = {label: (va, vb, ratio) for label, va, vb, ratio in
+            report.compare(json.loads(pa.read_text()), json.loads(pb.read_text()))}
+    assert rows["TTFT p50 ms"] == (pytest.approx(100), pytest.approx(200), pytest.approx(2.0))
+    assert rows["sent"][2] == 1.0
+    assert cli.main(["compare", str(pa), str(pb)]) == 0
+    out = capsys.readouterr().out
+    assert "TTFT p50 ms" in out and "2.00x" in out
+
+
+def test_cli_trace_building():
+    args = cli.build_parser().parse_args(["--url", "http://127.0.0.1:1", "--out", "x", "--trace",
+                                          str(TRACES / "BurstGPT_3_first400.csv"), "--start", "100",
+                                          "--duration", "2000", "--max-requests", "10", "--max-input-tokens", "64"])
+    reqs = cli.make_trace(args)
+    full = load_trace(str(TRACES / "BurstGPT_3_first400.csv"))
+    inside = [r for r in full if 100 <= r.arrival < 2100][:10]
+    assert len(reqs) == 10 and reqs[0].arrival == 0.0
+    assert [r.output_tokens for r in reqs] == [r.output_tokens for r in inside]
+    assert all(r.input_tokens == min(64, f.input_tokens) for r, f in zip(reqs, inside))
+    args = cli.build_parser().parse_args(["--url", "u", "--out", "x", "--num-requests", "7", "--input-tokens",
+                                          "8:16", "--burstiness", "0.5"])
+    syn = cli.make_trace(args)
+    assert len(syn) == 7 and all(8 <= r.input_tokens <= 16 for r in syn)
+
+
+def test_replay_against_the_stack(stack, tmp_path):
+    """A short BurstGPT replay (30 requests squeezed into ~4 s, lengths capped for the tiny model)."""
+    out = tmp_path / "run"
+    rc = cli.main(["--url", stack.base_url, "--trace", str(TRACES / "BurstGPT_3_first400.replay.jsonl"),
+                   "--max-requests", "30", "--speedup", "1000", "--max-input-tokens", "48",
+                   "--max-output-tokens", "6", "--time-limit", "120", "--slo", "ttft=30s", "--no-progress",
+                   "--out", str(out)])
+    assert rc == 0
+    rep = json.loads((out / "report.json").read_text())
+    s, meta = rep["summary"], rep["meta"]
+    assert s["sent"] == 30 == s["finished"] + s["errored"]
+    assert s["finished"] == 30, s["error_kinds"]
+    assert meta["model"] == "tiny" and meta["tokenizer_probe"] and meta["max_model_len"]
+    recs = report.load_records(out / "records.jsonl")
+    assert all(r.output_tokens == r.max_tokens and r.prompt_tokens == r.input_tokens for r in recs)
+    assert s["ttft_ms"]["n"] == 30 and s["output_tok_s"] > 0
+    assert (out / "timeline.png").stat().st_size > 0 and (out / "cdf.png").stat().st_size > 0
+
+
+def test_cli_fails_cleanly_without_a_server(tmp_path, capsys):
+    from tests.stack import free_port
+
+    rc = cli.main(["--url", f"http://127.0.0.1:{free_port()}", "--num-requests", "3", "--no-progress",
+                   "--out", str(tmp_path / "x")])
+    assert rc == 2 and "failed before the run" in capsys.readouterr().err
