@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import deque
-from typing import NamedTuple
 from typing import Iterable
 
 from batcher.block_manager import BlockManager
@@ -33,13 +32,10 @@ def _sort_key(item: tuple) -> tuple[int, int]:
     return item[0], item[1]
 
 
-class Scheduled(NamedTuple):
-    """What one step in flight does to one request, checked against the request when its output comes back."""
-
-    req: Request
-    computed: int  # req.num_computed_tokens once this step is done
-    samples: bool  # the chunk reaches the end of its tokens: the worker samples one for it
-    epoch: int  # req.num_preemptions when scheduled: a preempted request's old steps are void
+# What one step in flight does to one request, checked against the request when the step's output comes back:
+# (request, its num_computed_tokens once this step is done, whether the worker samples a token for it in this step,
+# its num_preemptions when scheduled: a preempted request's old steps are void). A plain tuple: 256 per step.
+Scheduled = tuple[Request, int, bool, int]
 
 
 def parse_buckets(spec: str) -> list[int]:
@@ -281,10 +277,11 @@ class Scheduler:
             req.new_block_ids = []
             done = req.num_computed_tokens + n
             req.num_computed_tokens = done
-            samples = done == req.compute_target and not req.internal
+            # Reaches the end of its tokens (compute_target, inlined; warm prefixes never sample).
+            samples = not req.internal and done == len(req.token_ids) + req.num_output_placeholders
             if samples:  # next step it decodes the token sampled now: the worker has it by then
                 req.num_output_placeholders += 1
-            flight.append(Scheduled(req, done, samples, req.num_preemptions))
+            flight.append((req, done, samples, req.num_preemptions))
         self.in_flight.append((self.step_no, flight))
         finished, self.finished_ids = self.finished_ids, []
         return StepInput(step=self.step_no, new_reqs=new_reqs, cached_reqs=cached_reqs,

@@ -37,17 +37,22 @@ NEAR_DONE = 8  # outputs left: the smallest default decode bucket
 
 @dataclass(frozen=True)
 class CostModel:
-    """Step time in ms: a + b*prefill_tokens + c*decode_seqs + d*kv_tokens_read."""
+    """Step time in ms: a + b*prefill_tokens + c*decode_seqs + d*kv_tokens_read.
+
+    h: host gap in ms between two steps under strict alternation (output send, update + schedule, input
+    send); pipelined (async scheduling) hides it behind the step before. 0 = folded into a.
+    """
 
     a: float = 4.0
     b: float = 0.06
     c: float = 0.05
     d: float = 0.0001
+    h: float = 0.0
 
     @classmethod
     def load(cls, path: str | Path) -> "CostModel":
         data = json.loads(Path(path).read_text())
-        return cls(**{k: float(data[k]) for k in ("a", "b", "c", "d") if k in data})
+        return cls(**{k: float(data[k]) for k in ("a", "b", "c", "d", "h") if k in data})
 
     def step_seconds(self, prefill_tokens: int, decode_seqs: int, kv_tokens_read: int) -> float:
         return (self.a + self.b * prefill_tokens + self.c * decode_seqs + self.d * kv_tokens_read) / 1000.0
@@ -149,8 +154,9 @@ def simulate(requests: list[SimRequest], cfg: BatcherConfig, cost: CostModel = C
     """Run the trace to completion; every request must get exactly one finishing delta (else RuntimeError).
 
     pipelined: keep up to max_inflight_steps (async scheduling) steps per worker, each starting when the previous
-    one ends. The cost model has no host time to hide, so this shows the policy effect of scheduling one step
-    ahead (admissions and finishes seen a step later), not the overlap gain. Default: strict alternation.
+    one ends, so the cost model's host gap `h` is hidden (assumed shorter than a step); strict alternation
+    (default) pays it before every step. Also shows the policy effect of scheduling one step ahead
+    (admissions and stops seen a step later).
     """
     scheds = {w: Scheduler(cfg, num_blocks, block_size, max_model_len, warm_prefixes) for w in range(num_workers)}
     workers = {w: SimWorker(num_blocks, block_size, check_kv) for w in range(num_workers)}
@@ -186,7 +192,7 @@ def simulate(requests: list[SimRequest], cfg: BatcherConfig, cost: CostModel = C
             bm = scheds[w].bm
             res.block_seconds += (bm.num_blocks - bm.num_free) * dt
             busy[w].append(out)
-            free_at[w] = max(now, free_at[w]) + dt
+            free_at[w] = max(now, free_at[w]) + dt + (0.0 if pipelined else cost.h / 1000.0)
             heapq.heappush(events, (free_at[w], 0, w, None))
 
     def deliver(deltas) -> None:

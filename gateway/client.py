@@ -43,9 +43,6 @@ class BatcherClient:
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.connect(cfg.batcher_address)
-        # Sends never wait (NOBLOCK, HWM 0), so they go through a plain shadow of the socket and
-        # raise right here instead of into a Future nobody awaits.
-        self.tx = zmq.Socket.shadow(self.sock.underlying)
         self.decoder = P.decoder(P.BatcherToGateway)
         self.queues: dict[str, asyncio.Queue] = {}
         self.pings: dict[int, asyncio.Future] = {}
@@ -71,7 +68,11 @@ class BatcherClient:
     # ------------------------------------------------------------------ sending
     def _send(self, msg) -> None:
         # NOBLOCK with HWM 0 never waits: the frame is queued even before the sidecar connects.
-        self.tx.send(P.encode(msg), flags=zmq.NOBLOCK)
+        # It must go through the asyncio socket, not a sync shadow: a send can swallow the fd's
+        # edge-triggered read event, and only pyzmq's own send re-arms the waiting reader.
+        fut = self.sock.send(P.encode(msg), flags=zmq.NOBLOCK)
+        if fut.done() and fut.exception() is not None:  # resolved at once; retrieving it keeps asyncio quiet
+            raise fut.exception()
 
     def submit(self, requests: list[P.AddRequest]) -> asyncio.Queue:
         """Send the requests; their deltas (and Rejected / SidecarLost) arrive on the returned queue."""

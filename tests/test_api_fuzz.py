@@ -9,7 +9,7 @@ import time
 import urllib.error
 import urllib.request
 
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 # Leaves: a few values of every JSON type, including ones that are out of range for any parameter.
@@ -84,7 +84,9 @@ def _metric(text: str, name: str) -> float:
     return float(re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M).group(1))
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
+# No shrinking: a failure prints its example at once instead of spending minutes against the live stack.
+@settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck),
+          phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(body=BODY, raw_junk=st.binary(max_size=12))
 def test_random_bodies_get_2xx_or_4xx_and_leak_no_kv_blocks(stack, body, raw_junk):
     if "max_tokens" not in body and "max_completion_tokens" not in body:

@@ -14,7 +14,7 @@ from collections import deque
 import pytest
 
 from batcher.config import BatcherConfig
-from batcher.protocol import FinishReason, StepOutput
+from batcher.protocol import AddRequest, FinishReason, SamplingParams, StepOutput
 from batcher.scheduler import Scheduler
 from batcher.simulator import CostModel, SimRequest, simulate
 from tests.test_scheduler import Driver, add
@@ -157,6 +157,22 @@ def test_stop_tokens_end_requests_exactly_and_the_extra_in_flight_token_is_disca
     assert d.s.bm.num_free == 128
 
 
+def test_generated_blocks_are_cached_once_their_tokens_are_known():
+    # A follow-up turn (prompt = previous prompt + answer + more) hits every full block of the first turn, also
+    # the ones completed by decodes: a block is offered to the prefix cache only when the step that finished
+    # writing it is back (with a decode in flight, its last token is not known yet).
+    for on in (False, True):
+        s = Scheduler(cfg(async_scheduling=on), 64, BS, 8192)
+        d = AsyncDriver(s)
+        add(s, "turn1", 31, max_tokens=30)  # the prefill fills block 0 and all of block 1 but its last token
+        d.run()
+        history = [i % 1000 for i in range(31)] + d.tokens["turn1"]
+        s.add_request(AddRequest(request_id="turn2", prompt_token_ids=history + [1, 2, 3, 4, 5], arrival_time=0.0,
+                                 params=SamplingParams(max_tokens=3)))
+        d.run()
+        assert d.deltas[[x.request_id for x in d.deltas].index("turn2")].num_cached_tokens == 48, on
+
+
 def test_length_limits_count_tokens_in_flight():
     def setup(s):
         add(s, "ctx", 35, max_tokens=100)  # max_model_len 40: 5 tokens
@@ -217,6 +233,46 @@ def test_a_request_short_of_blocks_waits_for_one_whose_last_token_is_in_flight()
     assert len(d.tokens["b"]) == 10 and d.s.stats().preemptions == 0
 
 
+def test_random_mixes_give_the_same_outputs_as_strict_alternation():
+    runs = [_random_mix(seed) for seed in range(8)]
+    assert sum(p for p, _, _ in runs) > 5 and sum(st for _, st, _ in runs) > 20 and {d for _, _, d in runs} == {2}
+
+
+def _random_mix(seed: int) -> tuple[int, int, int]:
+    """Same tokens and finishes as strict alternation, limits honoured; -> (preemptions, stops, max depth)."""
+    rng = random.Random(seed)
+    pool = rng.choice([10, 16, 40, 200])
+    config = {"decode_buckets": rng.choice(["", "8,16,32"]), "max_num_batched_tokens": rng.choice([32, 64, 2048]),
+              "max_num_seqs": rng.choice([3, 256]), "enable_prefix_caching": rng.random() < 0.7}
+    shared = [9000 + j for j in range(rng.choice([0, 16, 40]))]
+
+    def token_fn(rid, toks):  # a stop token at a deterministic, request-dependent place, else position-based
+        return 7 if (sum(map(ord, rid)) * 7 + len(toks) * 13) % 23 == 0 else 1000 + len(toks) % 500
+
+    def setup(s):
+        for i in range(rng.randrange(5, 25)):
+            n = rng.randrange(1, 60)
+            prompt = (shared + [100 * i + j for j in range(n)])[:8 * BS]
+            s.add_request(AddRequest(request_id=f"q{i}", prompt_token_ids=prompt, arrival_time=0.0,
+                                     params=SamplingParams(max_tokens=rng.randrange(1, 40), stop_token_ids=(7,),
+                                                           min_tokens=rng.choice([0, 0, 3]))))
+
+    state = rng.getstate()
+    sync = sync_tokens(setup, token_fn, pool=(pool, BS, 8 * BS + 40), config=config)
+    rng.setstate(state)
+    s = Scheduler(cfg(**config), pool, BS, 8 * BS + 40)
+    d = AsyncDriver(s, token_fn=token_fn)
+    setup(s)
+    d.run()
+    assert d.tokens == sync.tokens and d.finish == sync.finish
+    if s.stats().preemptions == 0:  # (a preempted request samples again what its in-flight step had)
+        for rid, toks in d.tokens.items():  # never sampled past a length limit; at most one extra after a stop
+            extra = {FinishReason.LENGTH: (0,), FinishReason.STOP: (0, 1)}[d.finish[rid]]
+            assert d.sampled.get(rid, 0) - len(toks) in extra, rid
+    assert not d.w.reqs and s.bm.num_free == pool
+    return s.stats().preemptions, list(d.finish.values()).count(FinishReason.STOP), d.max_depth
+
+
 def test_fail_all_with_steps_in_flight_resets_everything():
     s = Scheduler(cfg(), 64, BS, 8192)
     d = AsyncDriver(s)
@@ -263,6 +319,18 @@ def test_pipelined_simulation_with_a_tiny_pool_aborts_and_a_warm_prefix(seed):
         assert len(s.bm.pinned) == 4
 
 
+def test_pipelining_hides_the_host_gap_in_the_simulator():
+    # 64 steady decodes of 200 tokens; GPU step ~8 ms, 0.8 ms of sidecar + transport between steps.
+    reqs = [SimRequest(0.0, tokens(i, 100), 200) for i in range(64)]
+    cost = CostModel(a=8.0, b=0.0, c=0.0, d=0.0, h=0.8)
+    tpot = {}
+    for pip in (False, True):
+        res = simulate(reqs, cfg(), cost, num_blocks=2048, check_kv=True, pipelined=pip)
+        assert all(n == 200 for n in res.output_tokens.values())
+        tpot[pip] = sorted(res.tpot)[len(res.tpot) // 2]
+    assert tpot[False] == pytest.approx(0.0088, rel=0.01) and tpot[True] == pytest.approx(0.008, rel=0.01)
+
+
 def test_async_is_the_default_and_a_flag():
     import argparse
 
@@ -275,3 +343,108 @@ def test_async_is_the_default_and_a_flag():
     assert off.async_scheduling is False and to_argv(off) == ["--no-async-scheduling"]
     assert Scheduler(off, 8, BS, 100).max_inflight_steps == 1
     assert Scheduler(cfg(), 8, BS, 100).max_inflight_steps == 2
+
+
+# ---------------------------------------------------------------------- through the real stack
+async def _greedy(session, base: str, prompt: str, max_tokens: int, **body) -> dict:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **body}
+    async with session.post(f"{base}/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        out = await resp.json()
+    ch = out["choices"][0]
+    return {"text": ch["text"], "finish": ch["finish_reason"], "n": out["usage"]["completion_tokens"],
+            "tokens": ch["logprobs"]["tokens"] if ch.get("logprobs") else None}
+
+
+async def _mix(base: str, stop_id: int | None = None) -> list[dict]:
+    import asyncio
+
+    import aiohttp
+
+    jobs = [("Hello, lanes", 1), ("Hello, lanes", 7), ("abc", 33), ("The quick brown fox", 17), ("x" * 40, 2)]
+    extra = {"stop_token_ids": [stop_id]} if stop_id is not None else {}
+    async with aiohttp.ClientSession() as s:
+        return list(await asyncio.gather(*(_greedy(s, base, p, m, **extra) for p, m in jobs)))
+
+
+async def test_stack_greedy_outputs_match_with_and_without_async_scheduling(stack, make_stack):
+    import aiohttp
+
+    on = await _mix(stack.base_url)  # the default stack schedules asynchronously
+    assert [r["n"] for r in on] == [1, 7, 33, 17, 2] and all(r["finish"] == "length" for r in on)
+    # A stop token: the first single-ASCII-character token of a greedy generation (byte-level tokenizer: id = byte).
+    async with aiohttp.ClientSession() as s:
+        probe = await _greedy(s, stack.base_url, "Hello, lanes", 24, logprobs=0)
+    k, ch = next((i, t) for i, t in enumerate(probe["tokens"]) if len(t) == 1 and 32 <= ord(t) < 127)
+    stopped = await _mix(stack.base_url, ord(ch))
+    assert stopped[1]["n"] == min(k + 1, 7) and stopped[1]["finish"] == ("stop" if k < 7 else "length")
+    assert stopped[0]["n"] == 1
+    off = make_stack("--no-async-scheduling")
+    assert await _mix(off.base_url) == on
+    assert await _mix(off.base_url, ord(ch)) == stopped
+    assert not any("failing its requests" in line for line in stack.lines + off.lines)
+
+
+async def test_sidecar_keeps_two_steps_at_the_worker_and_checks_their_order(tmp_path):
+    """The real Batcher on real sockets; the test plays the gateway and a worker (the stand-in SimWorker)."""
+    import asyncio
+
+    import zmq
+    import zmq.asyncio
+
+    from batcher import protocol as P
+    from batcher import transport
+    from batcher.core import Batcher
+    from batcher.simulator import SimWorker
+
+    c = cfg(batcher_address=f"ipc://{tmp_path}/b.sock", worker_address=f"ipc://{tmp_path}/w.sock")
+    batcher = Batcher(c)
+    serving = asyncio.create_task(batcher.run())
+    ctx = zmq.asyncio.Context()
+    gw = transport.connect(ctx, zmq.DEALER, c.batcher_address, identity=b"gw")
+    wk = transport.connect(ctx, zmq.DEALER, c.worker_address, identity=b"worker-0")
+    steps_in, to_gateway = P.decoder(P.BatcherToWorker), P.decoder(P.BatcherToGateway)
+
+    async def recv(sock, dec):
+        return dec.decode(await asyncio.wait_for(sock.recv(), 10))
+
+    async def deltas(n: int) -> list:
+        got = []
+        while len(got) < n:
+            got += (await recv(gw, to_gateway)).deltas
+        return got
+
+    try:
+        await wk.send(P.encode(P.WorkerReady(worker_id=0, num_blocks=64, block_size=BS, max_model_len=1024,
+                                             protocol_version=P.PROTOCOL_VERSION)))
+        while not batcher.workers:  # the handshake is handled on the sidecar's loop; ask until it is in
+            await gw.send(P.encode(P.Ping(nonce=1)))
+            await recv(gw, to_gateway)
+        worker = SimWorker(64, BS)
+        await gw.send(P.encode(P.AddRequest(request_id="a", prompt_token_ids=list(range(20)),
+                                            params=P.SamplingParams(max_tokens=6), arrival_time=0.0)))
+        first, second = await recv(wk, steps_in), await recv(wk, steps_in)  # both sent before any output
+        assert (first.step, second.step) == (1, 2) and second.num_scheduled_tokens == {"a": 1}
+        for st in (first, second):
+            await wk.send(P.encode(worker.execute(st)[0]))
+        got = 0
+        while got < 2:  # one TokenBatch per update
+            got += sum(len(d.new_token_ids) for d in await deltas(1))
+        third, fourth = await recv(wk, steps_in), await recv(wk, steps_in)
+        await wk.send(P.encode(worker.execute(fourth)[0]))  # out of order: the sidecar fails the worker's requests
+        (err,) = [d for d in await deltas(1) if d.finish_reason is not None]
+        assert err.request_id == "a" and err.finish_reason == P.FinishReason.ERROR and "expected 3" in err.error
+        await wk.send(P.encode(worker.execute(third)[0]))  # a step cut off by the failure: dropped quietly
+        await gw.send(P.encode(P.AddRequest(request_id="b", prompt_token_ids=[5] * 20,
+                                            params=P.SamplingParams(max_tokens=1), arrival_time=0.0)))
+        nxt = await recv(wk, steps_in)
+        assert nxt.finished_req_ids == ["a"] and list(nxt.num_scheduled_tokens) == ["b"]
+        await wk.send(P.encode(worker.execute(nxt)[0]))
+        (done,) = await deltas(1)
+        assert done.request_id == "b" and done.finish_reason == P.FinishReason.LENGTH and len(done.new_token_ids) == 1
+    finally:
+        batcher._stop.set()
+        await serving
+        gw.close()
+        wk.close()
+        ctx.term()

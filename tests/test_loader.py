@@ -111,3 +111,12 @@ def test_device_and_dtype_errors():
         ModelRunner(WorkerConfig(max_model_len=100_000))
     with pytest.raises(ValueError, match="kv-cache-memory"):
         ModelRunner(WorkerConfig(kv_cache_memory="1MiB"))  # smaller than one 8192-token sequence
+
+
+def test_kv_cache_memory_parsing():
+    from workers.kv_cache import parse_bytes
+
+    assert [parse_bytes(t) for t in ("", "0", "1048576", "256MiB", "2GiB", "1.5GB", "64k")] == [
+        0, 0, 1 << 20, 256 << 20, 2 << 30, 1_500_000_000, 64_000]
+    with pytest.raises(ValueError, match="kv-cache-memory"):
+        parse_bytes("lots")

@@ -67,7 +67,7 @@ async def test_chat_streaming_and_non_streaming_agree(stack):
 def test_chat_over_the_context_is_a_400_with_vllms_wording(client):
     msgs = [{"role": "user", "content": "x" * 8150}]
     with pytest.raises(openai.BadRequestError, match=r"maximum context length is 8192 tokens\. However, you "
-                                                     r"requested 8268 tokens \(8168 in the messages, 100 in the "
+                                                     r"requested 8269 tokens \(8169 in the messages, 100 in the "
                                                      r"completion\)"):
         client.chat.completions.create(model="tiny", messages=msgs, max_tokens=100)
 

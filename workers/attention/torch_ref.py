@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from workers.attention.base import AttentionBackend, AttentionMetadata
 
@@ -22,6 +23,9 @@ from workers.attention.base import AttentionBackend, AttentionMetadata
 # Most gathered key rows one padded decode call may hold: bounds the transient K/V copy
 # (rows x Hkv x D each, for K and V) whatever the batch and context lengths.
 MAX_DECODE_GATHER = 1 << 16
+# Not cuDNN: it rebuilds its plan for every new mask shape (~2 ms of CPU per call on an H200).
+# GQA is folded into the query length below, so every backend here can take the masks.
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -87,16 +91,22 @@ class TorchAttentionBackend(AttentionBackend):
         flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
         flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
         out = torch.empty_like(q)
-        for lo, hi, slots, mask in plan.decodes:
-            kd = flat_k[slots].transpose(1, 2).to(q.dtype)  # [rows, Hkv, L, D]
-            vd = flat_v[slots].transpose(1, 2).to(q.dtype)
-            qd = q[lo:hi].unsqueeze(2)  # [rows, Hq, 1, D]
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=True)
-            out[lo:hi] = o.squeeze(2)
-        for q_start, q_end, slots, mask in plan.prefills:
-            kp = flat_k[slots].transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
-            vp = flat_v[slots].transpose(0, 1).to(q.dtype)
-            qp = q[q_start:q_end].transpose(0, 1)  # [Hq, nq, D]
-            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=True)
-            out[q_start:q_end] = o.transpose(0, 1)
+        num_kv_heads = flat_k.shape[1]
+        group = q.shape[1] // num_kv_heads
+        with sdpa_kernel(_SDPA_BACKENDS):
+            for lo, hi, slots, mask in plan.decodes:
+                kd = flat_k[slots].transpose(1, 2).to(q.dtype)  # [rows, Hkv, L, D]
+                vd = flat_v[slots].transpose(1, 2).to(q.dtype)
+                qd = q[lo:hi].unflatten(1, (num_kv_heads, group))  # [rows, Hkv, G, D]: a KV head's G queries
+                o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
+                out[lo:hi] = o.flatten(1, 2)
+            for q_start, q_end, slots, mask in plan.prefills:
+                kp = flat_k[slots].transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
+                vp = flat_v[slots].transpose(0, 1).to(q.dtype)
+                nq = q_end - q_start
+                # [nq, Hq, D] -> [Hkv, G*nq, D]: each KV head attends for its G query heads at once
+                qp = q[q_start:q_end].unflatten(1, (num_kv_heads, group)).permute(1, 2, 0, 3).flatten(1, 2)
+                m = mask.expand(group, nq, -1).reshape(1, group * nq, -1)
+                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=m, scale=scale)
+                out[q_start:q_end] = o.unflatten(1, (group, nq)).permute(2, 0, 1, 3).flatten(1, 2)
         return out

@@ -1,0 +1,187 @@
+"""Gateway benchmark: SSE tokens/s one gateway process streams, and the TTFT it adds.
+
+Runs three processes: a real gateway (gateway.app.run), an instant sidecar that speaks the real
+protocol on a ROUTER socket and answers every step at once (one token per running request per
+step, no model), and this process as the HTTP client. With a zero-cost engine, all the time seen by
+the client is the gateway's (plus the client's own parsing): tokens/s measures the gateway's SSE
+path; TTFT at concurrency 1 is the latency the gateway adds over the sidecar.
+
+    python -m gateway.bench --streams 64 --tokens 256 --ttft-requests 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import tempfile
+import time
+
+import zmq
+
+from batcher import protocol as P
+
+
+def instant_sidecar(address: str, ready) -> None:
+    """Every loop: one token for each running request, in one TokenBatch; Pong at once."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.bind(address)
+    dec = P.decoder(P.GatewayToBatcher)
+    running: dict[str, list] = {}  # id -> [gateway identity, tokens left, token id]
+    ready.set()
+    step = 0
+    while True:
+        timeout = 0 if running else 1000
+        while sock.poll(timeout):
+            ident, frame = sock.recv_multipart()
+            msg = dec.decode(frame)
+            if isinstance(msg, P.AddRequest):
+                running[msg.request_id] = [ident, msg.params.max_tokens, 32 + len(running) % 90]
+            elif isinstance(msg, P.AbortRequests):
+                for rid in msg.request_ids:
+                    if running.pop(rid, None) is not None:
+                        sock.send_multipart([ident, P.encode(P.TokenBatch(step=step, timestamp=time.time(), deltas=[
+                            P.TokenDelta(rid, [], P.FinishReason.ABORT)]))])
+            elif isinstance(msg, P.Ping):
+                sock.send_multipart([ident, P.encode(P.Pong(nonce=msg.nonce, workers_alive=1))])
+            timeout = 0
+        if not running:
+            continue
+        step += 1
+        by_gateway: dict[bytes, list] = {}
+        for rid, st in list(running.items()):
+            st[1] -= 1
+            done = st[1] <= 0
+            by_gateway.setdefault(st[0], []).append(
+                P.TokenDelta(rid, [st[2]], P.FinishReason.LENGTH if done else None))
+            if done:
+                del running[rid]
+        for ident, deltas in by_gateway.items():
+            sock.send_multipart([ident, P.encode(P.TokenBatch(step=step, deltas=deltas, timestamp=time.time()))])
+
+
+def direct_ttft(address: str, n: int) -> list[float]:
+    """Baseline: AddRequest -> first delta straight over ZeroMQ, no gateway."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(address)
+    dec = P.decoder(P.BatcherToGateway)
+    out = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        sock.send(P.encode(P.AddRequest(request_id=f"direct-{i}", prompt_token_ids=list(b"bench"),
+                                        params=P.SamplingParams(max_tokens=1), arrival_time=time.time())))
+        while not isinstance(dec.decode(sock.recv()), P.TokenBatch):
+            pass
+        out.append(time.perf_counter() - t0)
+    sock.close()
+    ctx.term()
+    return sorted(out)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return round(1e3 * xs[min(len(xs) - 1, int(q * len(xs)))], 3)
+
+
+def gateway_process(address: str, port: int) -> None:
+    from gateway.app import run
+    from gateway.config import GatewayConfig
+
+    run(GatewayConfig(port=port, batcher_address=address, max_queued_requests=0, request_timeout=0))
+
+
+async def _stream(session, url: str, tokens: int) -> tuple[float, int]:
+    """-> (seconds to the first content chunk, content chunks received)."""
+    body = {"model": "tiny", "prompt": "bench", "max_tokens": tokens, "stream": True, "ignore_eos": True}
+    t0 = time.perf_counter()
+    ttft, chunks = 0.0, 0
+    async with session.post(url, json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                if not chunks:
+                    ttft = time.perf_counter() - t0
+                chunks += 1
+    return ttft, chunks
+
+
+async def _wait_healthy(session, base: str) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            async with session.get(base + "/health") as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        await asyncio.sleep(0.1)
+    raise SystemExit("gateway did not become healthy")
+
+
+async def _drive(base: str, streams: int, tokens: int, ttft_requests: int) -> dict:
+    import aiohttp
+
+    url = base + "/v1/completions"
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as session:
+        await _wait_healthy(session, base)
+        await asyncio.gather(*(_stream(session, url, 8) for _ in range(8)))  # warm-up
+        ttfts = sorted([(await _stream(session, url, 1))[0] for _ in range(ttft_requests)])
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(_stream(session, url, tokens) for _ in range(streams)))
+        elapsed = time.perf_counter() - t0
+    total = sum(c for _, c in results)
+    return {"streams": streams, "tokens_per_stream": tokens, "sse_tokens": total, "seconds": round(elapsed, 3),
+            "sse_tokens_per_s": round(total / elapsed), "ttft_ms_p50": _pct(ttfts, 0.5),
+            "ttft_ms_p99": _pct(ttfts, 0.99)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="gateway.bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--streams", type=int, default=64, help="concurrent SSE streams")
+    ap.add_argument("--tokens", type=int, default=256, help="tokens per stream")
+    ap.add_argument("--ttft-requests", type=int, default=200, help="sequential 1-token requests for TTFT")
+    ap.add_argument("--port", type=int, default=0, help="gateway port (0 = a free one)")
+    args = ap.parse_args(argv)
+    port = args.port
+    if not port:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    run_dir = tempfile.mkdtemp(prefix="laneserve-bench-")
+    address = f"ipc://{run_dir}/batcher.sock"
+    spawn = mp.get_context("spawn")
+    ready = spawn.Event()
+    procs = [spawn.Process(target=instant_sidecar, args=(address, ready), daemon=True)]
+    procs[0].start()
+    ready.wait(30)
+    procs.append(spawn.Process(target=gateway_process, args=(address, port), daemon=True))
+    procs[1].start()
+    try:
+        direct = direct_ttft(address, args.ttft_requests)
+        result = asyncio.run(_drive(f"http://127.0.0.1:{port}", args.streams, args.tokens, args.ttft_requests))
+    finally:
+        for p in procs:
+            p.terminate()
+            p.join(10)
+        try:
+            os.unlink(address[len("ipc://"):])
+            os.rmdir(run_dir)
+        except OSError:
+            pass
+    result.update(direct_ttft_ms_p50=_pct(direct, 0.5), direct_ttft_ms_p99=_pct(direct, 0.99))
+    result.update(added_ttft_ms_p50=round(result["ttft_ms_p50"] - result["direct_ttft_ms_p50"], 3),
+                  added_ttft_ms_p99=round(result["ttft_ms_p99"] - result["direct_ttft_ms_p99"], 3))
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Everything the GPU issue measures, in one device call (see docs/perf.md):
+#   kernel checks on the GPU, `laneserve bench` (roofline, engine decode, HF generate),
+#   and a bursty RAG replay through the full stack with `laneserve loadtest`.
+# Usage (repo root, on the GPU machine): OUT=dir bash workers/gpu_bench.sh [bench args...]
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+if [ -d .whl ]; then  # wheels the GPU image lacks (pyzmq, msgspec), carried by the device call
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/gpu.txt"
+
+if [ "${SKIP_KERNELS:-0}" != 1 ]; then
+  python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 | tail -5 | tee "$OUT/kernels.txt"
+fi
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  python3 -m laneserve.cli bench --out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.txt" | grep -v "^  " || true
+fi
+if [ "${SKIP_REPLAY:-0}" != 1 ]; then
+  MODEL=$(python3 -c 'import tempfile; from workers.bench import write_dummy_model_dir as w; print(w(tempfile.mkdtemp()))')
+  python3 -m laneserve.cli --log-level WARNING serve --model "$MODEL" --load-format dummy --dtype bfloat16 \
+    --port 8011 ${SERVE_ARGS:-} > "$OUT/serve.log" 2>&1 &
+  SERVE=$!
+  for _ in $(seq 600); do grep -q "laneserve ready" "$OUT/serve.log" && break; kill -0 $SERVE || break; sleep 0.5; done
+  grep "laneserve ready\|exited\|Error" "$OUT/serve.log" | head -5
+  python3 -m laneserve.cli loadtest --url http://127.0.0.1:8011 --trace rag --num-requests ${REPLAY_N:-600} \
+    --rate ${REPLAY_RATE:-24} --burstiness 0.5 --num-docs 16 --doc-tokens 1536 --question-tokens 256:512 \
+    --output-tokens 128:256 --hit-rate 0.8 --slo ttft=120ms,tpot=30ms --no-progress --no-plots \
+    --out "$OUT/replay" 2>&1 | tail -40
+  kill -INT $SERVE; wait $SERVE
+  tail -3 "$OUT/serve.log"
+fi
