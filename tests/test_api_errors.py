@@ -170,3 +170,18 @@ def test_sigint_drains_an_in_flight_stream(make_stack):
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][len("data: "):])["usage"]["completion_tokens"] == 64
     assert st.proc.wait(30) == 0
+
+
+async def test_an_unexpected_exception_is_a_logged_500_in_openai_shape(tmp_path, caplog):
+    cfg = GatewayConfig(batcher_address=f"ipc://{tmp_path}/nobody.sock")
+    app = create_app(cfg)
+
+    async def broken(request):
+        raise RuntimeError("bug")
+
+    app.router.add_get("/broken", broken)  # a handler with a bug, to exercise the last-resort middleware
+    async with TestClient(TestServer(app)) as c:
+        resp = await c.get("/broken")
+        assert resp.status == 500
+        assert (await resp.json())["error"]["type"] == "server_error"
+    assert "unexpected error in GET /broken" in caplog.text

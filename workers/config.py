@@ -26,5 +26,7 @@ class WorkerConfig:
         "KV pool size, e.g. 256MiB or 4GiB; empty = 256MiB on CPU, --gpu-memory-utilization on CUDA"))
     gpu_memory_utilization: float = field(default=0.9, metadata=_h(
         "share of GPU memory for weights + activations + KV pool (measured after a warm-up forward)"))
-    attention_backend: str = field(default="auto", metadata=_h("auto | torch (reference: gather + SDPA)"))
+    attention_backend: str = field(default="auto", metadata=_h(
+        "auto (triton on CUDA, torch elsewhere) | torch (reference: gather + SDPA) | triton (paged decode kernel)"))
+    enforce_eager: bool = field(default=False, metadata=_h("CUDA: run decode eagerly instead of CUDA graphs"))
     num_threads: int = field(default=0, metadata=_h("CPU: torch intra-op threads; 0 = torch's default"))

@@ -81,8 +81,8 @@ class DecodeGraphs:
     def can_run(self, n: int) -> bool:
         return n <= self.sizes[-1]
 
-    def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: list[int],
-            tables: list[np.ndarray]) -> torch.Tensor:
+    def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
+            tables: list[list[int]]) -> torch.Tensor:
         """One decode step of n = len(input_ids) sequences -> logits [n, vocab]."""
         n = len(input_ids)
         bs = next(s for s in self.sizes if s >= n)
@@ -94,7 +94,7 @@ class DecodeGraphs:
         for i, t in enumerate(tables):
             host_tables[i, :len(t)] = t
         dev = self.input_ids.device
-        staged = self.host_vec[:, :bs].to(dev, non_blocking=True)
+        staged = self.host_vec.to(dev, non_blocking=True)  # 8 KiB: whole buffer, contiguous
         self.input_ids[:bs].copy_(staged[0])
         self.positions[:bs].copy_(staged[1])
         self.slots[:bs].copy_(staged[2])

@@ -18,6 +18,7 @@ import torch
 from batcher import protocol as P
 from workers.attention import AttentionMetadata, get_backend
 from workers.config import WorkerConfig
+from workers.cuda_graphs import DecodeGraphs
 from workers.kv_cache import BLOCK_SIZE, DEFAULT_CPU_KV_BYTES, KVCache, bytes_per_block, gpu_kv_budget, parse_bytes
 from workers.loader import load_model, load_model_config, resolve_device, resolve_dtype
 from workers.sampling import SampleRow, sample
@@ -55,11 +56,16 @@ class ModelRunner:
             raise ValueError(f"--max-model-len {cfg.max_model_len} exceeds the model's max_position_embeddings {limit}")
         self.max_model_len = cfg.max_model_len or limit
         self.model = load_model(cfg.model, mc, self.dtype, self.device, cfg.load_format, cfg.seed)
-        self.backend = get_backend(cfg.attention_backend)
+        self.backend = get_backend(cfg.attention_backend, self.device, self.model_config.num_kv_heads)
         self.requests: dict[str, RequestState] = {}
         self.kv_cache = self._allocate_kv_cache()
         self.num_blocks = self.kv_cache.num_blocks
         self.model.bind(self.kv_cache.layer_caches(), self.backend, self.max_model_len)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and self.backend.name == "triton" and not cfg.enforce_eager:
+            self.graphs = DecodeGraphs(self.model, self.backend, cfg.max_num_seqs, self.max_model_len,
+                                       BLOCK_SIZE, self.device)
+            self.graphs.capture()
         log.info("model %s on %s/%s: %d KV blocks (%.0f MiB)", cfg.model, self.device, str(self.dtype).split(".")[-1],
                  self.num_blocks, self.kv_cache.nbytes / 2**20)
 
@@ -122,7 +128,27 @@ class ModelRunner:
         out.execute_time = time.perf_counter() - t0
         return out
 
+    def _run_decode_graph(self, reqs: list[RequestState]):
+        """Decode-only step (one token each, every request samples): replay a CUDA graph."""
+        bs = BLOCK_SIZE
+        n = len(reqs)
+        ids, pos, slots, lens = (np.empty(n, dtype=np.int64) for _ in range(4))
+        for i, r in enumerate(reqs):
+            p = r.num_computed_tokens
+            ids[i], pos[i], lens[i] = r.token_ids[p], p, p + 1
+            slots[i] = r.block_ids[p // bs] * bs + p % bs
+            r.num_computed_tokens = p + 1
+        logits = self.graphs.run(ids, pos, slots, lens, [r.block_ids for r in reqs])
+        tokens, logprobs = sample(logits, [r.sample_row for r in reqs])
+        for r, t in zip(reqs, tokens):
+            r.token_ids.append(t)
+        return reqs, tokens, logprobs
+
     def _run(self, scheduled: dict[str, int]):
+        if self.graphs is not None and len(scheduled) <= self.graphs.sizes[-1] and all(
+                n == 1 and self.requests[rid].num_computed_tokens + 1 == len(self.requests[rid].token_ids)
+                for rid, n in scheduled.items()):
+            return self._run_decode_graph([self.requests[rid] for rid in scheduled])
         # Decodes (one token) first, longest context first: the attention backend batches them
         # into padded calls, and neighbours of similar length waste little padding.
         order = sorted(scheduled, key=lambda rid: (scheduled[rid] != 1,

@@ -1,20 +1,28 @@
-"""Attention backends behind one small interface (see base.py); `get_backend(name)` picks one."""
+"""Attention backends behind one small interface (see base.py); `get_backend(name, ...)` picks one."""
 
 from __future__ import annotations
+
+import torch
 
 from workers.attention.base import AttentionBackend, AttentionMetadata
 from workers.attention.torch_ref import TorchAttentionBackend
 
-BACKENDS = {"torch": TorchAttentionBackend}
+BACKENDS = ("torch", "triton")
 
 
-def get_backend(name: str = "auto") -> AttentionBackend:
-    """`auto` is the torch reference backend until the Triton/CUDA-graph backend lands."""
+def get_backend(name: str, device: torch.device, num_kv_heads: int) -> AttentionBackend:
+    """`auto`: Triton (paged decode kernel, CUDA-graph safe) on CUDA, the torch reference elsewhere.
+    `triton` on CPU runs the same kernels under Triton's interpreter (tests only: slow)."""
     if name == "auto":
-        name = "torch"
+        name = "triton" if device.type == "cuda" else "torch"
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(BACKENDS)} or auto")
-    return BACKENDS[name]()
+    if name == "torch":
+        return TorchAttentionBackend()
+    from workers.attention.triton_backend import TritonAttentionBackend
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    return TritonAttentionBackend(num_kv_heads, sms)
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "get_backend"]
