@@ -30,5 +30,6 @@ class GatewayConfig:
     sidecar_lost_after: float = field(default=10.0, metadata=_h(
         "with requests in flight and no frame from the sidecar for this long, they fail with 503"))
     retry_after: float = field(default=1.0, metadata=_h("Retry-After seconds sent with 429 and 503"))
-    drain_timeout: float = field(default=30.0, metadata=_h(
-        "on SIGTERM/SIGINT: stop accepting, then wait this long for in-flight requests before closing"))
+    drain_timeout: float = field(default=8.0, metadata=_h(
+        "on SIGTERM/SIGINT: stop accepting, then wait this long for in-flight requests before closing "
+        "(keep it under the launcher's --shutdown-timeout, which then kills the gateway)"))

@@ -99,11 +99,11 @@ def test_an_incomplete_character_is_held_then_flushed_as_replacement():
 
 
 def _reference_stop(text: str, stops: list[str]) -> str:
-    """Char-by-char: cut at the first stop string to be completed."""
+    """Char-by-char: cut at the first stop string to be completed (the longest of those ending together)."""
     for end in range(1, len(text) + 1):
-        for s in stops:
-            if s and text[:end].endswith(s):
-                return text[:end - len(s)]
+        done = [s for s in stops if s and text[:end].endswith(s)]
+        if done:
+            return text[:end - max(map(len, done))]
     return text
 
 

@@ -11,6 +11,7 @@ tiny model so the code path stays tested; the numbers that matter come from a GP
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -172,7 +173,7 @@ def bench_hf(model_dir: str, batches: list[int], prompt_len: int, new_tokens: in
 
     cfg = transformers.AutoConfig.from_pretrained(model_dir)
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype).eval()
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     rows = []
     for batch in batches:
         ids = torch.randint(3, cfg.vocab_size, (batch, prompt_len), device=device)
@@ -254,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             vocab = runner.model_config.vocab_size if hasattr(runner, "model_config") else 256
             rows += bench_engine(runner, batches, args.context, args.steps, min(vocab, 32000), 8192)
         del runner
+        gc.collect()  # the runner's CUDA graphs and KV pool must go before HF's model arrives
         if gpu:
             torch.cuda.empty_cache()
     if "hf" in parts and model != "tiny":
