@@ -69,6 +69,10 @@ class Batcher:
                                                      retryable=False))
             return
         wid = pick_worker(alive, msg.prompt_token_ids)
+        why = self.workers[wid].scheduler.reject_reason(msg)
+        if why is not None:  # can never run (too long for the context or the pool): a 400, not an engine error
+            await self._send_front(ident, P.Rejected(request_id=msg.request_id, reason=why, retryable=False))
+            return
         self.owner[msg.request_id] = (ident, wid)
         self.workers[wid].scheduler.add_request(msg)
         await self.kick(wid)
@@ -225,11 +229,6 @@ class Batcher:
         self.close()
 
     def close(self) -> None:
-        for slot in self.workers.values():
-            try:
-                self.back.send_multipart([slot.identity, P.encode(P.Shutdown())], flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
         self.front.close()
         self.back.close()
         self.ctx.term()

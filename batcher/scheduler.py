@@ -78,7 +78,9 @@ class Scheduler:
         self._queue_warm_prefixes()
 
     # ------------------------------------------------------------------ intake
-    def add_request(self, msg: AddRequest) -> None:
+    def reject_reason(self, msg: AddRequest) -> str | None:
+        """Why this request can never run here (None: it can). The sidecar answers such a request
+        with Rejected before add_request; add_request still guards with an ERROR delta."""
         n = len(msg.prompt_token_ids)
         why = None
         if n == 0:
@@ -90,6 +92,10 @@ class Scheduler:
             why = f"prompt of {n} tokens needs more KV blocks than the pool has ({self.bm.num_usable})"
         elif msg.request_id in self.requests:
             why = "duplicate request id"
+        return why
+
+    def add_request(self, msg: AddRequest) -> None:
+        why = self.reject_reason(msg)
         if why is not None:
             self.pending.append(TokenDelta(msg.request_id, [], FinishReason.ERROR, error=why))
             return
