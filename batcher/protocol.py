@@ -152,6 +152,13 @@ class Shutdown(Msg):
     pass
 
 
+class Reannounce(Msg):
+    """The sidecar does not know the worker that sent a Heartbeat/StepOutput (it restarted, or it
+    declared the worker lost): the worker drops all request state and sends WorkerReady again."""
+
+    reason: str = ""
+
+
 # ---------------------------------------------------------------- worker -> batcher
 class WorkerReady(Msg):
     worker_id: int
@@ -160,6 +167,7 @@ class WorkerReady(Msg):
     max_model_len: int
     protocol_version: int
     model: str = ""
+    vocab_size: int = 0  # 0 = unknown; else the sidecar rejects token ids outside [0, vocab_size)
 
 
 class StepOutput(Msg):
@@ -178,7 +186,7 @@ class Heartbeat(Msg):
 
 GatewayToBatcher = AddRequest | AbortRequests | Ping
 BatcherToGateway = TokenBatch | Rejected | Pong
-BatcherToWorker = StepInput | Shutdown
+BatcherToWorker = StepInput | Shutdown | Reannounce
 WorkerToBatcher = WorkerReady | StepOutput | Heartbeat
 
 _encoder = msgspec.msgpack.Encoder()

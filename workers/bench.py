@@ -97,6 +97,7 @@ class EngineDriver:
         self.step = 0
         self.next_block = 0
         self.reqs: dict[str, dict] = {}
+        self.prefill_steps: list[tuple[int, float]] = []  # (tokens, seconds)
 
     def _blocks(self, n: int) -> list[int]:
         if self.next_block + n > self.runner.num_blocks:
@@ -128,7 +129,10 @@ class EngineDriver:
                 pending[rid] -= n
                 if pending[rid] == 0:
                     del pending[rid]
+            sync()
+            t0 = time.perf_counter()
             self._run(P.StepInput(step=self.step, new_reqs=new if not sent_new else [], num_scheduled_tokens=sched))
+            self.prefill_steps.append((sum(sched.values()), time.perf_counter() - t0))
             sent_new = True
         for r in self.reqs.values():
             r["len"] += 1  # the token sampled at the end of prefill
@@ -154,16 +158,39 @@ class EngineDriver:
         self.next_block = 0
 
 
+def forward_graph_ms(runner, batch: int, reps: int = 20) -> float:
+    """GPU time of the decode step's forward alone (its CUDA graph replayed back to back, inputs as
+    the last step left them): the step's busy time, against which the wall time shows host gaps."""
+    graphs = getattr(runner, "graphs", None)
+    if graphs is None or not graphs.can_run(batch):
+        return 0.0
+    bs = next(s for s in graphs.sizes if s >= batch)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graphs.graphs[bs].replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def bench_engine(runner, batches: list[int], context: int, steps: int, vocab: int, chunk: int) -> list[Row]:
     rows = []
     for batch in batches:
         drv = EngineDriver(runner, context)
         drv.prefill(batch, vocab, chunk)
         times = [drv.decode_step() for _ in range(steps + 5)][5:]
+        graph_ms = forward_graph_ms(runner, batch)
         drv.finish()
         ms = statistics.median(times) * 1e3
-        rows.append(Row("engine", batch, context, ms, batch / ms * 1e3))
-        print(f"  engine  batch {batch:4d}  {ms:8.2f} ms/step  {batch / ms * 1e3:9.0f} tok/s", flush=True)
+        extra = {"forward_graph_ms": graph_ms, "gpu_busy": graph_ms / ms} if graph_ms else {}
+        full = [(n, t) for n, t in drv.prefill_steps if n == chunk] or drv.prefill_steps
+        extra["prefill_ms_per_token"] = statistics.median(t / n for n, t in full) * 1e3
+        rows.append(Row("engine", batch, context, ms, batch / ms * 1e3, extra=extra))
+        busy = f"  forward graph {graph_ms:.2f} ms = {graph_ms / ms:.0%} of the step" if graph_ms else ""
+        print(f"  engine  batch {batch:4d}  {ms:8.2f} ms/step  {batch / ms * 1e3:9.0f} tok/s{busy}", flush=True)
     return rows
 
 
@@ -199,6 +226,21 @@ def bench_hf(model_dir: str, batches: list[int], prompt_len: int, new_tokens: in
     return rows
 
 
+def fit_cost_model(rows: list[Row]) -> dict:
+    """Least squares of the simulator's step cost t = a + b*prefill_tokens + c*decode_seqs +
+    d*kv_tokens_read (ms) on the engine rows: decode steps give a, c, d; prefill steps give b."""
+    import numpy as np
+
+    eng = [r for r in rows if r.part == "engine"]
+    if len({(r.batch, r.context) for r in eng}) < 3:
+        return {}
+    x = np.array([[1.0, r.batch, r.batch * r.context] for r in eng])
+    y = np.array([r.ms_per_step for r in eng])
+    (a, c, d), *_ = np.linalg.lstsq(x, y, rcond=None)
+    b = statistics.median(r.extra["prefill_ms_per_token"] for r in eng)
+    return {"a": float(a), "b": float(b), "c": float(c), "d": float(d)}
+
+
 def print_table(rows: list[Row], roofline: dict) -> None:
     print()
     if roofline:
@@ -218,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", default="roofline,engine,hf", help="comma list of roofline,engine,hf")
     ap.add_argument("--batches", default="1,8,32,64,128,256")
     ap.add_argument("--hf-batches", default="1,32,64")
-    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--contexts", default="1024", help="comma list of context lengths for the engine part")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--enforce-eager", action="store_true")
@@ -236,16 +278,24 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     roofline: dict = {}
     batches = [int(b) for b in args.batches.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",")]
     result: dict = {"argv": sys.argv, "date": time.strftime("%Y-%m-%d"), "device": (
         torch.cuda.get_device_name() if gpu else "cpu"), "torch": torch.__version__}
     if "engine" in parts or "roofline" in parts:
         cfg = WorkerConfig(model=model, load_format="dummy" if model != "tiny" else "auto",
                            dtype="bfloat16" if gpu else "float32", max_num_seqs=max(batches),
-                           max_model_len=args.context + args.steps + 128, max_num_batched_tokens=8192)
+                           max_model_len=max(contexts) + args.steps + 128, max_num_batched_tokens=8192)
         for name in ("kv_cache_dtype", "enforce_eager"):
             if hasattr(cfg, name):
                 setattr(cfg, name, getattr(args, name))
+        t0 = time.perf_counter()
         runner = ModelRunner(cfg)
+        result["startup_s"] = time.perf_counter() - t0
+        if getattr(runner, "graphs", None) is not None:
+            result["graph_capture"] = {"seconds": runner.graphs.capture_seconds,
+                                       "mib": runner.graphs.capture_bytes / 2**20, "sizes": runner.graphs.sizes}
+            print(f"decode graphs: {len(runner.graphs.sizes)} sizes captured in {runner.graphs.capture_seconds:.1f}s, "
+                  f"{runner.graphs.capture_bytes / 2**20:.0f} MiB", flush=True)
         weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
         if "roofline" in parts and gpu:
             bw = measure_copy_bandwidth()
@@ -253,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
                         "roofline_ms": weight_bytes / bw * 1e3, "roofline_tok_s": bw / weight_bytes}
         if "engine" in parts:
             vocab = runner.model_config.vocab_size if hasattr(runner, "model_config") else 256
-            rows += bench_engine(runner, batches, args.context, args.steps, min(vocab, 32000), 8192)
+            for context in contexts:
+                rows += bench_engine(runner, batches, context, args.steps, min(vocab, 32000), 8192)
         del runner
         gc.collect()  # the runner's CUDA graphs and KV pool must go before HF's model arrives
         if gpu:
@@ -262,7 +313,10 @@ def main(argv: list[str] | None = None) -> int:
         rows += bench_hf(model, [int(b) for b in args.hf_batches.split(",")], 512, 128,
                          "cuda" if gpu else "cpu", torch.bfloat16 if gpu else torch.float32)
     print_table(rows, roofline)
-    result.update(roofline=roofline, rows=[asdict(r) for r in rows])
+    cost = fit_cost_model(rows)
+    if cost:
+        print("simulator step cost (ms): " + ", ".join(f"{k}={v:.4g}" for k, v in cost.items()))
+    result.update(roofline=roofline, rows=[asdict(r) for r in rows], cost_model=cost)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
