@@ -48,6 +48,22 @@ class BatcherConfig:
     async_scheduling: bool = field(default=True, metadata=_h(
         "schedule step N+1 while the worker runs step N (2 steps in flight per worker), hiding the sidecar's "
         "update/schedule and the socket round trip from the GPU"))
+    # reliability (docs/reliability.md)
+    on_worker_loss: str = field(default="fail", metadata=_h(
+        "what happens to a lost worker's requests: fail (an ERROR finish, the client sees an error) | requeue "
+        "(recomputed once on another live worker, the client sees no break; fail if none is alive)"))
+    worker_timeout: float = field(default=30.0, metadata=_h(
+        "a worker silent this long (no heartbeat or step output) is declared lost (0 = off); a dead process "
+        "or a closed connection is noticed at once from the socket's disconnect event"))
+    max_waiting_requests: int = field(default=2048, metadata=_h(
+        "requests waiting for admission per worker; over it new requests are rejected as retryable "
+        "(the gateway answers 429 + Retry-After); 0 = no cap"))
+    curve_server_secret_key: str = field(default="", metadata=_h(
+        "tcp across hosts: the sidecar's CURVE certificate (zmq.auth secret file); its clients need the public "
+        "file. '' = no encryption or authentication (ipc:// or loopback only)"))
+    curve_client_keys_dir: str = field(default="", metadata=_h(
+        "with CURVE: directory of the public certificates of the gateways and workers allowed to connect "
+        "('' = any client that knows the server's public key)"))
 
 
 def load_warm_prefixes(path: str) -> list[list[int]]:

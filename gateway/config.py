@@ -33,3 +33,7 @@ class GatewayConfig:
     drain_timeout: float = field(default=8.0, metadata=_h(
         "on SIGTERM/SIGINT: stop accepting, then wait this long for in-flight requests before closing "
         "(keep it under the launcher's --shutdown-timeout, which then kills the gateway)"))
+    curve_server_public_key: str = field(default="", metadata=_h(
+        "tcp across hosts: the sidecar's public CURVE certificate (zmq.auth file); set = connect with CURVE"))
+    curve_client_secret_key: str = field(default="", metadata=_h(
+        "with CURVE: this client's certificate (zmq.auth secret file); '' = a fresh key pair per start"))

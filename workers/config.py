@@ -30,3 +30,7 @@ class WorkerConfig:
         "auto (triton on CUDA, torch elsewhere) | torch (reference: gather + SDPA) | triton (paged decode kernel)"))
     enforce_eager: bool = field(default=False, metadata=_h("CUDA: run decode eagerly instead of CUDA graphs"))
     num_threads: int = field(default=0, metadata=_h("CPU: torch intra-op threads; 0 = torch's default"))
+    curve_server_public_key: str = field(default="", metadata=_h(
+        "tcp across hosts: the sidecar's public CURVE certificate (zmq.auth file); set = connect with CURVE"))
+    curve_client_secret_key: str = field(default="", metadata=_h(
+        "with CURVE: this client's certificate (zmq.auth secret file); '' = a fresh key pair per start"))
