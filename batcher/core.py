@@ -6,6 +6,14 @@ One Scheduler per worker, each owning that worker's KV block pool; batcher.route
 picks the worker for a new request. With --async-scheduling each worker has up to
 two steps in flight: the next one waits in the worker's socket while it runs the
 current one, so the sidecar's work and the round trip are off the GPU's path.
+
+Reliability (docs/reliability.md): a worker is lost when its connection closes (socket
+monitor, matched to the worker by the connection's fd) or it is silent for --worker-timeout;
+its requests then fail (ERROR delta) or, with --on-worker-loss requeue, are recomputed once on
+another live worker from the original AddRequest plus the tokens already streamed. A worker the
+sidecar does not know (after a sidecar restart) is told to Reannounce. Every frame from a peer
+is decoded against the receiving socket's Union and range-checked before it is acted on; new
+requests beyond --max-waiting-requests per worker are Rejected as retryable.
 Must not import torch.
 """
 
@@ -13,14 +21,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
 from batcher import protocol as P
 from batcher import transport
@@ -29,6 +40,10 @@ from batcher.router import pick_worker
 from batcher.scheduler import Scheduler
 
 log = logging.getLogger("laneserve.batcher")
+TICK_S = 0.25  # period of the silent-worker check
+REANNOUNCE_EVERY_S = 1.0  # at most one Reannounce per unknown peer identity per second
+MAX_BLOCKS, MAX_BLOCK_SIZE, MAX_LEN = 1 << 24, 1024, 1 << 24  # sanity bounds on a WorkerReady
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -39,14 +54,25 @@ class WorkerSlot:
     in_flight: deque[int] = field(default_factory=deque)  # step numbers sent, oldest first
     stale: set[int] = field(default_factory=set)  # steps in flight when fail_all() ran: their outputs are dropped
     last_seen: float = field(default_factory=time.monotonic)
+    vocab_size: int = 0  # 0 = unknown (token ids are not range-checked)
 
 
 class Batcher:
     def __init__(self, cfg: BatcherConfig):
         self.cfg = cfg
         self.ctx = zmq.asyncio.Context()
-        self.front = transport.bind(self.ctx, zmq.ROUTER, cfg.batcher_address)
-        self.back = transport.bind(self.ctx, zmq.ROUTER, cfg.worker_address)
+        if cfg.on_worker_loss not in ("fail", "requeue"):
+            raise SystemExit(f"--on-worker-loss must be fail or requeue, got {cfg.on_worker_loss!r}")
+        key = cfg.curve_server_secret_key
+        self.front = transport.bind(self.ctx, zmq.ROUTER, cfg.batcher_address, key)
+        self.back = transport.bind(self.ctx, zmq.ROUTER, cfg.worker_address, key)
+        self.back_monitor = self.back.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.auth = None  # zmq.auth authenticator when client certificates are restricted
+        self.fd_of: dict[bytes, int] = {}  # worker identity -> fd of the connection it last spoke on
+        self.reannounced: dict[bytes, float] = {}  # unknown worker identity -> when it was told to Reannounce
+        self.requeue = cfg.on_worker_loss == "requeue"
+        self.originals: dict[str, tuple[P.AddRequest, list[int]]] = {}  # requeue: request, tokens emitted
+        self.requeued: set[str] = set()  # recomputed once already: a second loss fails them
         self.front_decoder = P.decoder(P.GatewayToBatcher)
         self.back_decoder = P.decoder(P.WorkerToBatcher)
         self.workers: dict[int, WorkerSlot] = {}
@@ -69,12 +95,22 @@ class Batcher:
                                                      retryable=False))
             return
         wid = pick_worker(alive, msg.prompt_token_ids)
-        why = self.workers[wid].scheduler.reject_reason(msg)
-        if why is not None:  # can never run (too long for the context or the pool): a 400, not an engine error
+        sched = self.workers[wid].scheduler
+        # can never run (malformed, too long for the context or the pool): a 400, not an engine error
+        why = invalid_request(msg, self.workers[wid].vocab_size) or sched.reject_reason(msg)
+        if why is not None:
+            log.warning("rejected request %.80r: %s", msg.request_id, why)
             await self._send_front(ident, P.Rejected(request_id=msg.request_id, reason=why, retryable=False))
             return
+        cap = self.cfg.max_waiting_requests
+        if cap and sched.stats().num_waiting >= cap:  # the least loaded worker is full: shed, don't queue
+            await self._send_front(ident, P.Rejected(request_id=msg.request_id, retryable=True,
+                                                     reason=f"{cap} requests already wait for a worker"))
+            return
         self.owner[msg.request_id] = (ident, wid)
-        self.workers[wid].scheduler.add_request(msg)
+        if self.requeue:
+            self.originals[msg.request_id] = (msg, [])
+        sched.add_request(msg)
         await self.kick(wid)
 
     async def abort_requests(self, ident: bytes, msg: P.AbortRequests) -> None:
@@ -103,10 +139,15 @@ class Batcher:
             log.error("worker %d speaks protocol %d, sidecar %d: ignored", msg.worker_id, msg.protocol_version,
                       P.PROTOCOL_VERSION)
             return
+        if not (1 <= msg.num_blocks <= MAX_BLOCKS and 1 <= msg.block_size <= MAX_BLOCK_SIZE
+                and 1 <= msg.max_model_len <= MAX_LEN and 0 <= msg.vocab_size <= MAX_LEN):
+            log.error("WorkerReady with out-of-range sizes ignored: %r", msg)
+            return
+        self.reannounced.pop(ident, None)
         if msg.worker_id in self.workers:
             await self.worker_lost(msg.worker_id, "worker restarted")
         sched = Scheduler(self.cfg, msg.num_blocks, msg.block_size, msg.max_model_len)
-        self.workers[msg.worker_id] = WorkerSlot(msg.worker_id, ident, sched)
+        self.workers[msg.worker_id] = WorkerSlot(msg.worker_id, ident, sched, vocab_size=msg.vocab_size)
         log.info("worker %d ready: %s, %d KV blocks of %d tokens, max_model_len %d", msg.worker_id, msg.model,
                  msg.num_blocks, msg.block_size, msg.max_model_len)
 
@@ -114,6 +155,7 @@ class Batcher:
         slot = self.workers.get(msg.worker_id)
         if slot is None or slot.identity != ident:
             log.warning("step output from unknown worker %d dropped", msg.worker_id)
+            await self.reannounce(ident, "step output from a worker the sidecar does not know")
             return
         slot.last_seen = time.monotonic()
         if msg.step in slot.stale:  # scheduled before a fail_all(): its requests are gone
@@ -141,15 +183,68 @@ class Batcher:
 
     async def heartbeat(self, ident: bytes, msg: P.Heartbeat) -> None:
         slot = self.workers.get(msg.worker_id)
-        if slot is not None:
+        if slot is not None and slot.identity == ident:
             slot.last_seen = time.monotonic()
+        else:  # the sidecar restarted, or declared this worker lost: it must register again
+            await self.reannounce(ident, "heartbeat from a worker the sidecar does not know")
+
+    async def reannounce(self, ident: bytes, why: str) -> None:
+        now = time.monotonic()
+        if now - self.reannounced.get(ident, -math.inf) < REANNOUNCE_EVERY_S:
+            return
+        if len(self.reannounced) > 1024:  # rogue identities must not grow this without bound
+            self.reannounced = {k: t for k, t in self.reannounced.items() if now - t < REANNOUNCE_EVERY_S}
+        self.reannounced[ident] = now
+        log.info("asking %r to re-register: %s", ident, why)
+        try:
+            await self.back.send_multipart([ident, P.encode(P.Reannounce(reason=why))])
+        except zmq.ZMQError as exc:
+            log.warning("Reannounce to %r not sent: %s", ident, exc)
 
     async def worker_lost(self, worker_id: int, why: str) -> None:
         slot = self.workers.pop(worker_id, None)
         if slot is None:  # already handled (two sends failed at once)
             return
-        log.error("worker %d lost (%s): failing its %d requests", worker_id, why, slot.scheduler.num_unfinished)
-        await self.emit(slot.scheduler.fail_all(f"worker {worker_id} lost: {why}"))
+        n = slot.scheduler.num_unfinished
+        deltas = slot.scheduler.fail_all(f"worker {worker_id} lost: {why}")
+        kicked: set[int] = set()
+        if self.requeue and self.workers:
+            kept = []
+            for d in deltas:
+                wid = self._requeue(d.request_id) if d.finish_reason == P.FinishReason.ERROR else None
+                if wid is None:
+                    kept.append(d)
+                else:
+                    kicked.add(wid)
+            deltas = kept
+        log.error("worker %d lost (%s): %d requests, %d requeued, %d failed", worker_id, why, n,
+                  n - len(deltas), len(deltas))
+        await self.emit(deltas)
+        for wid in kicked:
+            await self.kick(wid)
+
+    def _requeue(self, rid: str) -> int | None:
+        """Re-add a lost request to a live worker as prompt + the tokens already streamed (recomputed),
+        once. Returns the worker id, or None (not requeueable: the caller fails it)."""
+        entry = self.originals.get(rid)
+        if entry is None or rid in self.requeued or rid not in self.owner:
+            return None
+        orig, done = entry
+        params = orig.params
+        left = params.max_tokens - len(done)
+        if left < 1:
+            return None
+        params = msgspec.structs.replace(params, max_tokens=left, min_tokens=max(0, params.min_tokens - len(done)))
+        again = P.AddRequest(request_id=rid, prompt_token_ids=orig.prompt_token_ids + done, params=params,
+                             arrival_time=orig.arrival_time, priority=orig.priority)
+        alive = {wid: slot.scheduler for wid, slot in self.workers.items()}
+        wid = pick_worker(alive, again.prompt_token_ids)
+        if alive[wid].reject_reason(again) is not None:
+            return None
+        self.requeued.add(rid)
+        self.owner[rid] = (self.owner[rid][0], wid)
+        alive[wid].add_request(again)
+        return wid
 
     async def kick(self, worker_id: int) -> None:
         """Keep up to max_inflight_steps steps at the worker while there is work (1 without async scheduling).
@@ -184,6 +279,11 @@ class Batcher:
             by_gateway.setdefault(owner[0], []).append(d)
             if d.finish_reason is not None:
                 del self.owner[d.request_id]
+                if self.requeue:
+                    self.originals.pop(d.request_id, None)
+                    self.requeued.discard(d.request_id)
+            elif self.requeue and d.new_token_ids and d.request_id in self.originals:
+                self.originals[d.request_id][1].extend(d.new_token_ids)
         self.step_counter += 1
         now = time.time()
         for ident, ds in by_gateway.items():
@@ -200,26 +300,67 @@ class Batcher:
 
     # ------------------------------------------------------------------ loops
     async def _serve(self, sock: zmq.asyncio.Socket, decoder, handlers: dict, peer: str) -> None:
+        track_fd = sock is self.back
         while True:
-            frames = await sock.recv_multipart()
+            frames = await sock.recv_multipart(copy=False)
             if len(frames) != 2:
                 log.error("dropped %d-frame message from a %s", len(frames), peer)
                 continue
-            ident, frame = frames
-            msg = transport.try_decode(decoder, frame, peer)
+            ident, frame = frames[0].bytes, frames[1]
+            msg = transport.try_decode(decoder, frame.buffer, peer)
             if msg is None:
                 continue
+            if track_fd:  # which connection this worker speaks on: its disconnect event names the fd
+                self.fd_of[ident] = frame.get(zmq.SRCFD)
             try:
                 await handlers[type(msg)](ident, msg)
             except Exception:  # a bug in one message's handling must not take the sidecar down
                 log.exception("error handling %s from %s", type(msg).__name__, peer)
 
+    async def _watch_disconnects(self) -> None:
+        """A worker whose connection closed (process died, ZMTP heartbeat timed out) is lost at once."""
+        while True:
+            event = await recv_monitor_message(self.back_monitor)
+            if event["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            fd = int(event["value"])
+            gone = {ident for ident, f in self.fd_of.items() if f == fd}
+            for ident in gone:  # forgotten, so identities of past peers do not pile up
+                del self.fd_of[ident]
+            for slot in list(self.workers.values()):
+                if slot.identity in gone:
+                    await self.worker_lost(slot.worker_id, "its connection closed")
+
+    async def _watch_silence(self) -> None:
+        """Backstop for a worker that is connected but stuck: silent for --worker-timeout is lost."""
+        limit = self.cfg.worker_timeout
+        if limit <= 0:
+            return
+        while True:
+            await asyncio.sleep(TICK_S)  # a timer tick, not synchronisation
+            now = time.monotonic()
+            for slot in list(self.workers.values()):
+                if now - slot.last_seen > limit:
+                    await self.worker_lost(slot.worker_id, f"silent for {now - slot.last_seen:.1f}s")
+
+    def _start_auth(self) -> None:
+        if not (self.cfg.curve_server_secret_key and self.cfg.curve_client_keys_dir):
+            return
+        from zmq.auth.asyncio import AsyncioAuthenticator
+
+        self.auth = AsyncioAuthenticator(self.ctx)
+        self.auth.start()
+        self.auth.configure_curve(domain="*", location=self.cfg.curve_client_keys_dir)
+
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._stop.set)
+        self._start_auth()
         tasks = [asyncio.create_task(self._serve(self.front, self.front_decoder, self.on_front, "gateway")),
-                 asyncio.create_task(self._serve(self.back, self.back_decoder, self.on_back, "worker"))]
+                 asyncio.create_task(self._serve(self.back, self.back_decoder, self.on_back, "worker")),
+                 asyncio.create_task(self._watch_disconnects()),
+                 asyncio.create_task(self._watch_silence())]
         log.info("batcher listening on %s (gateways) and %s (workers)", self.cfg.batcher_address,
                  self.cfg.worker_address)
         await self._stop.wait()
@@ -229,6 +370,10 @@ class Batcher:
         self.close()
 
     def close(self) -> None:
+        if self.auth is not None:
+            self.auth.stop()
+        self.back.disable_monitor()
+        self.back_monitor.close()
         self.front.close()
         self.back.close()
         self.ctx.term()
@@ -236,6 +381,31 @@ class Batcher:
             path = transport.ipc_path(address)
             if path and os.path.exists(path):
                 os.unlink(path)
+
+
+def invalid_request(msg: P.AddRequest, vocab_size: int) -> str | None:
+    """Range checks on a request from a peer (the gateway checked them, a rogue peer did not):
+    values that would fail or stall a worker's step, and with it every request in that step."""
+    ids, p = msg.prompt_token_ids, msg.params
+    if not 0 < len(msg.request_id) <= 256:
+        return "request id must have 1 to 256 characters"
+    if ids and (min(ids) < 0 or (vocab_size and max(ids) >= vocab_size)):
+        return f"prompt token ids must be in [0, {vocab_size or 'vocab size'})"
+    if p.stop_token_ids and (min(p.stop_token_ids) < 0 or (vocab_size and max(p.stop_token_ids) >= vocab_size)):
+        return "stop token ids out of the vocabulary"
+    checks = (
+        (p.max_tokens >= 1, "max_tokens must be at least 1"),
+        (p.min_tokens >= 0, "min_tokens must be >= 0"),
+        (0.0 <= p.temperature <= 1e6, "temperature must be in [0, 1e6]"),  # NaN fails every comparison
+        (0.0 < p.top_p <= 1.0, "top_p must be in (0, 1]"),
+        (p.top_k >= -1, "top_k must be >= -1"),
+        (0.0 <= p.min_p <= 1.0, "min_p must be in [0, 1]"),
+        (0.0 < p.repetition_penalty <= 1e3, "repetition_penalty must be in (0, 1e3]"),
+        (-2.0 <= p.presence_penalty <= 2.0 and -2.0 <= p.frequency_penalty <= 2.0, "penalties must be in [-2, 2]"),
+        (p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]"),
+        (p.seed is None or -(2**63) <= p.seed < 2**63, "seed must fit in 64 bits"),
+    )
+    return next((why for ok, why in checks if not ok), None)
 
 
 def run(cfg: BatcherConfig) -> None:

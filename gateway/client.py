@@ -4,8 +4,11 @@ Sends AddRequest / AbortRequests / Ping frames; the reader decodes TokenBatch / 
 and routes every delta to the asyncio.Queue registered for its request id (several ids of one
 HTTP request, n > 1 or many prompts, share one queue). A request's queue is dropped when its
 finishing delta (or a Rejected) passes, or when the handler releases it; later deltas for it are
-ignored. Liveness: Ping/Pong with a timeout for /health and admission, and a watchdog that fails
-in-flight requests when the sidecar stops answering. Must not import torch or batcher internals.
+ignored. Liveness (docs/reliability.md): the socket monitor says at once when the connection to the
+sidecar closes (its process died) — in-flight requests then fail (503 / an error chunk) and new ones
+get 503 until the connection is back (ZeroMQ reconnects by itself); a Ping every PING_S keeps
+workers_alive fresh and catches a sidecar that is connected but silent (--sidecar-lost-after).
+Must not import torch or batcher internals.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
 from batcher import protocol as P
 from gateway.config import GatewayConfig
 
 log = logging.getLogger("laneserve.gateway")
+PING_S = 0.5  # liveness ping period (shorter when --sidecar-timeout is under a second)
 
 
 @dataclass
@@ -42,6 +47,13 @@ class BatcherClient:
         # Unbounded: admission is capped by max_queued_requests; a dropped frame would lose a request.
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
+        # ZMTP heartbeats (libzmq's I/O thread): a sidecar host that vanished is a disconnect in seconds.
+        self.sock.setsockopt(zmq.HEARTBEAT_IVL, 500)
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+        if cfg.curve_server_public_key:
+            _set_curve_client(self.sock, cfg.curve_server_public_key, cfg.curve_client_secret_key)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self.connected = False  # a ZMTP session with the sidecar is up (from the monitor)
         self.sock.connect(cfg.batcher_address)
         self.decoder = P.decoder(P.BatcherToGateway)
         self.queues: dict[str, asyncio.Queue] = {}
@@ -56,12 +68,15 @@ class BatcherClient:
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._reader(), name="batcher-reader"),
+                       asyncio.create_task(self._watch_connection(), name="batcher-monitor"),
                        asyncio.create_task(self._watchdog(), name="batcher-watchdog")]
 
     async def close(self) -> None:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.sock.disable_monitor()
+        self.monitor.close()
         self.sock.close()
         self.ctx.term()
 
@@ -103,6 +118,8 @@ class BatcherClient:
 
     async def ping(self, timeout: float | None = None) -> P.Pong | None:
         """A live round trip to the sidecar (answered outside its request queue); None on timeout."""
+        if not self.connected:  # no session: the frame would only queue up for a later sidecar
+            return None
         nonce = next(self.nonces)
         fut = asyncio.get_running_loop().create_future()
         self.pings[nonce] = fut
@@ -116,6 +133,8 @@ class BatcherClient:
 
     async def alive(self) -> bool:
         """True if the sidecar answered recently or answers a ping now (admission check)."""
+        if not self.connected:
+            return False
         if time.monotonic() - self.last_rx < self.cfg.sidecar_timeout:
             return self.workers_alive > 0
         pong = await self.ping()
@@ -161,23 +180,36 @@ class BatcherClient:
         if fut is not None and not fut.done():
             fut.set_result(pong)
 
-    async def _watchdog(self) -> None:
-        """Fail in-flight requests when the sidecar went silent, instead of leaving them hanging."""
-        limit = self.cfg.sidecar_lost_after
-        if limit <= 0:
-            return
+    async def _watch_connection(self) -> None:
+        """Connection state from the socket monitor; a closed connection fails what is in flight at once."""
         while True:
-            await asyncio.sleep(limit / 4)  # a timer tick, not synchronisation
-            if not self.queues:
-                continue
-            silent = time.monotonic() - self.last_rx
-            if silent > limit:
-                self.fail_all(f"the batcher sidecar did not answer for {silent:.1f}s")
-            elif silent > limit / 4:
+            event = await recv_monitor_message(self.monitor)
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if not self.connected:
+                    log.info("connected to the batcher sidecar at %s", self.cfg.batcher_address)
+                self.connected = True
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self.connected = False
+                self.workers_alive = 0
+                log.error("the batcher sidecar at %s went away", self.cfg.batcher_address)
+                if self.queues:
+                    self.fail_all("the batcher sidecar went away")
+
+    async def _watchdog(self) -> None:
+        """Ping every PING_S (fresh workers_alive for admission); fail in-flight requests when the
+        sidecar is connected but went silent, instead of leaving them hanging."""
+        limit = self.cfg.sidecar_lost_after
+        period = max(0.05, min(PING_S, self.cfg.sidecar_timeout / 2))
+        while True:
+            await asyncio.sleep(period)  # a timer tick, not synchronisation
+            if self.connected:
                 try:
                     self._send(P.Ping(nonce=0))  # any answer refreshes last_rx
                 except zmq.ZMQError:
                     pass
+            silent = time.monotonic() - self.last_rx
+            if limit > 0 and self.queues and silent > limit:
+                self.fail_all(f"the batcher sidecar did not answer for {silent:.1f}s")
 
     def fail_all(self, reason: str) -> None:
         log.error("%s: failing %d in-flight requests", reason, len(self.queues))
@@ -185,3 +217,17 @@ class BatcherClient:
         for q in {id(q): q for q in self.queues.values()}.values():  # a queue may serve several ids
             q.put_nowait(lost)
         self.queues.clear()
+
+
+def _set_curve_client(sock: zmq.Socket, server_public_key: str, client_secret_key: str) -> None:
+    """CURVE client (as batcher.transport.set_curve_client; the gateway may not import transport)."""
+    import zmq.auth
+
+    sock.curve_serverkey = zmq.auth.load_certificate(server_public_key)[0]
+    if client_secret_key:
+        public, secret = zmq.auth.load_certificate(client_secret_key)
+        if secret is None:
+            raise SystemExit(f"{client_secret_key}: not a secret certificate (zmq.auth .key_secret file)")
+    else:
+        public, secret = zmq.curve_keypair()
+    sock.curve_publickey, sock.curve_secretkey = public, secret

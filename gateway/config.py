@@ -25,7 +25,7 @@ class GatewayConfig:
         "sequences this gateway keeps in flight at once; over it new requests get 429 + Retry-After (0 = no cap)"))
     request_timeout: float = field(default=600.0, metadata=_h(
         "seconds a request may run before it is aborted (504, or an error chunk in a stream); 0 = no limit"))
-    sidecar_timeout: float = field(default=1.0, metadata=_h(
+    sidecar_timeout: float = field(default=3.0, metadata=_h(
         "seconds to wait for the sidecar's Pong (health, admission after idle); no answer = 503"))
     sidecar_lost_after: float = field(default=10.0, metadata=_h(
         "with requests in flight and no frame from the sidecar for this long, they fail with 503"))

@@ -2,8 +2,15 @@
 
 Owns process lifetime only: private ipc:// socket directory, readiness (the
 gateway's /health answering 200), SIGINT/SIGTERM forwarding, and a clean
-shutdown that leaves no child process or socket file behind. A child that dies
-takes the stack down with a clear message (recovery is a later feature).
+shutdown that leaves no child process or socket file behind.
+
+Recovery (docs/reliability.md): once the stack has been ready, a dead worker or
+sidecar is restarted (the sidecar notices a lost worker and fails or requeues its
+requests; workers re-register with a restarted sidecar; the gateway reconnects), up
+to --max-restarts per child within RESTART_WINDOW_S. A child that dies before the
+stack was first ready (a startup error), a dead gateway (it holds the clients'
+connections: restarting it behind their back would hide the failure), or a child
+past its restart budget takes the stack down with a clear message.
 """
 
 from __future__ import annotations
@@ -19,11 +26,13 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from dataclasses import dataclass, field
 
 from laneserve.config import to_argv
 
 POLL_S = 0.1
+RESTART_WINDOW_S = 60.0
 
 
 @dataclass
@@ -31,6 +40,9 @@ class LauncherConfig:
     num_workers: int = field(default=0, metadata={"help": "workers to start; 0 = one per visible GPU, else one CPU worker"})
     startup_timeout: float = field(default=600.0, metadata={"help": "seconds to wait for the stack to become healthy"})
     shutdown_timeout: float = field(default=10.0, metadata={"help": "seconds each child gets to exit before SIGKILL"})
+    max_restarts: int = field(default=5, metadata={"help": (
+        "restarts of a dead worker or sidecar within a minute before the stack goes down; 0 = a dead child "
+        "always takes the stack down")})
 
 
 def _die_with_parent() -> None:
@@ -53,11 +65,16 @@ def visible_gpus() -> list[str]:
 
 
 class Child:
-    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None):
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None, restartable: bool = True):
         self.name = name
-        cmd = [sys.executable, "-m", "laneserve.cli", *argv]
-        self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
+        self.cmd = [sys.executable, "-m", "laneserve.cli", *argv]
+        self.env = {**os.environ, **(env or {})}
+        self.restartable = restartable
+        self.restarts: deque[float] = deque()  # monotonic times of recent restarts
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.cmd, env=self.env, start_new_session=True, preexec_fn=_die_with_parent)
 
     def exited(self) -> int | None:
         return self.proc.poll()
@@ -100,8 +117,8 @@ def serve(lc: LauncherConfig, gw, bc, wc, log_level: str = "INFO") -> int:
             env = {"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]} if gpus else {}
             worker = dataclasses.replace(wc, worker_id=i)
             children.append(Child(f"worker {i}", [*common, "worker", *to_argv(worker)], env))
-        children.append(Child("gateway", [*common, "gateway", *to_argv(gw)]))
-        code = _supervise(children, gw, num_workers, lc.startup_timeout, stopping)
+        children.append(Child("gateway", [*common, "gateway", *to_argv(gw)], restartable=False))
+        code = _supervise(children, gw, num_workers, lc, stopping)
     finally:
         # Gateway first so it stops accepting and drains, then the engine.
         for child in reversed(children):
@@ -118,15 +135,32 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _supervise(children: list[Child], gw, num_workers: int, startup_timeout: float, stopping: list[int]) -> int:
+def _restart(child: Child, code: int, ready: bool, max_restarts: int) -> bool:
+    """Restart a dead child if the policy allows it; False: the stack must go down (message printed)."""
+    now = time.monotonic()
+    while child.restarts and now - child.restarts[0] > RESTART_WINDOW_S:
+        child.restarts.popleft()
+    why = ("the stack was not ready yet" if not ready else "it is not restarted" if not child.restartable
+           else "restarts are off (--max-restarts 0)" if max_restarts <= 0
+           else f"it was restarted {len(child.restarts)} times in {RESTART_WINDOW_S:.0f}s"
+           if len(child.restarts) >= max_restarts else None)
+    if why is not None:
+        print(f"laneserve: {child.name} exited with code {code} ({why}); shutting the stack down", file=sys.stderr)
+        return False
+    child.restarts.append(now)
+    print(f"laneserve: {child.name} exited with code {code}; restarting it", file=sys.stderr, flush=True)
+    child.start()
+    return True
+
+
+def _supervise(children: list[Child], gw, num_workers: int, lc: LauncherConfig, stopping: list[int]) -> int:
     health = f"http://{gw.host}:{gw.port}/health"
-    deadline = time.monotonic() + startup_timeout
+    deadline = time.monotonic() + lc.startup_timeout
     ready = False
     while not stopping:
         for child in children:
             code = child.exited()
-            if code is not None:
-                print(f"laneserve: {child.name} exited with code {code}; shutting the stack down", file=sys.stderr)
+            if code is not None and not _restart(child, code, ready, lc.max_restarts):
                 return 1
         if not ready:
             if _healthy(health):
@@ -134,7 +168,7 @@ def _supervise(children: list[Child], gw, num_workers: int, startup_timeout: flo
                 print(f"laneserve ready: http://{gw.host}:{gw.port}/v1 (model {gw.served_model_name or gw.model}, "
                       f"{num_workers} worker(s)); Ctrl-C stops it", flush=True)
             elif time.monotonic() > deadline:
-                print(f"laneserve: not healthy after {startup_timeout:.0f}s; shutting down", file=sys.stderr)
+                print(f"laneserve: not healthy after {lc.startup_timeout:.0f}s; shutting down", file=sys.stderr)
                 return 1
         time.sleep(POLL_S)
     return 0

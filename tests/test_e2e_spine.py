@@ -89,13 +89,44 @@ def test_ctrl_c_leaves_no_process_or_socket_behind(make_stack):
     assert [p for p in sockets if os.path.exists(p)] == []
 
 
-def test_a_dying_child_takes_the_stack_down_with_a_message(make_stack):
+def test_a_dead_worker_is_restarted_and_a_dead_gateway_takes_the_stack_down(make_stack):
+    """Issue 9 replaced issue 2's "any dead child stops the stack": a worker is restarted (the sidecar
+    and gateway keep running), a gateway is not (docs/reliability.md)."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    def health() -> int:
+        try:
+            with urllib.request.urlopen(st.url("/health"), timeout=2) as resp:
+                return resp.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    def wait_for(cond, what: str, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < deadline, f"not {what} in {timeout}s: {st.lines[-10:]}"
+            time.sleep(0.05)  # polling a condition with a deadline
+
     st = make_stack()
     worker = next(pid for pid in st.children if b"\0worker\0" in _cmdline(pid))
+    others = [pid for pid in st.children if pid != worker]
     os.kill(worker, signal.SIGKILL)
+    wait_for(lambda: health() == 503, "503 while no worker is up", 5)
+    wait_for(lambda: health() == 200, "healthy again")
+    assert any("worker 0 exited with code -9; restarting it" in line for line in st.lines), st.lines[-10:]
+    assert all(_alive(pid) for pid in others)  # sidecar and gateway were not restarted
+    body = json.dumps({"prompt": "again", "max_tokens": 4, "ignore_eos": True}).encode()
+    req = urllib.request.Request(st.url("/v1/completions"), body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert json.load(resp)["usage"]["completion_tokens"] == 4
+    children = descendants(st.proc.pid)
+    gateway = next(pid for pid in children if b"\0gateway\0" in _cmdline(pid))
+    os.kill(gateway, signal.SIGKILL)
     assert st.proc.wait(60) == 1
-    assert any("worker 0 exited" in line for line in st.lines), st.lines[-10:]
-    assert [p for p in st.children if _alive(p)] == []
+    assert any("gateway exited with code -9 (it is not restarted)" in line for line in st.lines), st.lines[-10:]
+    assert [p for p in children if _alive(p)] == []
 
 
 def _cmdline(pid: int) -> bytes:

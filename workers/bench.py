@@ -251,7 +251,21 @@ def print_table(rows: list[Row], roofline: dict) -> None:
     for r in rows:
         vs_hf = f"{r.tok_per_s / hf[r.batch].tok_per_s:6.1f}x" if r.part != "hf" and r.batch in hf else ""
         vs_roof = (f"{roofline['roofline_ms'] / r.ms_per_step * 100:10.0f}%" if roofline and r.batch == 1 else "")
-        print(f"{r.part:8} {r.batch:6d} {r.context:8d} {r.ms_per_step:9.2f} {r.tok_per_s:10.0f} {vs_hf:>7} {vs_roof:>12}")
+        print(f"{r.part:8} {r.batch:6d} {r.context:8d} {r.ms_per_step:9.2f} {r.tok_per_s:10.0f} {vs_hf:>7} {vs_roof:>12}"
+              + (f"  {r.note}" if r.part == "engine" and r.note else ""))
+
+
+def kv_ratios(rows: list[Row], kv_dtypes: list[str]) -> list[str]:
+    """Engine tok/s of each later KV dtype against the first, per (batch, context) (issue 8's comparison)."""
+    engine = {(r.extra.get("kv_cache_dtype"), r.batch, r.context): r for r in rows if r.part == "engine"}
+    out = []
+    for kv_dtype in kv_dtypes[1:]:
+        for (dt, batch, context), r in engine.items():
+            base = engine.get((kv_dtypes[0], batch, context))
+            if dt == kv_dtype and base is not None:
+                out.append(f"KV {kv_dtype} vs {kv_dtypes[0]}: batch {batch}, context {context}: "
+                           f"{r.tok_per_s:.0f} / {base.tok_per_s:.0f} tok/s = {r.tok_per_s / base.tok_per_s:.2f}x")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-batches", default="1,32,64")
     ap.add_argument("--contexts", default="1024", help="comma list of context lengths for the engine part")
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="auto | int8, or a comma list (auto,int8): the engine part runs once per KV dtype, same "
+                         "shapes, and prints each batch's tok/s ratio against the first")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--out", default="", help="write JSON here")
     args = ap.parse_args(argv)
@@ -281,39 +297,52 @@ def main(argv: list[str] | None = None) -> int:
     contexts = [int(c) for c in args.contexts.split(",")]
     result: dict = {"argv": sys.argv, "date": time.strftime("%Y-%m-%d"), "device": (
         torch.cuda.get_device_name() if gpu else "cpu"), "torch": torch.__version__}
-    if "engine" in parts or "roofline" in parts:
+    kv_dtypes = args.kv_cache_dtype.split(",")
+    for kv_dtype in kv_dtypes if "engine" in parts else kv_dtypes[:1]:
+        if "engine" not in parts and "roofline" not in parts:
+            break
         cfg = WorkerConfig(model=model, load_format="dummy" if model != "tiny" else "auto",
                            dtype="bfloat16" if gpu else "float32", max_num_seqs=max(batches),
                            max_model_len=max(contexts) + args.steps + 128, max_num_batched_tokens=8192)
-        for name in ("kv_cache_dtype", "enforce_eager"):
+        for name, value in (("kv_cache_dtype", kv_dtype), ("enforce_eager", args.enforce_eager)):
             if hasattr(cfg, name):
-                setattr(cfg, name, getattr(args, name))
+                setattr(cfg, name, value)
         t0 = time.perf_counter()
         runner = ModelRunner(cfg)
-        result["startup_s"] = time.perf_counter() - t0
+        result.setdefault("startup_s", {})[kv_dtype] = time.perf_counter() - t0
         if getattr(runner, "graphs", None) is not None:
-            result["graph_capture"] = {"seconds": runner.graphs.capture_seconds,
-                                       "mib": runner.graphs.capture_bytes / 2**20, "sizes": runner.graphs.sizes}
+            result.setdefault("graph_capture", {})[kv_dtype] = {
+                "seconds": runner.graphs.capture_seconds, "mib": runner.graphs.capture_bytes / 2**20,
+                "sizes": runner.graphs.sizes}
             print(f"decode graphs: {len(runner.graphs.sizes)} sizes captured in {runner.graphs.capture_seconds:.1f}s, "
                   f"{runner.graphs.capture_bytes / 2**20:.0f} MiB", flush=True)
         weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-        if "roofline" in parts and gpu:
+        if "roofline" in parts and gpu and not roofline:
             bw = measure_copy_bandwidth()
             roofline = {"copy_bw_tb_s": bw / 1e12, "weight_gb": weight_bytes / 1e9,
                         "roofline_ms": weight_bytes / bw * 1e3, "roofline_tok_s": bw / weight_bytes}
         if "engine" in parts:
+            print(f"engine: KV cache {kv_dtype} ({runner.num_blocks} blocks)", flush=True)
             vocab = runner.model_config.vocab_size if hasattr(runner, "model_config") else 256
-            for context in contexts:
-                rows += bench_engine(runner, batches, context, args.steps, min(vocab, 32000), 8192)
+            got = [r for context in contexts
+                   for r in bench_engine(runner, batches, context, args.steps, min(vocab, 32000), 8192)]
+            for r in got:
+                r.extra["kv_cache_dtype"] = kv_dtype
+                r.note = f"kv {kv_dtype}" if len(kv_dtypes) > 1 else r.note
+            rows += got
         del runner
-        gc.collect()  # the runner's CUDA graphs and KV pool must go before HF's model arrives
+        gc.collect()  # the runner's CUDA graphs and KV pool must go before the next runner / HF's model
         if gpu:
             torch.cuda.empty_cache()
     if "hf" in parts and model != "tiny":
         rows += bench_hf(model, [int(b) for b in args.hf_batches.split(",")], 512, 128,
                          "cuda" if gpu else "cpu", torch.bfloat16 if gpu else torch.float32)
     print_table(rows, roofline)
-    cost = fit_cost_model(rows)
+    ratios = kv_ratios(rows, kv_dtypes)
+    for line in ratios:
+        print(line)
+    result["kv_ratios"] = ratios
+    cost = fit_cost_model([r for r in rows if r.extra.get("kv_cache_dtype", kv_dtypes[0]) == kv_dtypes[0]])
     if cost:
         print("simulator step cost (ms): " + ", ".join(f"{k}={v:.4g}" for k, v in cost.items()))
     result.update(roofline=roofline, rows=[asdict(r) for r in rows], cost_model=cost)

@@ -26,6 +26,11 @@ class WorkerConfig:
         "KV pool size, e.g. 256MiB or 4GiB; empty = 256MiB on CPU, --gpu-memory-utilization on CUDA"))
     gpu_memory_utilization: float = field(default=0.9, metadata=_h(
         "share of GPU memory for weights + activations + KV pool (measured after a warm-up forward)"))
+    kv_cache_dtype: str = field(default="auto", metadata=_h(
+        "auto (the model's dtype) | int8 (per-layer, per-KV-head scales: half the bytes, twice the blocks)"))
+    kv_scales: str = field(default="", metadata=_h(
+        "int8 KV scales JSON from `laneserve calibrate-kv`; empty = kv_scales.json in the model dir if present, "
+        "else set once from the first prefill chunk (docs/kv_int8.md)"))
     attention_backend: str = field(default="auto", metadata=_h(
         "auto (triton on CUDA, torch elsewhere) | torch (reference: gather + SDPA) | triton (paged decode kernel)"))
     enforce_eager: bool = field(default=False, metadata=_h("CUDA: run decode eagerly instead of CUDA graphs"))

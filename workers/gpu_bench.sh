@@ -19,7 +19,11 @@ if [ "${SKIP_KERNELS:-0}" != 1 ]; then
   python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 | tail -5 | tee "$OUT/kernels.txt"
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  python3 -m laneserve.cli bench --contexts 1024,2048 --out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.txt" | grep -v "^  " || true
+  python3 -m laneserve.cli bench --out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.txt"
+fi
+if [ "${SKIP_INT8:-0}" != 1 ]; then  # issue 8: int8 vs bf16 KV, 128 sequences at 2k context, same run
+  python3 -m laneserve.cli bench --parts engine --kv-cache-dtype auto,int8 --batches 128 --contexts 2048 \
+    --out "$OUT/kv_int8.json" 2>&1 | tee "$OUT/kv_int8.txt"
 fi
 if [ "${SKIP_REPLAY:-0}" != 1 ]; then
   MODEL=$(python3 -c 'import tempfile; from workers.bench import write_dummy_model_dir as w; print(w(tempfile.mkdtemp()))')

@@ -2,6 +2,9 @@
 
 Owns the socket loop only; the model, KV pool and sampling live in workers.runner.
 Blocking and single-threaded on purpose: one step at a time, the GPU is the bottleneck.
+Liveness (docs/reliability.md): a Heartbeat every HEARTBEAT_S while idle; a sidecar that does
+not know this worker (it restarted) answers with Reannounce, and the worker then forgets every
+request and registers again with WorkerReady. ZeroMQ reconnects to a restarted sidecar by itself.
 """
 
 from __future__ import annotations
@@ -25,14 +28,18 @@ def run(cfg: WorkerConfig) -> None:
 
     runner = ModelRunner(cfg)
     ctx = zmq.Context()
-    sock = transport.connect(ctx, zmq.DEALER, cfg.worker_address, identity=f"worker-{cfg.worker_id}".encode())
+    sock = transport.connect(ctx, zmq.DEALER, cfg.worker_address, identity=f"worker-{cfg.worker_id}".encode(),
+                             curve_server_public_key=cfg.curve_server_public_key,
+                             curve_client_secret_key=cfg.curve_client_secret_key)
     decoder = P.decoder(P.BatcherToWorker)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
-    sock.send(P.encode(P.WorkerReady(worker_id=cfg.worker_id, num_blocks=runner.num_blocks,
-                                     block_size=runner.block_size, max_model_len=runner.max_model_len,
-                                     protocol_version=P.PROTOCOL_VERSION, model=runner.model_name)))
+    ready = P.encode(P.WorkerReady(worker_id=cfg.worker_id, num_blocks=runner.num_blocks,
+                                   block_size=runner.block_size, max_model_len=runner.max_model_len,
+                                   protocol_version=P.PROTOCOL_VERSION, model=runner.model_name,
+                                   vocab_size=runner.model_config.vocab_size))
+    sock.send(ready)
     log.info("worker %d ready: %d KV blocks", cfg.worker_id, runner.num_blocks)
     try:
         while not stopping:
@@ -44,6 +51,11 @@ def run(cfg: WorkerConfig) -> None:
                 continue
             if isinstance(msg, P.Shutdown):
                 break
+            if isinstance(msg, P.Reannounce):  # a new sidecar: none of our requests exist there
+                log.warning("worker %d re-registering with the sidecar: %s", cfg.worker_id, msg.reason)
+                runner.reset()
+                sock.send(ready)
+                continue
             sock.send(P.encode(execute(runner, msg, cfg.worker_id)))
     finally:
         sock.close()

@@ -8,7 +8,9 @@ calls reset(). Must not do I/O or asyncio: workers/main.py owns the socket.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -19,7 +21,8 @@ from batcher import protocol as P
 from workers.attention import AttentionMetadata, get_backend
 from workers.config import WorkerConfig
 from workers.cuda_graphs import DecodeGraphs
-from workers.kv_cache import BLOCK_SIZE, DEFAULT_CPU_KV_BYTES, KVCache, bytes_per_block, gpu_kv_budget, parse_bytes
+from workers.kv_cache import (BLOCK_SIZE, DEFAULT_CPU_KV_BYTES, KVCache, bytes_per_block, gpu_kv_budget,
+                              load_kv_scales, parse_bytes, resolve_kv_dtype)
 from workers.loader import load_model, load_model_config, resolve_device, resolve_dtype
 from workers.sampling import SampleRow, sample
 
@@ -47,6 +50,7 @@ class ModelRunner:
         if self.device.type == "cpu" and cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype)
         self.model_config = load_model_config(cfg.model)
         self.model_name = cfg.model
         self.block_size = BLOCK_SIZE
@@ -60,19 +64,22 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.kv_cache = self._allocate_kv_cache()
         self.num_blocks = self.kv_cache.num_blocks
-        self.model.bind(self.kv_cache.layer_caches(), self.backend, self.max_model_len)
+        self.model.bind(self.kv_cache.layer_caches(), self.backend, self.max_model_len, self.kv_cache.layer_scales())
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and self.backend.name == "triton" and not cfg.enforce_eager:
             self.graphs = DecodeGraphs(self.model, self.backend, cfg.max_num_seqs, self.max_model_len,
                                        BLOCK_SIZE, self.device)
-            self.graphs.capture()
-        log.info("model %s on %s/%s: %d KV blocks (%.0f MiB)", cfg.model, self.device, str(self.dtype).split(".")[-1],
-                 self.num_blocks, self.kv_cache.nbytes / 2**20)
+            with self._hold_dynamic_scales():  # graphs read the scale tensors by pointer, set later in place
+                self.graphs.capture()
+        log.info("model %s on %s/%s: %d KV blocks (%.0f MiB, %s KV%s)", cfg.model, self.device,
+                 str(self.dtype).split(".")[-1], self.num_blocks, self.kv_cache.nbytes / 2**20,
+                 str(self.kv_dtype).split(".")[-1],
+                 f", scales: {self.kv_cache.scales.source}" if self.kv_cache.scales is not None else "")
 
     # ------------------------------------------------------------------ KV pool
     def _allocate_kv_cache(self) -> KVCache:
         mc = self.model_config
-        per_block = bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        per_block = bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.kv_dtype)
         budget = parse_bytes(self.cfg.kv_cache_memory)
         if not budget:
             budget = self._measure_gpu_budget() if self.device.type == "cuda" else DEFAULT_CPU_KV_BYTES
@@ -82,14 +89,34 @@ class ModelRunner:
             raise ValueError(f"KV cache budget {budget / 2**20:.0f} MiB holds {num_blocks} blocks, fewer than the "
                              f"{need} one {self.max_model_len}-token sequence needs: raise --kv-cache-memory "
                              "(or --gpu-memory-utilization) or lower --max-model-len")
-        return KVCache(mc.num_layers, num_blocks, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+        cache = KVCache(mc.num_layers, num_blocks, mc.num_kv_heads, mc.head_dim, self.kv_dtype, self.device)
+        path = self._kv_scales_path()
+        if cache.scales is not None and path:
+            cache.scales.load(*load_kv_scales(path, mc.num_layers, mc.num_kv_heads), source=path)
+        return cache
+
+    def _kv_scales_path(self) -> str:
+        """--kv-scales, else kv_scales.json beside the checkpoint, else '' (dynamic: first prefill chunk)."""
+        if self.cfg.kv_scales:
+            if self.kv_dtype != torch.int8:
+                raise ValueError("--kv-scales is for an int8 KV cache: add --kv-cache-dtype int8")
+            return self.cfg.kv_scales
+        beside = os.path.join(self.cfg.model, "kv_scales.json")
+        return beside if self.kv_dtype == torch.int8 and os.path.isfile(beside) else ""
+
+    def _hold_dynamic_scales(self):
+        """Warm-ups and graph capture must not set dynamic int8 scales from their placeholder tokens."""
+        scales = self.kv_cache.scales
+        return scales.hold() if scales is not None else contextlib.nullcontext()
 
     def _measure_gpu_budget(self) -> int:
         """Warm up with a max_num_batched_tokens prefill on a scratch pool, then size from what is left."""
         mc = self.model_config
         tokens = min(self.cfg.max_num_batched_tokens, self.max_model_len)
-        scratch = KVCache(mc.num_layers, -(-tokens // BLOCK_SIZE), mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
-        self.model.bind(scratch.layer_caches(), self.backend, self.max_model_len)
+        # the scratch pool has its own scales (the warm-up's zeros set those, not the real pool's)
+        scratch = KVCache(mc.num_layers, -(-tokens // BLOCK_SIZE), mc.num_kv_heads, mc.head_dim, self.kv_dtype,
+                          self.device)
+        self.model.bind(scratch.layer_caches(), self.backend, self.max_model_len, scratch.layer_scales())
         torch.cuda.reset_peak_memory_stats(self.device)
         state = RequestState("warmup", P.SamplingParams(temperature=0.0), [0] * tokens, tokens,
                              list(range(scratch.num_blocks)), 0)
@@ -144,8 +171,12 @@ class ModelRunner:
             r.token_ids.append(t)
         return reqs, tokens, logprobs
 
+    def _scales_ready(self) -> bool:
+        """Dynamic int8 scales are set by the first eager forward; a graph replay cannot set them."""
+        return self.kv_cache.scales is None or self.kv_cache.scales.ready
+
     def _run(self, scheduled: dict[str, int]):
-        if self.graphs is not None and len(scheduled) <= self.graphs.sizes[-1] and all(
+        if self.graphs is not None and len(scheduled) <= self.graphs.sizes[-1] and self._scales_ready() and all(
                 n == 1 and self.requests[rid].num_computed_tokens + 1 == len(self.requests[rid].token_ids)
                 for rid, n in scheduled.items()):
             return self._run_decode_graph([self.requests[rid] for rid in scheduled])

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from workers.kv_cache import LayerScales
+
 
 @dataclass
 class AttentionMetadata:
@@ -48,8 +50,13 @@ class AttentionBackend:
         raise NotImplementedError
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                kv_scales: LayerScales | None = None) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] of this step's tokens (RoPE applied); k/v_cache
         [num_blocks, block_size, Hkv, D] of this layer. Writes k/v into the cache at
-        meta.slot_mapping, then returns attention output [T, Hq, D]."""
+        meta.slot_mapping, then returns attention output [T, Hq, D].
+        int8 caches come with kv_scales (this layer's per-KV-head scales, workers/kv_cache.py):
+        the backend calls kv_scales.observe(k, v) before writing (the dynamic fallback sets the
+        scales there once), quantises what it writes and dequantises what it reads, inside
+        attention: never a full-precision copy of the pool."""
         raise NotImplementedError

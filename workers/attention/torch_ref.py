@@ -6,7 +6,9 @@ against. Must not keep state between steps other than what prepare() builds for 
 Decodes (one query each) are batched into one padded SDPA call; prefill chunks run one
 SDPA call per sequence with a causal mask offset by the chunk's start position, since
 chunks may start mid-prompt. Gather indices and masks are built once per step in
-prepare() and shared by all layers.
+prepare() and shared by all layers. An int8 pool is quantised on write and dequantised
+row by row as it is gathered (the step's working set only, the same transient copy the
+float path's gather makes).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from workers.attention.base import AttentionBackend, AttentionMetadata
+from workers.kv_cache import LayerScales, dequantize, quantize_int8
 
 
 # Most gathered key rows one padded decode call may hold: bounds the transient K/V copy
@@ -84,25 +87,39 @@ class TorchAttentionBackend(AttentionBackend):
         meta.plan = _Plan(decodes, prefills)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                kv_scales: LayerScales | None = None) -> torch.Tensor:
         plan: _Plan = meta.plan
         flat_k = k_cache.view(-1, *k_cache.shape[2:])
         flat_v = v_cache.view(-1, *v_cache.shape[2:])
-        flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
-        flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
+        if kv_scales is not None:  # int8 pool: quantise on write, dequantise each gathered working set
+            kv_scales.observe(k, v)
+            ks, vs = kv_scales.k, kv_scales.v
+            flat_k.index_copy_(0, meta.slot_mapping, quantize_int8(k, ks))
+            flat_v.index_copy_(0, meta.slot_mapping, quantize_int8(v, vs))
+
+            def read(flat, slots, s):
+                return dequantize(flat[slots], s, q.dtype)
+        else:
+            flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
+            flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
+            ks = vs = None
+
+            def read(flat, slots, s):
+                return flat[slots].to(q.dtype)
         out = torch.empty_like(q)
         num_kv_heads = flat_k.shape[1]
         group = q.shape[1] // num_kv_heads
         with sdpa_kernel(_SDPA_BACKENDS):
             for lo, hi, slots, mask in plan.decodes:
-                kd = flat_k[slots].transpose(1, 2).to(q.dtype)  # [rows, Hkv, L, D]
-                vd = flat_v[slots].transpose(1, 2).to(q.dtype)
+                kd = read(flat_k, slots, ks).transpose(1, 2)  # [rows, Hkv, L, D]
+                vd = read(flat_v, slots, vs).transpose(1, 2)
                 qd = q[lo:hi].unflatten(1, (num_kv_heads, group))  # [rows, Hkv, G, D]: a KV head's G queries
                 o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
                 out[lo:hi] = o.flatten(1, 2)
             for q_start, q_end, slots, mask in plan.prefills:
-                kp = flat_k[slots].transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
-                vp = flat_v[slots].transpose(0, 1).to(q.dtype)
+                kp = read(flat_k, slots, ks).transpose(0, 1)  # [Hkv, L, D]
+                vp = read(flat_v, slots, vs).transpose(0, 1)
                 nq = q_end - q_start
                 # [nq, Hq, D] -> [Hkv, G*nq, D]: each KV head attends for its G query heads at once
                 qp = q[q_start:q_end].unflatten(1, (num_kv_heads, group)).permute(1, 2, 0, 3).flatten(1, 2)

@@ -5,6 +5,8 @@ Owns per-step planning for the GPU path. Decodes read K/V straight from the page
 CUDA-graph safe (everything it reads lives in the metadata tensors). Prefill chunks run
 through SDPA (flash attention when the chunk starts at 0, the memory-efficient kernel
 with an offset causal mask when it starts mid-prompt) over K/V gathered from the pages.
+int8 pools: the write and decode kernels quantise / dequantise with the layer's per-KV-head
+scales; a prefill chunk dequantises only the rows it gathered (its sequence's context).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 
 from workers.attention.base import AttentionBackend, AttentionMetadata
 from workers.kernels.paged_attention import num_partitions, paged_decode, write_kv
+from workers.kv_cache import LayerScales, dequantize
 
 
 @dataclass
@@ -32,7 +35,6 @@ class TritonAttentionBackend(AttentionBackend):
         self.num_kv_heads = num_kv_heads
         self.num_sms = num_sms
         self.window: int | None = None
-        self.k_scales: list[torch.Tensor | None] | None = None  # int8 pools: per-layer [Hkv] scales
 
     def prepare(self, meta: AttentionMetadata, block_size: int, sliding_window: int | None) -> None:
         self.window = sliding_window
@@ -59,22 +61,28 @@ class TritonAttentionBackend(AttentionBackend):
         meta.plan = _Plan(parts, prefills)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                kv_scales: LayerScales | None = None) -> torch.Tensor:
         plan: _Plan = meta.plan
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        ks = vs = None
+        if kv_scales is not None:  # int8 pool: the kernels quantise / dequantise with these [Hkv] scales
+            kv_scales.observe(k, v)
+            ks, vs = kv_scales.k, kv_scales.v
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
             paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                         num_parts=plan.num_parts, out=out[:nd], window=self.window)
+                         num_parts=plan.num_parts, k_scale=ks, v_scale=vs, out=out[:nd], window=self.window)
         if plan.prefills:
             flat_k = k_cache.view(-1, *k_cache.shape[2:])
             flat_v = v_cache.view(-1, *v_cache.shape[2:])
             for q_start, q_end, slots, mask in plan.prefills:
-                kp = flat_k[slots].transpose(0, 1)  # [Hkv, L, D]
-                vp = flat_v[slots].transpose(0, 1)
+                kp, vp = flat_k[slots], flat_v[slots]  # [L, Hkv, D]: this sequence's context only
+                if ks is not None:
+                    kp, vp = dequantize(kp, ks, q.dtype), dequantize(vp, vs, q.dtype)
                 qp = q[q_start:q_end].transpose(0, 1)  # [Hq, nq, D]
-                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None,
-                                                   scale=scale, enable_gqa=True)
+                o = F.scaled_dot_product_attention(qp, kp.transpose(0, 1), vp.transpose(0, 1), attn_mask=mask,
+                                                   is_causal=mask is None, scale=scale, enable_gqa=True)
                 out[q_start:q_end] = o.transpose(0, 1)
         return out

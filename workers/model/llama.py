@@ -86,6 +86,7 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # bound by LlamaForCausalLM.bind()
         self.v_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
+        self.kv_scales = None  # int8 pools: this layer's workers.kv_cache.LayerScales
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -94,7 +95,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
         q, k = rope(q, k, positions)
-        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.kv_scales)
         return self.o_proj(o.reshape(T, -1))
 
 
@@ -144,13 +145,15 @@ class LlamaForCausalLM(nn.Module):
         self.sliding_window = cfg.sliding_window
 
     def bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend,
-             max_len: int) -> None:
-        """Attach each layer's (k_cache, v_cache), the attention backend, and the RoPE table."""
+             max_len: int, kv_scales: list | None = None) -> None:
+        """Attach each layer's (k_cache, v_cache), the attention backend, and the RoPE table;
+        int8 pools also pass each layer's scales (workers.kv_cache.KVCache.layer_scales())."""
         device = self.model.embed_tokens.weight.device
         self.rope = RotaryEmbedding(self.config, max_len, device)
-        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.model.layers, kv_caches)):
             layer.self_attn.k_cache, layer.self_attn.v_cache = k_cache, v_cache
             layer.self_attn.backend = backend
+            layer.self_attn.kv_scales = kv_scales[i] if kv_scales is not None else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden] before the final norm; the caller

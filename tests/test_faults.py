@@ -1,0 +1,252 @@
+"""Issue 9 on the real stack (`laneserve serve`, tiny model, CPU): bad input over HTTP, and a bounded soak of
+mixed traffic with random client disconnects through one worker SIGKILL and one sidecar SIGKILL (both
+restarted by the launcher), asserting that nothing is lost: exactly one terminal outcome per request, no KV
+block leaked, RSS stable, no zombie. The figures it prints are the ones in docs/reliability.md."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import aiohttp
+
+from tests.stack import descendants
+
+REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=40)  # a request still open after this is a hang: lost
+BACKOFF_S = 0.2  # shorter than the Retry-After of 1 s, to keep the test short
+
+
+async def _status(session, url, **kw) -> tuple[int, bytes]:
+    async with session.post(url, **kw) as resp:
+        return resp.status, await resp.read()
+
+
+async def test_bad_input_is_a_clean_4xx_and_the_gateway_keeps_serving(stack):
+    url = stack.url("/v1/completions")
+    chat = stack.url("/v1/chat/completions")
+    deep = b'{"prompt": "x", "extra": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    cases = [
+        (url, {"data": deep, "headers": {"Content-Type": "application/json"}}),  # deep JSON
+        (url, {"data": b'{"prompt": "\xff\xfe bad utf-8", "max_tokens": 2}',
+               "headers": {"Content-Type": "application/json"}}),
+        (chat, {"data": b'{"messages": [{"role": "user", "content": "\xc3\x28"}]}',
+                "headers": {"Content-Type": "application/json"}}),
+        (url, {"json": {"prompt": "x", "n": 10**9}}),
+        (url, {"json": {"prompt": ["a", "b", "c"], "n": 100}}),  # prompts x n over the cap
+        (url, {"json": {"prompt": "x", "max_tokens": 10**12}}),
+        (url, {"json": {"prompt": "x", "max_tokens": 2**70}}),
+        (url, {"json": {"prompt": "x", "logprobs": 10**9}}),
+        (chat, {"json": {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 10**6}}),
+        (chat, {"json": {"messages": [{"role": "user", "content": "y" * 9000}]}}),  # over the 8192 context
+        (url, {"json": {"prompt": "x" * 9000, "max_tokens": 1}}),
+        (url, {"json": {"prompt": [[1, 2], [3, -4]]}}),
+        (url, {"json": {"prompt": "x", "temperature": float("inf")}}),
+        (url, {"data": b'{"prompt": "x", "temperature": NaN}', "headers": {"Content-Type": "application/json"}}),
+    ]
+    async with aiohttp.ClientSession(timeout=REQUEST_TIMEOUT) as s:
+        for target, kw in cases:
+            status, body = await _status(s, target, **kw)
+            assert status == 400, (kw if "json" in kw else kw["data"][:60], status, body[:200])
+            assert json.loads(body)["error"]["type"] == "invalid_request_error"
+        status, body = await _status(s, url, json={"prompt": "still fine", "max_tokens": 3, "ignore_eos": True})
+        assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 3
+
+
+# ---------------------------------------------------------------------------------------------- the soak
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _pid_of(launcher: int, role: str) -> int:
+    (pid,) = [p for p in descendants(launcher) if f"\0{role}\0".encode() in _cmdline(p)]
+    return pid
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def _zombies(launcher: int) -> list[int]:
+    out = []
+    for pid in [launcher, *descendants(launcher)]:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
+class Traffic:
+    """Mixed clients: streaming and not, some hanging up mid-stream. Every request's outcome is recorded."""
+
+    def __init__(self, base: str, session: aiohttp.ClientSession, seed: int):
+        self.base, self.s, self.rng = base, session, random.Random(seed)
+        self.outcomes: Counter[str] = Counter()
+        self.streams_started = 0
+        self.stop = asyncio.Event()
+
+    def _body(self, stream: bool) -> dict:
+        return {"model": "tiny", "prompt": f"soak {self.rng.randrange(10**6)} " * self.rng.randint(1, 20),
+                "max_tokens": self.rng.choice([4, 16, 48, 96]), "ignore_eos": True, "temperature": 0.7,
+                "stream": stream}
+
+    async def one(self) -> None:
+        kind = self.rng.choice(["json", "stream", "stream", "hangup"])
+        body = self._body(kind != "json")
+        try:
+            async with self.s.post(f"{self.base}/v1/completions", json=body) as resp:
+                if resp.status != 200:
+                    error = json.loads(await resp.read())["error"]
+                    assert resp.status in (429, 500, 503), (resp.status, error)
+                    self.outcomes[f"http {resp.status}"] += 1
+                    if resp.status in (429, 503):
+                        assert int(resp.headers["Retry-After"]) >= 1
+                        await asyncio.sleep(BACKOFF_S)  # a polite client's retry backoff (behaviour, not a sync)
+                    return
+                if kind == "json":
+                    out = await resp.json()
+                    assert out["choices"][0]["finish_reason"] == "length"
+                    assert out["usage"]["completion_tokens"] == body["max_tokens"]
+                    self.outcomes["complete"] += 1
+                    return
+                self.streams_started += 1
+                ends, errors, tokens, done = 0, 0, 0, False
+                async for raw in resp.content:
+                    line = raw.decode().strip()
+                    if not line:
+                        continue
+                    if line == "data: [DONE]":
+                        done = True
+                        continue
+                    event = json.loads(line[len("data: "):])
+                    if "error" in event:
+                        errors += 1
+                        continue
+                    tokens += 1
+                    ends += sum(c["finish_reason"] is not None for c in event["choices"])
+                    if kind == "hangup" and tokens >= 3:
+                        self.outcomes["client hung up"] += 1
+                        return  # leaving the block closes the connection mid-stream
+                assert done and ends + errors == 1, (ends, errors, done)  # exactly one terminal outcome
+                self.outcomes["complete" if ends else "error event"] += 1
+        except asyncio.TimeoutError:
+            self.outcomes["LOST (hung)"] += 1
+        except aiohttp.ClientError as exc:  # connection reset mid-answer: the gateway never ended it
+            self.outcomes[f"LOST ({type(exc).__name__})"] += 1
+
+    async def run(self, concurrency: int, count: int | None = None) -> None:
+        left = [count]
+
+        async def client():
+            while not self.stop.is_set() and (left[0] is None or left[0] > 0):
+                if left[0] is not None:
+                    left[0] -= 1
+                await self.one()
+
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+
+    @property
+    def requests(self) -> int:
+        return sum(self.outcomes.values())
+
+
+async def _wait(cond, what: str, timeout: float) -> float:
+    """Poll an async condition with a deadline; returns the seconds it took."""
+    t0 = time.monotonic()
+    while not await cond():
+        assert time.monotonic() - t0 < timeout, f"not {what} after {timeout}s"
+        await asyncio.sleep(0.05)  # polling a condition, not synchronisation
+    return time.monotonic() - t0
+
+
+def test_soak_through_a_worker_kill_and_a_sidecar_restart_loses_nothing(make_stack):
+    st = make_stack("--max-restarts", "3", "--max-queued-requests", "64")
+    launcher = st.proc.pid
+
+    async def health(s) -> int:
+        try:
+            async with s.get(st.url("/health"), timeout=aiohttp.ClientTimeout(total=3)) as r:
+                return r.status
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return 0
+
+    async def engine(s) -> dict[str, float]:
+        async with s.get(st.url("/metrics")) as r:
+            text = await r.text()
+        return {ln.split()[0][len("laneserve:"):]: float(ln.split()[1]) for ln in text.splitlines()
+                if ln.startswith("laneserve:") and ln.split()[0].count("{") == 0}
+
+    async def drained(s) -> bool:
+        m = await engine(s)
+        return (m["kv_cache_blocks_total"] > 0 and m["kv_cache_blocks_free"] == m["kv_cache_blocks_total"]
+                and m["num_requests_running"] == 0 and m["num_requests_waiting"] == 0)
+
+    async def main():
+        figures = {}
+        async with aiohttp.ClientSession(timeout=REQUEST_TIMEOUT) as s:
+            warm = Traffic(st.base_url, s, seed=1)
+            await warm.run(concurrency=6, count=24)
+            assert set(warm.outcomes) <= {"complete", "client hung up"}, warm.outcomes
+            await _wait(lambda: drained(s), "drained after warm-up", 20)
+
+            faulty = Traffic(st.base_url, s, seed=2)
+            traffic = asyncio.create_task(faulty.run(concurrency=8))
+            for role in ("worker", "batcher"):
+                started = faulty.streams_started
+                await _wait(lambda: _true(faulty.streams_started >= started + 4), "streams in flight", 30)
+                pid = _pid_of(launcher, role)
+                os.kill(pid, signal.SIGKILL)
+                t0 = time.monotonic()
+                if role == "worker":
+                    figures["worker: /health 503 after s"] = await _wait(lambda: _eq(health(s), 503), "503", 5)
+                await _wait(lambda: _eq(health(s), 200), f"healthy after the {role} kill", 60)
+                figures[f"{role}: serving again after s"] = time.monotonic() - t0
+                assert _pid_of(launcher, role) != pid
+            faulty.stop.set()
+            await traffic
+            await _wait(lambda: drained(s), "KV free == total after the faults", 20)
+
+            steady = Traffic(st.base_url, s, seed=3)
+            await steady.run(concurrency=6, count=24)
+            await _wait(lambda: drained(s), "KV free == total at the end", 20)
+            rss_before = {role: _rss_kib(_pid_of(launcher, role)) for role in ("gateway", "batcher", "worker")}
+            await steady.run(concurrency=6, count=24)  # the same traffic again: memory must not grow with it
+            assert set(steady.outcomes) <= {"complete", "client hung up"}, steady.outcomes
+            await _wait(lambda: drained(s), "KV free == total after a second round", 20)
+            rss_after = {role: _rss_kib(_pid_of(launcher, role)) for role in ("gateway", "batcher", "worker")}
+        return warm, faulty, steady, rss_before, rss_after, figures
+
+    warm, faulty, steady, before, after, figures = asyncio.run(main())
+    lost = {k: v for t in (warm, faulty, steady) for k, v in t.outcomes.items() if k.startswith("LOST")}
+    print(f"\nsoak: {warm.requests + faulty.requests + steady.requests} requests, faults injected: 1 worker "
+          f"SIGKILL + 1 sidecar SIGKILL; fault-phase outcomes {dict(faulty.outcomes)}; lost {sum(lost.values())}; "
+          f"{ {k: round(v, 2) for k, v in figures.items()} }; RSS KiB before {before} after {after}")
+    assert lost == {}
+    assert faulty.outcomes["error event"] + faulty.outcomes["http 500"] + faulty.outcomes["http 503"] >= 1
+    for role in before:  # stable: a second round of the same traffic after the faults adds no memory
+        assert after[role] - before[role] < max(8 * 1024, before[role] // 10), (role, before, after)
+    assert figures["worker: /health 503 after s"] < 1.5
+    assert _zombies(launcher) == []
+    restarts = [ln for ln in st.lines if "restarting it" in ln]
+    assert len(restarts) == 2 and not any("shutting the stack down" in ln for ln in st.lines), st.lines[-20:]
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def _eq(awaitable, expected) -> bool:
+    return await awaitable == expected
