@@ -101,7 +101,8 @@ def serve(lc: LauncherConfig, gw, bc, wc, log_level: str = "INFO") -> int:
     gw.batcher_address, wc.worker_address = bc.batcher_address, bc.worker_address
 
     gpus = [] if wc.device == "cpu" else visible_gpus()
-    num_workers = lc.num_workers or max(1, len(gpus))
+    tp = max(1, wc.tensor_parallel_size)  # a worker is a TP group: it starts its other ranks itself
+    num_workers = lc.num_workers or max(1, len(gpus) // tp)
     common = ["--log-level", log_level]
     stopping: list[int] = []
 
@@ -114,7 +115,8 @@ def serve(lc: LauncherConfig, gw, bc, wc, log_level: str = "INFO") -> int:
     try:
         children.append(Child("batcher", [*common, "batcher", *to_argv(bc)]))
         for i in range(num_workers):
-            env = {"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]} if gpus else {}
+            group = [gpus[(i * tp + r) % len(gpus)] for r in range(tp)] if gpus else []
+            env = {"CUDA_VISIBLE_DEVICES": ",".join(group)} if gpus else {}  # rank r uses cuda:r
             worker = dataclasses.replace(wc, worker_id=i)
             children.append(Child(f"worker {i}", [*common, "worker", *to_argv(worker)], env))
         children.append(Child("gateway", [*common, "gateway", *to_argv(gw)], restartable=False))

@@ -286,9 +286,15 @@ async def test_the_gateway_client_drops_junk_from_its_sidecar_and_fails_in_fligh
     client = BatcherClient(GatewayConfig(batcher_address=address, sidecar_timeout=2.0))
     client.start()
     try:
+        deadline = time.monotonic() + 5
+        while not client.connected:  # the monitor's handshake event, handled on this loop
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
         ping = asyncio.create_task(client.ping())
-        ident, frame = await asyncio.wait_for(fake.recv_multipart(), 5)
-        nonce = P.decoder(P.GatewayToBatcher).decode(frame).nonce
+        nonce = 0
+        while nonce == 0:  # the client's periodic liveness pings carry nonce 0
+            ident, frame = await asyncio.wait_for(fake.recv_multipart(), 5)
+            nonce = P.decoder(P.GatewayToBatcher).decode(frame).nonce
         for junk in JUNK:
             await fake.send_multipart([ident, junk])
         await fake.send_multipart([ident, P.encode(P.TokenBatch(step=1, deltas=[P.TokenDelta("nobody", [1])],
@@ -297,7 +303,9 @@ async def test_the_gateway_client_drops_junk_from_its_sidecar_and_fails_in_fligh
         assert (await ping).workers_alive == 1
         q = client.submit([P.AddRequest(request_id="x", prompt_token_ids=[1], params=P.SamplingParams(),
                                         arrival_time=0.0)])
-        await asyncio.wait_for(fake.recv_multipart(), 5)
+        while not isinstance(P.decoder(P.GatewayToBatcher).decode((await asyncio.wait_for(fake.recv_multipart(),
+                                                                                          5))[1]), P.AddRequest):
+            pass
         t0 = time.monotonic()
         fake.close()  # the sidecar dies: the in-flight request ends at once, new ones see it dead
         item = await asyncio.wait_for(q.get(), 5)

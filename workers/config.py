@@ -35,6 +35,11 @@ class WorkerConfig:
         "auto (triton on CUDA, torch elsewhere) | torch (reference: gather + SDPA) | triton (paged decode kernel)"))
     enforce_eager: bool = field(default=False, metadata=_h("CUDA: run decode eagerly instead of CUDA graphs"))
     num_threads: int = field(default=0, metadata=_h("CPU: torch intra-op threads; 0 = torch's default"))
+    tensor_parallel_size: int = field(default=1, metadata=_h(
+        "ranks (GPUs) per worker: this process is rank 0 and starts ranks 1..T-1; heads and MLP are split "
+        "over them (NCCL on CUDA, gloo on CPU; docs/tensor_parallel.md). The sidecar sees one worker"))
+    dist_init_address: str = field(default="", metadata=_h(
+        "rendezvous of the tensor-parallel group, e.g. tcp://127.0.0.1:29500; empty = a free local port"))
     curve_server_public_key: str = field(default="", metadata=_h(
         "tcp across hosts: the sidecar's public CURVE certificate (zmq.auth file); set = connect with CURVE"))
     curve_client_secret_key: str = field(default="", metadata=_h(

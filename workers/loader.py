@@ -5,7 +5,8 @@ tensor, never a traceback deep in a forward) and the weight sources: safetensors
 (sharded via model.safetensors.index.json too), seeded random weights for `tiny`, and
 `--load-format dummy` (random weights, real shapes, for benchmarks). Tensors are read
 one at a time with safe_open and copied straight into the target dtype and device, so at
-most one tensor is staged, never a whole host copy. Must not know requests or the KV pool.
+most one tensor is staged, never a whole host copy; a tensor-parallel rank reads only its
+slice of each sharded tensor. Must not know requests or the KV pool.
 """
 
 from __future__ import annotations
@@ -69,22 +70,49 @@ def load_model_config(model: str) -> ModelConfig:
 
 
 def load_model(model: str, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               load_format: str = "auto", seed: int = 0) -> LlamaForCausalLM:
-    """Build on the meta device, materialise in dtype on device, then fill the weights."""
+               load_format: str = "auto", seed: int = 0, tp_rank: int = 0, tp_size: int = 1) -> LlamaForCausalLM:
+    """Build on the meta device, materialise in dtype on device, then fill the weights.
+    tp_size > 1: this rank's shard only (LlamaForCausalLM.shard_dims says what is sliced)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format {load_format!r}: choose {', '.join(LOAD_FORMATS)}")
     with torch.device("meta"):
-        net = LlamaForCausalLM(model_cfg)
+        net = LlamaForCausalLM(model_cfg, tp_size)
     net = net.to(dtype).to_empty(device=device)
     net.requires_grad_(False).eval()
     if model == "tiny":
-        # generated on CPU so the weights are the same whatever the device
-        init_random_(net, torch.Generator().manual_seed(seed))
+        # generated on CPU so the weights are the same whatever the device (and, sliced, the TP size)
+        if tp_size == 1:
+            init_random_(net, torch.Generator().manual_seed(seed))
+        else:
+            full = LlamaForCausalLM(model_cfg)
+            init_random_(full, torch.Generator().manual_seed(seed))
+            _copy_shards(net, full.state_dict(), tp_rank, tp_size)
     elif load_format == "dummy":
+        # per-shard random weights: same on every rank, not the TP=1 model's (benchmarks only)
         init_random_(net, torch.Generator(device=device).manual_seed(seed))
     else:
-        load_safetensors(net, model)
+        load_safetensors(net, model, tp_rank, tp_size)
     return net
+
+
+def shard_range(full: int, tp_rank: int, tp_size: int) -> slice:
+    n = full // tp_size
+    return slice(tp_rank * n, (tp_rank + 1) * n)
+
+
+def _index(dim: int | None, full_shape: tuple[int, ...], tp_rank: int, tp_size: int) -> tuple:
+    """The index of this rank's slice of a full tensor (works on tensors and safetensors slices)."""
+    if dim is None:
+        return (slice(None),) * len(full_shape)
+    return (slice(None),) * dim + (shard_range(full_shape[dim], tp_rank, tp_size),)
+
+
+@torch.no_grad()
+def _copy_shards(net: LlamaForCausalLM, full: dict[str, torch.Tensor], tp_rank: int, tp_size: int) -> None:
+    dims = net.shard_dims()
+    for name, param in net.named_parameters():
+        t = full[name]
+        param.copy_(t[_index(dims[name], tuple(t.shape), tp_rank, tp_size)])
 
 
 def _checkpoint_files(path: str) -> list[str]:
@@ -108,11 +136,13 @@ def _checkpoint_files(path: str) -> list[str]:
 
 
 @torch.no_grad()
-def load_safetensors(net: LlamaForCausalLM, path: str) -> None:
-    """Copy every checkpoint tensor into the parameter of the same name, checking names and shapes."""
+def load_safetensors(net: LlamaForCausalLM, path: str, tp_rank: int = 0, tp_size: int = 1) -> None:
+    """Copy every checkpoint tensor into the parameter of the same name, checking names and shapes.
+    Under TP each rank reads only its slice (safe_open get_slice): never the whole tensor."""
     from safetensors import safe_open
 
     params = dict(net.named_parameters())
+    dims = net.shard_dims()
     tied = net.config.tie_word_embeddings
     loaded: set[str] = set()
     problems: list[str] = []
@@ -131,15 +161,27 @@ def load_safetensors(net: LlamaForCausalLM, path: str) -> None:
                 if param is None:
                     problems.append(f"{name_of_file}: unexpected tensor {name!r}")
                     continue
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != tuple(param.shape):
+                tensor = f.get_slice(name)
+                shape = tuple(tensor.get_shape())
+                want = _full_shape(param, dims[name], tp_size)
+                if shape != want:
                     problems.append(f"{name_of_file}: tensor {name!r} has shape {list(shape)}, "
-                                    f"the config ({path}/config.json) implies {list(param.shape)}")
+                                    f"the config ({path}/config.json) implies {list(want)}")
                     continue
-                param.copy_(f.get_tensor(name))
+                if tp_size == 1 or dims[name] is None:
+                    param.copy_(f.get_tensor(name))
+                else:
+                    param.copy_(tensor[_index(dims[name], shape, tp_rank, tp_size)])
                 loaded.add(name)
-    problems += [f"tensor {name!r} (shape {list(params[name].shape)}) is missing from every *.safetensors file"
-                 for name in params if name not in loaded]
+    problems += [f"tensor {name!r} (shape {list(_full_shape(params[name], dims[name], tp_size))}) is missing "
+                 "from every *.safetensors file" for name in params if name not in loaded]
     if problems:
         more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
         raise WeightLoadError(f"checkpoint {path} does not match its config:\n  " + "\n  ".join(problems[:10]) + more)
+
+
+def _full_shape(param: torch.Tensor, dim: int | None, tp_size: int) -> tuple[int, ...]:
+    shape = list(param.shape)
+    if dim is not None:
+        shape[dim] *= tp_size
+    return tuple(shape)

@@ -24,8 +24,10 @@ HEARTBEAT_S = 0.5
 
 
 def run(cfg: WorkerConfig) -> None:
+    from workers.parallel import TPGroup
     from workers.runner import ModelRunner  # heavy import after argument parsing
 
+    tp = TPGroup(cfg) if cfg.tensor_parallel_size > 1 else None  # this is rank 0; it starts ranks 1..T-1
     runner = ModelRunner(cfg)
     ctx = zmq.Context()
     sock = transport.connect(ctx, zmq.DEALER, cfg.worker_address, identity=f"worker-{cfg.worker_id}".encode(),
@@ -49,6 +51,8 @@ def run(cfg: WorkerConfig) -> None:
             msg = transport.try_decode(decoder, sock.recv(), "sidecar")
             if msg is None:
                 continue
+            if tp is not None:
+                tp.send(msg)  # the other ranks run every step too (workers/parallel.py)
             if isinstance(msg, P.Shutdown):
                 break
             if isinstance(msg, P.Reannounce):  # a new sidecar: none of our requests exist there
@@ -60,6 +64,8 @@ def run(cfg: WorkerConfig) -> None:
     finally:
         sock.close()
         ctx.term()
+        if tp is not None:
+            tp.close()
 
 
 def execute(runner, step: P.StepInput, worker_id: int) -> P.StepOutput:

@@ -4,6 +4,11 @@ Owns the worker's view of its requests (token ids, block ids, num_computed_token
 step loop body of docs/architecture.md ("ModelRunner"). Trusts the sidecar's StepInput (it
 is validated at decode); errors propagate to the worker loop, which fails the step and
 calls reset(). Must not do I/O or asyncio: workers/main.py owns the socket.
+
+Tensor parallel (cfg.tensor_parallel_size T > 1, docs/tensor_parallel.md): every rank runs a
+ModelRunner on the same StepInputs; each holds its shard of the weights and a KV pool of its
+num_kv_heads/T heads, sized to the smallest pool any rank can hold. Rank 0 alone computes logits
+and samples, then broadcasts the token ids so every rank's request state stays identical.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from batcher import protocol as P
 from workers.attention import AttentionMetadata, get_backend
@@ -24,6 +30,7 @@ from workers.cuda_graphs import DecodeGraphs
 from workers.kv_cache import (BLOCK_SIZE, DEFAULT_CPU_KV_BYTES, KVCache, bytes_per_block, gpu_kv_budget,
                               load_kv_scales, parse_bytes, resolve_kv_dtype)
 from workers.loader import load_model, load_model_config, resolve_device, resolve_dtype
+from workers.parallel import broadcast_tokens, check_shardable, min_across_ranks, rank_device
 from workers.sampling import SampleRow, sample
 
 log = logging.getLogger("laneserve.worker")
@@ -44,23 +51,33 @@ class RequestState:
 
 
 class ModelRunner:
-    def __init__(self, cfg: WorkerConfig):
+    def __init__(self, cfg: WorkerConfig, tp_rank: int = 0):
+        """tp_rank: this process's rank when cfg.tensor_parallel_size > 1; the caller has joined
+        the process group (workers.parallel.TPGroup on rank 0, follower_main on the others)."""
         self.cfg = cfg
-        self.device = resolve_device(cfg.device)
+        self.tp_rank, self.tp_size = tp_rank, cfg.tensor_parallel_size
+        self.device = rank_device(resolve_device(cfg.device), tp_rank)
         if self.device.type == "cpu" and cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype)
         self.model_config = load_model_config(cfg.model)
         self.model_name = cfg.model
+        if self.tp_size != 1:
+            check_shardable(self.model_config, self.tp_size)
+            if not dist.is_initialized() or dist.get_world_size() != self.tp_size:
+                raise ValueError(f"--tensor-parallel-size {self.tp_size}: no process group of that size; start the "
+                                 "worker through workers.main (it starts the other ranks)")
+        self.num_kv_heads = self.model_config.num_kv_heads // self.tp_size  # this rank's share
         self.block_size = BLOCK_SIZE
         mc = self.model_config
         limit = mc.max_position_embeddings
         if cfg.max_model_len > limit:
             raise ValueError(f"--max-model-len {cfg.max_model_len} exceeds the model's max_position_embeddings {limit}")
         self.max_model_len = cfg.max_model_len or limit
-        self.model = load_model(cfg.model, mc, self.dtype, self.device, cfg.load_format, cfg.seed)
-        self.backend = get_backend(cfg.attention_backend, self.device, self.model_config.num_kv_heads)
+        self.model = load_model(cfg.model, mc, self.dtype, self.device, cfg.load_format, cfg.seed,
+                                tp_rank, self.tp_size)
+        self.backend = get_backend(cfg.attention_backend, self.device, self.num_kv_heads)
         self.requests: dict[str, RequestState] = {}
         self.kv_cache = self._allocate_kv_cache()
         self.num_blocks = self.kv_cache.num_blocks
@@ -79,20 +96,24 @@ class ModelRunner:
     # ------------------------------------------------------------------ KV pool
     def _allocate_kv_cache(self) -> KVCache:
         mc = self.model_config
-        per_block = bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.kv_dtype)
-        budget = parse_bytes(self.cfg.kv_cache_memory)
+        per_block = bytes_per_block(mc.num_layers, self.num_kv_heads, mc.head_dim, self.kv_dtype)
+        budget = parse_bytes(self.cfg.kv_cache_memory)  # per rank: each holds num_kv_heads/T heads
         if not budget:
             budget = self._measure_gpu_budget() if self.device.type == "cuda" else DEFAULT_CPU_KV_BYTES
         num_blocks = budget // per_block
+        if self.tp_size > 1:  # block ids are the group's: every rank needs every block
+            num_blocks = min_across_ranks(num_blocks, self.device)
         need = -(-self.max_model_len // BLOCK_SIZE)
         if num_blocks < need:
             raise ValueError(f"KV cache budget {budget / 2**20:.0f} MiB holds {num_blocks} blocks, fewer than the "
                              f"{need} one {self.max_model_len}-token sequence needs: raise --kv-cache-memory "
                              "(or --gpu-memory-utilization) or lower --max-model-len")
-        cache = KVCache(mc.num_layers, num_blocks, mc.num_kv_heads, mc.head_dim, self.kv_dtype, self.device)
+        cache = KVCache(mc.num_layers, num_blocks, self.num_kv_heads, mc.head_dim, self.kv_dtype, self.device)
         path = self._kv_scales_path()
         if cache.scales is not None and path:
-            cache.scales.load(*load_kv_scales(path, mc.num_layers, mc.num_kv_heads), source=path)
+            k, v = load_kv_scales(path, mc.num_layers, mc.num_kv_heads)  # the whole model's; keep this rank's heads
+            lo, hi = self.tp_rank * self.num_kv_heads, (self.tp_rank + 1) * self.num_kv_heads
+            cache.scales.load([row[lo:hi] for row in k], [row[lo:hi] for row in v], source=path)
         return cache
 
     def _kv_scales_path(self) -> str:
@@ -114,7 +135,7 @@ class ModelRunner:
         mc = self.model_config
         tokens = min(self.cfg.max_num_batched_tokens, self.max_model_len)
         # the scratch pool has its own scales (the warm-up's zeros set those, not the real pool's)
-        scratch = KVCache(mc.num_layers, -(-tokens // BLOCK_SIZE), mc.num_kv_heads, mc.head_dim, self.kv_dtype,
+        scratch = KVCache(mc.num_layers, -(-tokens // BLOCK_SIZE), self.num_kv_heads, mc.head_dim, self.kv_dtype,
                           self.device)
         self.model.bind(scratch.layer_caches(), self.backend, self.max_model_len, scratch.layer_scales())
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -166,10 +187,26 @@ class ModelRunner:
             slots[i] = r.block_ids[p // bs] * bs + p % bs
             r.num_computed_tokens = p + 1
         logits = self.graphs.run(ids, pos, slots, lens, [r.block_ids for r in reqs])
-        tokens, logprobs = sample(logits, [r.sample_row for r in reqs])
+        tokens, logprobs = self._sample(reqs, lambda: logits)
+        return reqs, tokens, logprobs
+
+    def _sample(self, reqs: list[RequestState], logits_fn):
+        """Sample one token per request and append it. Under TP only rank 0 computes logits and
+        samples; the token ids are broadcast so every rank appends the same ones. A sampling error on
+        rank 0 is broadcast too (as -1s), so the step fails on every rank alike."""
+        tokens = logprobs = None
+        if self.tp_rank == 0:
+            try:
+                tokens, logprobs = sample(logits_fn(), [r.sample_row for r in reqs])
+            except Exception:
+                if self.tp_size > 1:
+                    broadcast_tokens(None, len(reqs), 0, self.device)
+                raise
+        if self.tp_size > 1:
+            tokens = broadcast_tokens(tokens, len(reqs), self.tp_rank, self.device)
         for r, t in zip(reqs, tokens):
             r.token_ids.append(t)
-        return reqs, tokens, logprobs
+        return tokens, logprobs
 
     def _scales_ready(self) -> bool:
         """Dynamic int8 scales are set by the first eager forward; a graph replay cannot set them."""
@@ -225,10 +262,8 @@ class ModelRunner:
                 sampled_reqs.append(r)
         if not sampled_reqs:
             return [], [], None
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=dev)])
-        tokens, logprobs = sample(logits, [r.sample_row for r in sampled_reqs])
-        for r, t in zip(sampled_reqs, tokens):
-            r.token_ids.append(t)
+        tokens, logprobs = self._sample(
+            sampled_reqs, lambda: self.model.compute_logits(hidden[torch.tensor(sample_idx, device=dev)]))
         return sampled_reqs, tokens, logprobs
 
 

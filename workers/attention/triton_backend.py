@@ -78,7 +78,10 @@ class TritonAttentionBackend(AttentionBackend):
             flat_k = k_cache.view(-1, *k_cache.shape[2:])
             flat_v = v_cache.view(-1, *v_cache.shape[2:])
             for q_start, q_end, slots, mask in plan.prefills:
-                kp, vp = flat_k[slots], flat_v[slots]  # [L, Hkv, D]: this sequence's context only
+                if mask is None and ks is None:  # the chunk is the whole context: no gather needed
+                    kp, vp = k[q_start:q_end], v[q_start:q_end]
+                else:
+                    kp, vp = flat_k[slots], flat_v[slots]  # [L, Hkv, D]: this sequence's context only
                 if ks is not None:
                     kp, vp = dequantize(kp, ks, q.dtype), dequantize(vp, vs, q.dtype)
                 qp = q[q_start:q_end].transpose(0, 1)  # [Hq, nq, D]

@@ -5,6 +5,13 @@ fp32 cos/sin table, GQA, SwiGLU). Parameter names equal HF's, so a checkpoint's 
 load by name. Must not know requests, blocks or sampling: forward() gets packed tokens,
 their positions and an AttentionMetadata; attention goes through the bound backend,
 which writes K/V into this layer's slice of the pool.
+
+Tensor parallelism (tp_size > 1, docs/tensor_parallel.md), Megatron-style: q/k/v and gate/up are
+column-parallel (each rank holds num_heads/T query heads, num_kv_heads/T KV heads, and
+intermediate_size/T MLP columns), o_proj and down_proj row-parallel, each followed by the one
+all-reduce of its block half. Embedding, norms and lm_head are replicated. Parameter names stay
+HF's; each parallel linear says which dim of its weight/bias is sharded (`tp_shard_dims`) so the
+loader can slice the checkpoint.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from torch import nn
 
 from workers.attention.base import AttentionBackend, AttentionMetadata
 from workers.model.config import ModelConfig
+from workers.parallel import all_reduce
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -74,15 +82,44 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class ColumnParallelLinear(nn.Linear):
+    """Output features split over ranks: rank r holds rows [r*out/T, (r+1)*out/T) of weight and bias."""
+
+    tp_shard_dims = {"weight": 0, "bias": 0}
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp_size: int = 1):
+        super().__init__(in_features, out_features // tp_size, bias=bias)
+
+
+class RowParallelLinear(nn.Linear):
+    """Input features split over ranks; the partial outputs are summed by one all-reduce, then the
+    (replicated) bias is added once. At tp_size 1 it is exactly nn.Linear."""
+
+    tp_shard_dims = {"weight": 1, "bias": None}
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp_size: int = 1):
+        super().__init__(in_features // tp_size, out_features, bias=bias)
+        self.tp_size = tp_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp_size: int = 1):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        # this rank's share of the heads; GQA groups stay whole (num_kv_heads % tp_size == 0)
+        self.num_heads, self.num_kv_heads = cfg.num_heads // tp_size, cfg.num_kv_heads // tp_size
+        self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = ColumnParallelLinear(h, cfg.num_heads * d, cfg.qkv_bias, tp_size)
+        self.k_proj = ColumnParallelLinear(h, cfg.num_kv_heads * d, cfg.qkv_bias, tp_size)
+        self.v_proj = ColumnParallelLinear(h, cfg.num_kv_heads * d, cfg.qkv_bias, tp_size)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, h, cfg.o_bias, tp_size)
         self.k_cache: torch.Tensor | None = None  # bound by LlamaForCausalLM.bind()
         self.v_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
@@ -100,21 +137,22 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp_size: int = 1):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        h, n, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = ColumnParallelLinear(h, n, bias, tp_size)
+        self.up_proj = ColumnParallelLinear(h, n, bias, tp_size)
+        self.down_proj = RowParallelLinear(n, h, bias, tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp_size: int = 1):
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, tp_size)
+        self.mlp = MLP(cfg, tp_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -124,22 +162,25 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp_size: int = 1):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # replicated
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp_size) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
     """Build on the meta device, materialise with to_empty(), fill weights, then bind() the
-    KV pool and attention backend before the first forward."""
+    KV pool and attention backend before the first forward. tp_size > 1: this rank's shard
+    (the caller has joined the process group, workers/parallel.py)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp_size: int = 1):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.tp_size = tp_size
+        self.model = LlamaModel(cfg, tp_size)
         # Tied: no lm_head parameter at all (to_empty() would silently untie a shared one).
+        # Replicated under TP (only rank 0 computes logits, so a vocab split would buy nothing but memory).
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope: RotaryEmbedding | None = None
         self.sliding_window = cfg.sliding_window
@@ -167,3 +208,12 @@ class LlamaForCausalLM(nn.Module):
         """Final norm + LM head on the selected rows (the norm is per row, so this is exact)."""
         weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
         return F.linear(self.model.norm(hidden), weight)
+
+    def shard_dims(self) -> dict[str, int | None]:
+        """Parameter name -> the dim of the full (checkpoint) tensor this rank holds a 1/tp_size slice
+        of; None: replicated, the whole tensor."""
+        dims = {}
+        for mod_name, mod in self.named_modules():
+            for p_name, _ in mod.named_parameters(recurse=False):
+                dims[f"{mod_name}.{p_name}" if mod_name else p_name] = getattr(mod, "tp_shard_dims", {}).get(p_name)
+        return dims

@@ -1,0 +1,208 @@
+"""Tensor parallelism: the process group, rank helpers, the collectives, and the follower ranks.
+
+Owns how a TP group of T processes comes up and stays in step (docs/tensor_parallel.md).
+Rank 0 is the worker process the sidecar knows: it starts ranks 1..T-1 as child processes
+(`TPGroup`), forwards every sidecar message to them over a pipe before acting on it, and all
+ranks run the same ModelRunner steps on identical request state. The collectives live here:
+the all-reduce of a row-parallel output (CUDA-graph capturable on NCCL), the broadcast of rank
+0's sampled tokens, the MIN of the KV pool size. Must not know the model's math (what is
+sharded is workers/model/llama.py's business) or the sidecar's socket (workers/main.py).
+
+Failure model: a step that fails the same way on every rank (bad input, a sampling error that
+rank 0 signals through the token broadcast) fails only that step, on every rank. A rank that
+dies or fails inside the forward leaves the group's collectives unmatched: rank 0 raises at its
+next send (or the collective errors / times out) and exits, and the launcher restarts the group.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from batcher import protocol as P
+
+log = logging.getLogger("laneserve.worker")
+
+# NVLink multicast (NVLS) off in NCCL, PyTorch symmetric memory and NVSHMEM: on shared hosts a
+# program that uses it can put every GPU of the host out of service (/work/.library/device/KINDS.md).
+# Forced, not defaulted, and set before the group exists so the follower ranks inherit them.
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# A collective waits at most this long for the slowest rank (start-up includes weight loading).
+COLLECTIVE_TIMEOUT_S = 600
+
+
+def check_shardable(mc, size: int) -> None:
+    """One clear error at start when the model's heads (or MLP width) don't split evenly over `size` ranks."""
+    if size < 1:
+        raise ValueError(f"--tensor-parallel-size {size}: must be at least 1")
+    bad = [f"{what} {n}" for what, n in (("num_attention_heads", mc.num_heads), ("num_key_value_heads",
+           mc.num_kv_heads), ("intermediate_size", mc.intermediate_size)) if n % size]
+    if bad:
+        raise ValueError(f"--tensor-parallel-size {size}: the model's {' and '.join(bad)} must be divisible by "
+                         f"{size} (each rank holds an equal share of the query heads, the KV heads and the MLP); "
+                         "choose a size that divides them")
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r of a group uses cuda:(base + r): CUDA_VISIBLE_DEVICES lists the group's GPUs."""
+    if device.type == "cuda":
+        return torch.device("cuda", (device.index or 0) + rank)
+    return device
+
+
+def init_process_group(rank: int, size: int, address: str, device: torch.device) -> None:
+    """NCCL on CUDA, gloo on CPU; `device` is this rank's (rank_device)."""
+    os.environ.update(MULTICAST_OFF)
+    kw = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        kw["device_id"] = device  # eager communicator init: nothing lazy left for graph capture
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=address, rank=rank,
+                            world_size=size, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S), **kw)
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the group, in place. Capturable in a CUDA graph on NCCL once the communicator
+    exists (the warm-up forwards before capture run it eagerly first)."""
+    dist.all_reduce(x)
+    return x
+
+
+def min_across_ranks(value: int, device: torch.device) -> int:
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def broadcast_tokens(tokens: list[int] | None, n: int, rank: int, device: torch.device) -> list[int]:
+    """Rank 0's n sampled token ids to every rank. Rank 0 passes None when its sampling failed:
+    the others get -1s and raise too, so the step fails on every rank and their states stay equal."""
+    t = torch.full((n,), -1, dtype=torch.int64, device=device)
+    if rank == 0 and tokens is not None:
+        t.copy_(torch.tensor(tokens, dtype=torch.int64))
+    dist.broadcast(t, src=0)
+    out = t.tolist()
+    if rank != 0 and n and out[0] < 0:
+        raise RuntimeError("tensor-parallel rank 0 failed to sample this step")
+    return out
+
+
+def _free_tcp_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+# ---------------------------------------------------------------------------------------- rank 0
+class TPGroup:
+    """Rank 0's handle on ranks 1..T-1: starts them, joins the process group, forwards messages.
+
+    Construct before ModelRunner(cfg) (which needs the group); send() every sidecar message
+    before acting on it; close() at exit.
+    """
+
+    def __init__(self, cfg):
+        from workers.loader import load_model_config, resolve_device
+
+        self.size = cfg.tensor_parallel_size
+        check_shardable(load_model_config(cfg.model), self.size)  # before anything is started
+        device = resolve_device(cfg.device)
+        if device.type == "cuda" and torch.cuda.device_count() < (device.index or 0) + self.size:
+            raise ValueError(f"--tensor-parallel-size {self.size} needs {self.size} GPUs from {device}; "
+                             f"{torch.cuda.device_count()} visible (CUDA_VISIBLE_DEVICES)")
+        os.environ.update(MULTICAST_OFF)  # before the children start: they inherit the environment
+        address = cfg.dist_init_address or _free_tcp_address()
+        ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA state
+        self.pipes, self.procs = [], []
+        for rank in range(1, self.size):
+            recv, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=follower_main, name=f"laneserve-tp-rank-{rank}", daemon=True,
+                               args=(cfg, rank, address, recv, logging.getLogger().level))
+            proc.start()
+            recv.close()
+            self.pipes.append(send)
+            self.procs.append(proc)
+        try:
+            init_process_group(0, self.size, address, rank_device(device, 0))
+        except BaseException:
+            self.close()
+            raise
+        log.info("tensor-parallel group of %d ranks up (%s, %s)", self.size, dist.get_backend(), address)
+
+    def send(self, msg) -> None:
+        """Forward one sidecar message (StepInput, Reannounce, Shutdown) to every other rank."""
+        for rank, proc in enumerate(self.procs, 1):
+            if not proc.is_alive():
+                raise RuntimeError(f"tensor-parallel rank {rank} exited with code {proc.exitcode}")
+        frame = P.encode(msg)
+        for conn in self.pipes:
+            conn.send_bytes(frame)
+
+    def close(self, timeout: float = 10.0) -> None:
+        for conn in self.pipes:
+            try:
+                conn.send_bytes(P.encode(P.Shutdown()))
+                conn.close()
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(timeout)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self.pipes, self.procs = [], []
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------- ranks 1..T-1
+def _die_with_parent() -> None:
+    """SIGTERM when rank 0 dies, even while this rank is blocked inside a collective (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def follower_main(cfg, rank: int, address: str, conn, log_level: int) -> None:
+    """Rank r >= 1: same runner, no socket. Runs every step rank 0 forwards; its outputs are dropped."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(name)s[tp{rank}] %(levelname)s %(message)s")
+    from workers.loader import resolve_device
+    from workers.runner import ModelRunner
+
+    init_process_group(rank, cfg.tensor_parallel_size, address, rank_device(resolve_device(cfg.device), rank))
+    try:
+        runner = ModelRunner(cfg, tp_rank=rank)
+        follow(runner, conn)
+    finally:
+        dist.destroy_process_group()
+
+
+def follow(runner, conn) -> None:
+    decoder = P.decoder(P.BatcherToWorker)
+    while True:
+        try:
+            msg = decoder.decode(conn.recv_bytes())
+        except EOFError:  # rank 0 is gone
+            return
+        if isinstance(msg, P.Shutdown):
+            return
+        if isinstance(msg, P.Reannounce):
+            runner.reset()
+            continue
+        try:
+            runner.execute(msg)
+        except Exception:  # rank 0 fails the same step (same state, or the failed-sample broadcast)
+            log.error("step %d failed on this rank:\n%s", msg.step, traceback.format_exc(limit=4))
+            runner.reset()
