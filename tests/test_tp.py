@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import time
 
 import aiohttp
 import pytest
 import torch
 import torch.distributed as dist
 
+from batcher import protocol as P
+from tests.stack import descendants
 from tests.helpers_models import Sim, greedy, hf_greedy, make_checkpoint, random_prompt
 from workers.config import WorkerConfig
+from workers.loader import load_model, load_model_config
 from workers.model.tiny import TINY_CONFIG
 from workers.parallel import TPGroup, check_shardable
 from workers.runner import ModelRunner
@@ -51,14 +56,47 @@ def run_batch(runner) -> dict[str, list[int]]:
     sim = Sim(runner, budget=40)
     for i, (n, new, chunk) in enumerate(BATCH):
         sim.add(f"r{i}", random_prompt(n, seed=20 + i), greedy(new), chunk=chunk)
+    # seeded sampling: rank 0's sampler state decides, the other rank appends what it broadcasts
+    sim.add("seeded", random_prompt(23, seed=30), P.SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95,
+                                                                    seed=7))
     return sim.run()
 
 
-def test_tp2_greedy_matches_tp1_and_transformers(tmp_path):
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
     # biases: column-parallel q/k/v/gate/up biases are sharded, row-parallel o/down biases added once
     # after the all-reduce; tied: lm_head is the replicated embedding
-    hf = make_checkpoint(str(tmp_path), "llama", seed=3, attention_bias=True, mlp_bias=True,
+    path = tmp_path_factory.mktemp("tp")
+    hf = make_checkpoint(str(path), "llama", seed=3, attention_bias=True, mlp_bias=True,
                          tie_word_embeddings=True)  # 4 heads, 2 KV heads, intermediate 160
+    return path, hf
+
+
+@pytest.mark.parametrize("model", ["checkpoint", "tiny"])
+def test_rank_shards_reassemble_the_whole_model(ckpt, model):
+    """Each rank loads only its slice (get_slice for safetensors, sliced seeded weights for tiny):
+    the two ranks' shards, put back together along their shard dims, are the TP=1 weights."""
+    path = str(ckpt[0]) if model == "checkpoint" else "tiny"
+    mc = load_model_config(path)
+    whole = load_model(path, mc, torch.float32, torch.device("cpu"))
+    shards = [load_model(path, mc, torch.float32, torch.device("cpu"), tp_rank=r, tp_size=2) for r in (0, 1)]
+    dims = shards[0].shard_dims()
+    layer = "model.layers.0."
+    assert dims[layer + "self_attn.k_proj.weight"] == 0 and dims[layer + "mlp.down_proj.weight"] == 1
+    assert dims["model.embed_tokens.weight"] is None
+    if model == "checkpoint":
+        assert dims[layer + "self_attn.q_proj.bias"] == 0 and dims[layer + "self_attn.o_proj.bias"] is None
+    parts = [dict(s.named_parameters()) for s in shards]
+    for name, full in whole.named_parameters():
+        if dims[name] is None:
+            assert torch.equal(parts[0][name], full) and torch.equal(parts[1][name], full), name
+        else:
+            assert parts[0][name].shape[dims[name]] * 2 == full.shape[dims[name]], name
+            assert torch.equal(torch.cat([parts[0][name], parts[1][name]], dims[name]), full), name
+
+
+def test_tp2_greedy_matches_tp1_and_transformers(ckpt):
+    tmp_path, hf = ckpt
     tp1 = ModelRunner(WorkerConfig(model=str(tmp_path), **CFG))
     ref = run_batch(tp1)
     for i, (n, new, _) in enumerate(BATCH):
@@ -75,7 +113,12 @@ def test_tp2_greedy_matches_tp1_and_transformers(tmp_path):
         attn = runner.model.model.layers[0].self_attn
         assert (attn.num_heads, attn.num_kv_heads, attn.q_proj.weight.shape[0]) == (2, 1, 32)
         assert run_batch(Leader(group, runner)) == ref
-        # the follower's state follows the diffs too: a second batch on the same group still matches
+        # a step that fails alike on every rank (unknown request) fails there too and both reset:
+        # the group stays in step and a second batch still matches
+        bad = P.StepInput(step=99, cached_reqs=[P.CachedReq("nope", [1])], num_scheduled_tokens={"nope": 1})
+        with pytest.raises(KeyError):
+            Leader(group, runner).execute(bad)
+        runner.reset()
         assert run_batch(Leader(group, runner)) == ref
     finally:
         group.close()
@@ -93,24 +136,58 @@ def test_heads_that_do_not_divide_fail_at_start():
     check_shardable(TINY_CONFIG, 2)
 
 
-async def _greedy_texts(base: str) -> list[str]:
+async def _greedy_texts(base: str, patience: float = 0.0) -> list[str]:
+    """Greedy completions of a few prompts, concurrently. patience > 0: a polite client that retries
+    429/503 (no worker ready yet) after their Retry-After, for up to that many seconds."""
     prompts = ["Hello, lanes", "tensor parallel " * 6, "a", "The quick brown fox jumps over"]
+    deadline = time.monotonic() + patience
 
     async def one(session, prompt):
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True}
-        async with session.post(f"{base}/v1/completions", json=body) as resp:
-            assert resp.status == 200, await resp.text()
-            return (await resp.json())["choices"][0]["text"]
+        while True:
+            async with session.post(f"{base}/v1/completions", json=body) as resp:
+                if resp.status in (429, 503) and time.monotonic() < deadline:
+                    await asyncio.sleep(float(resp.headers.get("Retry-After", 1)))  # backoff, not a sync
+                    continue
+                assert resp.status == 200, await resp.text()
+                return (await resp.json())["choices"][0]["text"]
 
     async with aiohttp.ClientSession() as s:
         return await asyncio.gather(*(one(s, p) for p in prompts))
 
 
-def test_stack_with_tp2_answers_like_tp1(stack, make_stack):
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_stack_with_tp2_answers_like_tp1_and_recovers_from_a_lost_rank(stack, make_stack):
     tp2 = make_stack("--tensor-parallel-size", "2", "--num-threads", "1")
-    assert len(tp2.children) >= 4  # batcher, gateway, worker (rank 0) and its rank 1
-    assert asyncio.run(_greedy_texts(tp2.base_url)) == asyncio.run(_greedy_texts(stack.base_url))
+    followers = [pid for pid in tp2.children if "spawn_main" in _cmdline(pid)]
+    assert len(followers) == 1, [_cmdline(p) for p in tp2.children]  # rank 1, started by the worker (rank 0)
+    expected = asyncio.run(_greedy_texts(stack.base_url))
+    assert asyncio.run(_greedy_texts(tp2.base_url)) == expected
+    # rank 1 dies: rank 0 exits at once (it could only hang in the next collective), the launcher
+    # restarts the worker, which starts a new rank 1, and the stack answers as before
+    os.kill(followers[0], signal.SIGKILL)
+    line = ""
+    while "worker 0 exited" not in line:
+        line = tp2._q.get(timeout=30)
+        assert line is not None, "".join(tp2.lines[-30:])
+    assert "restarting it" in line
+    assert asyncio.run(_greedy_texts(tp2.base_url, patience=60)) == expected
+    started = set(tp2.children) | set(descendants(tp2.proc.pid))  # the new worker and its rank 1 too
     assert tp2.stop() == 0
-    alive = [pid for pid in tp2.children if os.path.exists(f"/proc/{pid}") and
-             open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
-    assert not alive, f"processes left after shutdown: {alive}"
+    left = [pid for pid in started if _alive(pid)]
+    assert not left, f"processes left after shutdown: {[_cmdline(p) for p in left]}"

@@ -23,7 +23,9 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import threading
 import traceback
+from multiprocessing.connection import wait as wait_for_any
 
 import torch
 import torch.distributed as dist
@@ -123,6 +125,7 @@ class TPGroup:
         address = cfg.dist_init_address or _free_tcp_address()
         ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA state
         self.pipes, self.procs = [], []
+        self.closing = False
         for rank in range(1, self.size):
             recv, send = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=follower_main, name=f"laneserve-tp-rank-{rank}", daemon=True,
@@ -131,12 +134,27 @@ class TPGroup:
             recv.close()
             self.pipes.append(send)
             self.procs.append(proc)
+        threading.Thread(target=self._exit_if_a_rank_dies, args=(list(self.procs),), daemon=True,
+                         name="tp-watch").start()
         try:
             init_process_group(0, self.size, address, rank_device(device, 0))
         except BaseException:
             self.close()
             raise
         log.info("tensor-parallel group of %d ranks up (%s, %s)", self.size, dist.get_backend(), address)
+
+    def _exit_if_a_rank_dies(self, procs) -> None:
+        """A lost rank leaves rank 0 blocked in (or headed for) a collective that can never complete,
+        at start-up too (the rendezvous waits for every rank). Exit at once instead; the launcher
+        restarts the whole group (docs/reliability.md)."""
+        wait_for_any([p.sentinel for p in procs])
+        if self.closing:
+            return
+        dead = next(r for r, p in enumerate(procs, 1) if not p.is_alive())
+        log.critical("tensor-parallel rank %d exited with code %s: this worker exits too", dead,
+                     procs[dead - 1].exitcode)
+        logging.shutdown()
+        os._exit(1)
 
     def send(self, msg) -> None:
         """Forward one sidecar message (StepInput, Reannounce, Shutdown) to every other rank."""
@@ -148,6 +166,7 @@ class TPGroup:
             conn.send_bytes(frame)
 
     def close(self, timeout: float = 10.0) -> None:
+        self.closing = True
         for conn in self.pipes:
             try:
                 conn.send_bytes(P.encode(P.Shutdown()))

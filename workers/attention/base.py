@@ -60,3 +60,35 @@ class AttentionBackend:
         scales there once), quantises what it writes and dequantises what it reads, inside
         attention: never a full-precision copy of the pool."""
         raise NotImplementedError
+
+
+def key_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flattened pool slots of `positions` in a sequence with this block table."""
+    return block_table[..., positions // block_size].long() * block_size + positions % block_size
+
+
+def allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Causal (and sliding-window) mask: q_pos [..., nq, 1] against k_pos [..., 1, L]."""
+    ok = k_pos <= q_pos
+    if window is not None:
+        ok &= k_pos > q_pos - window  # HF/Mistral: a query sees the last `window` positions incl. itself
+    return ok
+
+
+def prefill_chunks(meta: AttentionMetadata, block_size: int, window: int | None, plain_causal_mask: bool = True):
+    """Per prefill sequence: (q_start, q_end, key slots [L], mask [1, nq, L]). With
+    plain_causal_mask=False the mask is None where the chunk is the whole context and plainly
+    causal, so SDPA can take its is_causal (flash) path."""
+    device = meta.slot_mapping.device
+    chunks = []
+    start = sum(meta.query_lens_cpu[:meta.num_decodes])
+    for i in range(meta.num_decodes, meta.num_seqs):
+        nq, seq_len = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
+        k_pos = torch.arange(seq_len, device=device)
+        slots = key_slots(meta.block_tables[i], k_pos, block_size)
+        mask = None
+        if plain_causal_mask or nq != seq_len or (window is not None and seq_len > window):
+            mask = allowed(k_pos[seq_len - nq:, None], k_pos[None, :], window)[None]
+        chunks.append((start, start + nq, slots, mask))
+        start += nq
+    return chunks

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from workers.attention.base import AttentionBackend, AttentionMetadata
+from workers.attention.base import AttentionBackend, AttentionMetadata, allowed, key_slots, prefill_chunks
 from workers.kv_cache import LayerScales, dequantize, quantize_int8
 
 
@@ -37,18 +37,6 @@ class _Plan:
     # mask [rows, 1, 1, max_len] bool, True = attend)
     decodes: list[tuple[int, int, torch.Tensor, torch.Tensor]]
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (q_start, q_end, slots [L], mask [1, nq, L])
-
-
-def _key_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    return block_table[..., positions // block_size].long() * block_size + positions % block_size
-
-
-def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Causal (and sliding-window) mask: q_pos [..., nq, 1] against k_pos [..., 1, L]."""
-    ok = k_pos <= q_pos
-    if window is not None:
-        ok &= k_pos > q_pos - window  # HF/Mistral: a query sees the last `window` positions incl. itself
-    return ok
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -69,21 +57,11 @@ class TorchAttentionBackend(AttentionBackend):
                 hi += 1
             lens = meta.seq_lens[lo:hi].long()
             k_pos = torch.arange(longest, device=device)
-            mask = _allowed((lens - 1)[:, None], k_pos[None, :], sliding_window) & (k_pos[None, :] < lens[:, None])
-            slots = torch.where(mask, _key_slots(meta.block_tables[lo:hi], k_pos, block_size), 0)
+            mask = allowed((lens - 1)[:, None], k_pos[None, :], sliding_window) & (k_pos[None, :] < lens[:, None])
+            slots = torch.where(mask, key_slots(meta.block_tables[lo:hi], k_pos, block_size), 0)
             decodes.append((lo, hi, slots, mask[:, None, None, :]))
             lo = hi
-        prefills = []
-        start = sum(meta.query_lens_cpu[:nd])
-        for i in range(nd, meta.num_seqs):
-            nq, seq_len = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
-            q_start = start
-            k_pos = torch.arange(seq_len, device=device)
-            q_pos = k_pos[seq_len - nq:]
-            slots = _key_slots(meta.block_tables[i], k_pos, block_size)
-            mask = _allowed(q_pos[:, None], k_pos[None, :], sliding_window)[None]
-            prefills.append((q_start, q_start + nq, slots, mask))
-            start += nq
+        prefills = prefill_chunks(meta, block_size, sliding_window)
         meta.plan = _Plan(decodes, prefills)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from workers.attention.base import AttentionBackend, AttentionMetadata
+from workers.attention.base import AttentionBackend, AttentionMetadata, prefill_chunks
 from workers.kernels.paged_attention import num_partitions, paged_decode, write_kv
 from workers.kv_cache import LayerScales, dequantize
 
@@ -42,22 +42,7 @@ class TritonAttentionBackend(AttentionBackend):
         parts = 1
         if nd:
             parts = num_partitions(nd, self.num_kv_heads, max(meta.seq_lens_cpu[:nd]), self.num_sms)
-        device = meta.slot_mapping.device
-        prefills = []
-        start = nd
-        for i in range(nd, meta.num_seqs):
-            nq, seq_len = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
-            k_pos = torch.arange(seq_len, device=device)
-            slots = meta.block_tables[i, k_pos // block_size].long() * block_size + k_pos % block_size
-            mask = None
-            if nq != seq_len or (sliding_window is not None and seq_len > sliding_window):
-                q_pos = k_pos[seq_len - nq:, None]
-                ok = k_pos[None, :] <= q_pos
-                if sliding_window is not None:
-                    ok &= k_pos[None, :] > q_pos - sliding_window
-                mask = ok[None]
-            prefills.append((start, start + nq, slots, mask))
-            start += nq
+        prefills = prefill_chunks(meta, block_size, sliding_window, plain_causal_mask=False)
         meta.plan = _Plan(parts, prefills)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
