@@ -108,6 +108,8 @@ def parse(body: bytes, cls: type):
         raise bad_request(f"Invalid request: {text}", param=param) from None
     except msgspec.DecodeError as exc:
         raise bad_request(f"Request body is not valid JSON: {exc}") from None
+    except RecursionError:  # msgspec skipping an unknown field of absurdly deep JSON
+        raise bad_request("Request body is not valid JSON: nested too deeply.") from None
 
 
 def _finite(name: str, value: float | None, lo: float, hi: float, lo_open: bool = False) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import signal
 import time
 
@@ -183,7 +184,10 @@ def test_stack_with_tp2_answers_like_tp1_and_recovers_from_a_lost_rank(stack, ma
     os.kill(followers[0], signal.SIGKILL)
     line = ""
     while "worker 0 exited" not in line:
-        line = tp2._q.get(timeout=30)
+        try:
+            line = tp2._q.get(timeout=30)
+        except queue.Empty:
+            raise AssertionError("worker not restarted:\n" + "".join(tp2.lines[-30:])) from None
         assert line is not None, "".join(tp2.lines[-30:])
     assert "restarting it" in line
     assert asyncio.run(_greedy_texts(tp2.base_url, patience=60)) == expected
