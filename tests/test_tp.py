@@ -20,15 +20,16 @@ import torch
 import torch.distributed as dist
 
 from batcher import protocol as P
+from tests.helpers_models import DEVICE, Sim, greedy, hf_greedy, make_checkpoint, random_prompt
 from tests.stack import descendants
-from tests.helpers_models import Sim, greedy, hf_greedy, make_checkpoint, random_prompt
 from workers.config import WorkerConfig
 from workers.loader import load_model, load_model_config
 from workers.model.tiny import TINY_CONFIG
 from workers.parallel import TPGroup, check_shardable
 from workers.runner import ModelRunner
 
-CFG = dict(device="cpu", dtype="float32", kv_cache_memory="2MiB", max_model_len=256, num_threads=1)
+# WORKER_TEST_DEVICE=cuda reruns the in-process checks with NCCL on 2 GPUs (Triton, CUDA graphs with the all-reduce)
+CFG = dict(device=DEVICE, dtype="float32", kv_cache_memory="2MiB", max_model_len=256, num_threads=1)
 # (prompt length, new tokens, prefill chunk): long prompts are chunked and share steps with decodes
 BATCH = [(37, 24, 16), (5, 20, None), (60, 12, 20), (17, 16, None)]
 
@@ -105,7 +106,7 @@ def test_tp2_greedy_matches_tp1_and_transformers(ckpt):
     cfg = WorkerConfig(model=str(tmp_path), tensor_parallel_size=2, **CFG)
     group = TPGroup(cfg)
     try:
-        assert dist.get_backend() == "gloo" and dist.get_world_size() == 2
+        assert dist.get_backend() == ("nccl" if DEVICE.startswith("cuda") else "gloo") and dist.get_world_size() == 2
         assert os.environ["NCCL_NVLS_ENABLE"] == "0" and os.environ["NVSHMEM_DISABLE_NVLS"] == "1"
         runner = ModelRunner(cfg)
         # each rank pools 1 of the 2 KV heads: the same per-rank budget holds twice the blocks

@@ -147,12 +147,14 @@ class TPGroup:
         """A lost rank leaves rank 0 blocked in (or headed for) a collective that can never complete,
         at start-up too (the rendezvous waits for every rank). Exit at once instead; the launcher
         restarts the whole group (docs/reliability.md)."""
-        wait_for_any([p.sentinel for p in procs])
+        sentinels = [p.sentinel for p in procs]
+        ready = wait_for_any(sentinels)
         if self.closing:
             return
-        dead = next(r for r, p in enumerate(procs, 1) if not p.is_alive())
-        log.critical("tensor-parallel rank %d exited with code %s: this worker exits too", dead,
-                     procs[dead - 1].exitcode)
+        rank = sentinels.index(ready[0]) + 1
+        procs[rank - 1].join(5)  # the sentinel closes a moment before the process can be reaped
+        log.critical("tensor-parallel rank %d exited with code %s: this worker exits too", rank,
+                     procs[rank - 1].exitcode)
         logging.shutdown()
         os._exit(1)
 
