@@ -64,10 +64,10 @@ class Batcher:
         if cfg.on_worker_loss not in ("fail", "requeue"):
             raise SystemExit(f"--on-worker-loss must be fail or requeue, got {cfg.on_worker_loss!r}")
         key = cfg.curve_server_secret_key
+        self.auth = self._start_auth()  # before binding: no handshake may slip past the key list
         self.front = transport.bind(self.ctx, zmq.ROUTER, cfg.batcher_address, key)
         self.back = transport.bind(self.ctx, zmq.ROUTER, cfg.worker_address, key)
         self.back_monitor = self.back.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.auth = None  # zmq.auth authenticator when client certificates are restricted
         self.fd_of: dict[bytes, int] = {}  # worker identity -> fd of the connection it last spoke on
         self.reannounced: dict[bytes, float] = {}  # unknown worker identity -> when it was told to Reannounce
         self.requeue = cfg.on_worker_loss == "requeue"
@@ -343,20 +343,22 @@ class Batcher:
                 if now - slot.last_seen > limit:
                     await self.worker_lost(slot.worker_id, f"silent for {now - slot.last_seen:.1f}s")
 
-    def _start_auth(self) -> None:
+    def _start_auth(self):
+        """ZAP authenticator (when client certificates are restricted): a thread on a shadow of our
+        context, so it serves our sockets' handshakes whether or not an event loop runs yet."""
         if not (self.cfg.curve_server_secret_key and self.cfg.curve_client_keys_dir):
-            return
-        from zmq.auth.asyncio import AsyncioAuthenticator
+            return None
+        from zmq.auth.thread import ThreadAuthenticator
 
-        self.auth = AsyncioAuthenticator(self.ctx)
-        self.auth.start()
-        self.auth.configure_curve(domain="*", location=self.cfg.curve_client_keys_dir)
+        auth = ThreadAuthenticator(zmq.Context.shadow(self.ctx.underlying))
+        auth.start()
+        auth.configure_curve(domain="*", location=self.cfg.curve_client_keys_dir)
+        return auth
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._stop.set)
-        self._start_auth()
         tasks = [asyncio.create_task(self._serve(self.front, self.front_decoder, self.on_front, "gateway")),
                  asyncio.create_task(self._serve(self.back, self.back_decoder, self.on_back, "worker")),
                  asyncio.create_task(self._watch_disconnects()),
