@@ -95,10 +95,10 @@ class DecodeGraphs:
             host_tables[i, :len(t)] = t
         dev = self.input_ids.device
         staged = self.host_vec.to(dev, non_blocking=True)  # 8 KiB: whole buffer, contiguous
-        self.input_ids[:bs].copy_(staged[0])
-        self.positions[:bs].copy_(staged[1])
-        self.slots[:bs].copy_(staged[2])
-        self.seq_lens[:bs].copy_(staged[3])
+        self.input_ids[:bs].copy_(staged[0, :bs])
+        self.positions[:bs].copy_(staged[1, :bs])
+        self.slots[:bs].copy_(staged[2, :bs])
+        self.seq_lens[:bs].copy_(staged[3, :bs])
         width = max(len(t) for t in tables)
         self.block_tables[:n, :width].copy_(self.host_tables[:n, :width], non_blocking=True)
         self.graphs[bs].replay()

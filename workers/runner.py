@@ -79,10 +79,10 @@ class ModelRunner:
                                 tp_rank, self.tp_size)
         self.backend = get_backend(cfg.attention_backend, self.device, self.num_kv_heads)
         self.requests: dict[str, RequestState] = {}
+        self.graphs: DecodeGraphs | None = None  # captured below, after the pool exists
         self.kv_cache = self._allocate_kv_cache()
         self.num_blocks = self.kv_cache.num_blocks
         self.model.bind(self.kv_cache.layer_caches(), self.backend, self.max_model_len, self.kv_cache.layer_scales())
-        self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and self.backend.name == "triton" and not cfg.enforce_eager:
             self.graphs = DecodeGraphs(self.model, self.backend, cfg.max_num_seqs, self.max_model_len,
                                        BLOCK_SIZE, self.device)
@@ -186,7 +186,8 @@ class ModelRunner:
             ids[i], pos[i], lens[i] = r.token_ids[p], p, p + 1
             slots[i] = r.block_ids[p // bs] * bs + p % bs
             r.num_computed_tokens = p + 1
-        logits = self.graphs.run(ids, pos, slots, lens, [r.block_ids for r in reqs])
+        logits = self.graphs.run(ids, pos, slots, lens, [r.block_ids[:(r.num_computed_tokens - 1) // bs + 1]
+                                                         for r in reqs])
         tokens, logprobs = self._sample(reqs, lambda: logits)
         return reqs, tokens, logprobs
 
