@@ -15,8 +15,6 @@ Pool layout per layer: k/v [num_blocks, page, num_kv_heads, head_dim].
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -24,22 +22,11 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 
 
-# Decode attention is bandwidth-bound only with enough bytes in flight; the best tile and
-# pipelining depth differ between bf16 and int8 pools and with the batch, so they are tuned per
-# (batch, quantised, partitions) at first use (before CUDA-graph capture). The interpreter (CPU
-# tests) has no timer: it runs the first config.
-_CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
-            for bn in (64, 128) for w in (4, 8) for st in (2, 3)]
-_tune = (lambda f: f) if os.environ.get("TRITON_INTERPRET") == "1" else triton.autotune(
-    _CONFIGS, key=["batch", "QUANT", "NUM_PARTS"])
-
-
-@_tune
 @triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, ks_ptr, vs_ptr,
     out_ptr, po_ptr, pm_ptr, pl_ptr,
-    sm_scale, batch,
+    sm_scale,
     s_qb, s_qh, s_kb, s_kt, s_kh, s_btb, s_ob, s_oh,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_PARTS: tl.constexpr, QUANT: tl.constexpr, WINDOW: tl.constexpr,
@@ -118,13 +105,6 @@ def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, s_ob, s_oh, H, D: tl.constex
     tl.store(out_ptr + b * s_ob + h * s_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-def _fixed_config() -> dict:
-    """Launch options when the kernel is not autotuned (Triton's CPU interpreter)."""
-    if isinstance(_decode_kernel, triton.runtime.Autotuner):
-        return {}
-    return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
-
-
 def num_partitions(batch: int, num_kv_heads: int, max_model_len: int, num_sms: int = 132) -> int:
     """Enough partitions to give ~2 waves of programs at small batch; 1 when the batch fills the GPU."""
     want = max(1, (2 * num_sms) // max(1, batch * num_kv_heads))
@@ -153,11 +133,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     dummy = seq_lens
     _decode_kernel[(batch, num_kv_heads, num_parts)](
         q, k_cache, v_cache, block_tables, seq_lens, k_scale if quant else dummy, v_scale if quant else dummy,
-        out, po, pm, pl, sm_scale, batch,
+        out, po, pm, pl, sm_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=head_dim, PAGE=page,
-        NUM_PARTS=num_parts, QUANT=quant, WINDOW=window or 0, **_fixed_config(),
+        BLOCK_N=max(page, 64), NUM_PARTS=num_parts, QUANT=quant, WINDOW=window or 0, num_warps=4, num_stages=2,
     )
     if num_parts > 1:
         _reduce_kernel[(batch, num_heads)](po, pm, pl, out, out.stride(0), out.stride(1), num_heads,
