@@ -20,6 +20,7 @@ import zmq
 import zmq.auth
 
 from batcher import protocol
+from laneserve.curve import set_curve_client
 
 log = logging.getLogger(__name__)
 
@@ -96,18 +97,6 @@ def connect(ctx: zmq.Context, kind: int, address: str, identity: bytes | None = 
         set_curve_client(sock, curve_server_public_key, curve_client_secret_key)
     sock.connect(address)
     return sock
-
-
-def set_curve_client(sock: zmq.Socket, server_public_key: str, client_secret_key: str = "") -> None:
-    """Connect with CURVE: the server's public certificate; our own key pair (fresh if none given)."""
-    sock.curve_serverkey = zmq.auth.load_certificate(server_public_key)[0]
-    if client_secret_key:
-        public, secret = zmq.auth.load_certificate(client_secret_key)
-        if secret is None:
-            raise SystemExit(f"{client_secret_key}: not a secret certificate (zmq.auth .key_secret file)")
-    else:
-        public, secret = zmq.curve_keypair()
-    sock.curve_publickey, sock.curve_secretkey = public, secret
 
 
 def _tune(sock: zmq.Socket) -> None:

@@ -26,6 +26,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from batcher import protocol as P
 from gateway.config import GatewayConfig
+from laneserve.curve import set_curve_client
 
 log = logging.getLogger("laneserve.gateway")
 PING_S = 0.5  # liveness ping period (shorter when --sidecar-timeout is under a second)
@@ -51,7 +52,7 @@ class BatcherClient:
         self.sock.setsockopt(zmq.HEARTBEAT_IVL, 500)
         self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
         if cfg.curve_server_public_key:
-            _set_curve_client(self.sock, cfg.curve_server_public_key, cfg.curve_client_secret_key)
+            set_curve_client(self.sock, cfg.curve_server_public_key, cfg.curve_client_secret_key)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self.connected = False  # a ZMTP session with the sidecar is up (from the monitor)
         self.sock.connect(cfg.batcher_address)
@@ -217,17 +218,3 @@ class BatcherClient:
         for q in {id(q): q for q in self.queues.values()}.values():  # a queue may serve several ids
             q.put_nowait(lost)
         self.queues.clear()
-
-
-def _set_curve_client(sock: zmq.Socket, server_public_key: str, client_secret_key: str) -> None:
-    """CURVE client (as batcher.transport.set_curve_client; the gateway may not import transport)."""
-    import zmq.auth
-
-    sock.curve_serverkey = zmq.auth.load_certificate(server_public_key)[0]
-    if client_secret_key:
-        public, secret = zmq.auth.load_certificate(client_secret_key)
-        if secret is None:
-            raise SystemExit(f"{client_secret_key}: not a secret certificate (zmq.auth .key_secret file)")
-    else:
-        public, secret = zmq.curve_keypair()
-    sock.curve_publickey, sock.curve_secretkey = public, secret

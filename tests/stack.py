@@ -91,3 +91,21 @@ class Stack:
                 self.proc.wait()
                 raise
         return self.proc.returncode
+
+
+def cmdline(pid: int) -> bytes:
+    """A process's argv, NUL-separated ('' once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def alive(pid: int) -> bool:
+    """Running and not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

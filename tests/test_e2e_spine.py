@@ -9,7 +9,7 @@ import signal
 
 import aiohttp
 
-from tests.stack import descendants
+from tests.stack import alive, cmdline, descendants
 
 
 async def _complete(session, base, **body):
@@ -85,7 +85,7 @@ def test_ctrl_c_leaves_no_process_or_socket_behind(make_stack):
     sockets = [p for pid in children for p in _ipc_paths(pid)]
     assert sockets and all(os.path.exists(p) for p in sockets)
     assert st.stop(signal.SIGINT) == 0
-    assert [p for p in children if _alive(p)] == []
+    assert [p for p in children if alive(p)] == []
     assert [p for p in sockets if os.path.exists(p)] == []
 
 
@@ -110,41 +110,25 @@ def test_a_dead_worker_is_restarted_and_a_dead_gateway_takes_the_stack_down(make
             time.sleep(0.05)  # polling a condition with a deadline
 
     st = make_stack()
-    worker = next(pid for pid in st.children if b"\0worker\0" in _cmdline(pid))
+    worker = next(pid for pid in st.children if b"\0worker\0" in cmdline(pid))
     others = [pid for pid in st.children if pid != worker]
     os.kill(worker, signal.SIGKILL)
     wait_for(lambda: health() == 503, "503 while no worker is up", 5)
     wait_for(lambda: health() == 200, "healthy again")
     assert any("worker 0 exited with code -9; restarting it" in line for line in st.lines), st.lines[-10:]
-    assert all(_alive(pid) for pid in others)  # sidecar and gateway were not restarted
+    assert all(alive(pid) for pid in others)  # sidecar and gateway were not restarted
     body = json.dumps({"prompt": "again", "max_tokens": 4, "ignore_eos": True}).encode()
     req = urllib.request.Request(st.url("/v1/completions"), body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as resp:
         assert json.load(resp)["usage"]["completion_tokens"] == 4
     children = descendants(st.proc.pid)
-    gateway = next(pid for pid in children if b"\0gateway\0" in _cmdline(pid))
+    gateway = next(pid for pid in children if b"\0gateway\0" in cmdline(pid))
     os.kill(gateway, signal.SIGKILL)
     assert st.proc.wait(60) == 1
     assert any("gateway exited with code -9 (it is not restarted)" in line for line in st.lines), st.lines[-10:]
-    assert [p for p in children if _alive(p)] == []
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
+    assert [p for p in children if alive(p)] == []
 
 
 def _ipc_paths(pid: int) -> list[str]:
-    args = _cmdline(pid).split(b"\0")
+    args = cmdline(pid).split(b"\0")
     return [a.decode()[len("ipc://"):] for a in args if a.startswith(b"ipc://")]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

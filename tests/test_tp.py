@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from batcher import protocol as P
 from tests.helpers_models import DEVICE, Sim, greedy, hf_greedy, make_checkpoint, random_prompt
-from tests.stack import descendants
+from tests.stack import alive, cmdline, descendants
 from workers.config import WorkerConfig
 from workers.loader import load_model, load_model_config
 from workers.model.tiny import TINY_CONFIG
@@ -158,26 +158,10 @@ async def _greedy_texts(base: str, patience: float = 0.0) -> list[str]:
         return await asyncio.gather(*(one(s, p) for p in prompts))
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_stack_with_tp2_answers_like_tp1_and_recovers_from_a_lost_rank(stack, make_stack):
     tp2 = make_stack("--tensor-parallel-size", "2", "--num-threads", "1")
-    followers = [pid for pid in tp2.children if "spawn_main" in _cmdline(pid)]
-    assert len(followers) == 1, [_cmdline(p) for p in tp2.children]  # rank 1, started by the worker (rank 0)
+    followers = [pid for pid in tp2.children if b"spawn_main" in cmdline(pid)]
+    assert len(followers) == 1, [cmdline(p) for p in tp2.children]  # rank 1, started by the worker (rank 0)
     expected = asyncio.run(_greedy_texts(stack.base_url))
     assert asyncio.run(_greedy_texts(tp2.base_url)) == expected
     # rank 1 dies: rank 0 exits at once (it could only hang in the next collective), the launcher
@@ -194,5 +178,5 @@ def test_stack_with_tp2_answers_like_tp1_and_recovers_from_a_lost_rank(stack, ma
     assert asyncio.run(_greedy_texts(tp2.base_url, patience=60)) == expected
     started = set(tp2.children) | set(descendants(tp2.proc.pid))  # the new worker and its rank 1 too
     assert tp2.stop() == 0
-    left = [pid for pid in started if _alive(pid)]
-    assert not left, f"processes left after shutdown: {[_cmdline(p) for p in left]}"
+    left = [pid for pid in started if alive(pid)]
+    assert not left, f"processes left after shutdown: {[cmdline(p) for p in left]}"
