@@ -167,7 +167,7 @@ def _supervise(children: list[Child], gw, num_workers: int, lc: LauncherConfig, 
         if not ready:
             if _healthy(health):
                 ready = True
-                print(f"laneserve ready: http://{gw.host}:{gw.port}/v1 (model {gw.served_model_name or os.path.basename(gw.model.rstrip("/"))}, "
+                print(f"laneserve ready: http://{gw.host}:{gw.port}/v1 (model {gw.served_model_name or os.path.basename(gw.model.rstrip('/'))}, "
                       f"{num_workers} worker(s)); Ctrl-C stops it", flush=True)
             elif time.monotonic() > deadline:
                 print(f"laneserve: not healthy after {lc.startup_timeout:.0f}s; shutting down", file=sys.stderr)
