@@ -4,64 +4,62 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-def _h(text: str) -> dict:
-    return {"help": text}
+from laneserve.config import flag
 
 
 @dataclass
 class BatcherConfig:
     batcher_address: str = field(default="ipc:///tmp/laneserve/batcher.sock",
-                                 metadata=_h("ZeroMQ address the sidecar binds for gateways"))
+                                 metadata=flag("ZeroMQ address the sidecar binds for gateways"))
     worker_address: str = field(default="ipc:///tmp/laneserve/workers.sock",
-                                metadata=_h("ZeroMQ address the sidecar binds for workers"))
+                                metadata=flag("ZeroMQ address the sidecar binds for workers"))
     # scheduling policy (batcher/scheduler.py)
-    max_num_batched_tokens: int = field(default=2048, metadata=_h("token budget of one step"))
-    max_num_seqs: int = field(default=256, metadata=_h("most sequences in one step"))
-    decode_buckets: str = field(default="8,16,32", metadata=_h(
+    max_num_batched_tokens: int = field(default=2048, metadata=flag("token budget of one step"))
+    max_num_seqs: int = field(default=256, metadata=flag("most sequences in one step"))
+    decode_buckets: str = field(default="8,16,32", metadata=flag(
         "decode buckets by tokens remaining (max_tokens - generated), comma-separated upper bounds; a last "
         "'rest' bucket is implied; '' = one bucket. Decodes run lowest bucket first, are grouped by bucket in "
         "the step, and preemption takes the newest request of the highest bucket first"))
-    enable_prefix_caching: bool = field(default=True, metadata=_h("reuse the K/V of full 16-token blocks shared "
+    enable_prefix_caching: bool = field(default=True, metadata=flag("reuse the K/V of full 16-token blocks shared "
                                                                   "by prompts (chained token hash)"))
-    warm_prefix: str = field(default="", metadata=_h(
+    warm_prefix: str = field(default="", metadata=flag(
         "JSON/JSONL file of token-id lists (RAG system prompts) prefilled at start and pinned in every worker's "
         "prefix cache; the sidecar has no tokenizer, so token ids, not text"))
-    watermark: float = field(default=0.01, metadata=_h(
+    watermark: float = field(default=0.01, metadata=flag(
         "admit a new request only if this fraction of the KV pool stays free after its prompt's blocks"))
-    max_active_blocks: int = field(default=0, metadata=_h(
+    max_active_blocks: int = field(default=0, metadata=flag(
         "per-request KV block cap (0 = off): a prompt over it is rejected (ERROR), generation stops at it (LENGTH)"))
-    burst_gating: bool = field(default=True, metadata=_h("hold back long prompts while a burst is detected"))
-    burst_window_s: float = field(default=2.0, metadata=_h("sliding window of the burst detector's arrival rate"))
-    burst_arrival_rate: float = field(default=8.0, metadata=_h(
+    burst_gating: bool = field(default=True, metadata=flag("hold back long prompts while a burst is detected"))
+    burst_window_s: float = field(default=2.0, metadata=flag("sliding window of the burst detector's arrival rate"))
+    burst_arrival_rate: float = field(default=8.0, metadata=flag(
         "burst when more than this many requests/s arrived over the window (0 = rate test off)"))
-    burst_queue_depth: int = field(default=32, metadata=_h(
+    burst_queue_depth: int = field(default=32, metadata=flag(
         "burst when at least this many requests wait for admission (0 = depth test off)"))
-    long_prefill_threshold: int = field(default=2048, metadata=_h(
+    long_prefill_threshold: int = field(default=2048, metadata=flag(
         "a prompt with more uncached tokens than this is 'long' for burst gating"))
-    min_active_decodes: int = field(default=8, metadata=_h(
+    min_active_decodes: int = field(default=8, metadata=flag(
         "during a burst a long prompt waits while at least this many decodes are running"))
-    max_gated_wait_s: float = field(default=2.0, metadata=_h(
+    max_gated_wait_s: float = field(default=2.0, metadata=flag(
         "longest a long prompt is held back by gating; then it is admitted in arrival order"))
-    affinity_max_load_gap: int = field(default=64, metadata=_h(
+    affinity_max_load_gap: int = field(default=64, metadata=flag(
         "prefix affinity yields to least-load when the prefix holder has this many more unfinished requests"))
-    async_scheduling: bool = field(default=True, metadata=_h(
+    async_scheduling: bool = field(default=True, metadata=flag(
         "schedule step N+1 while the worker runs step N (2 steps in flight per worker), hiding the sidecar's "
         "update/schedule and the socket round trip from the GPU"))
     # reliability (docs/reliability.md)
-    on_worker_loss: str = field(default="fail", metadata=_h(
+    on_worker_loss: str = field(default="fail", metadata=flag(
         "what happens to a lost worker's requests: fail (an ERROR finish, the client sees an error) | requeue "
         "(recomputed once on another live worker, the client sees no break; fail if none is alive)"))
-    worker_timeout: float = field(default=30.0, metadata=_h(
+    worker_timeout: float = field(default=30.0, metadata=flag(
         "a worker silent this long (no heartbeat or step output) is declared lost (0 = off); a dead process "
         "or a closed connection is noticed at once from the socket's disconnect event"))
-    max_waiting_requests: int = field(default=2048, metadata=_h(
+    max_waiting_requests: int = field(default=2048, metadata=flag(
         "requests waiting for admission per worker; over it new requests are rejected as retryable "
         "(the gateway answers 429 + Retry-After); 0 = no cap"))
-    curve_server_secret_key: str = field(default="", metadata=_h(
+    curve_server_secret_key: str = field(default="", metadata=flag(
         "tcp across hosts: the sidecar's CURVE certificate (zmq.auth secret file); its clients need the public "
         "file. '' = no encryption or authentication (ipc:// or loopback only)"))
-    curve_client_keys_dir: str = field(default="", metadata=_h(
+    curve_client_keys_dir: str = field(default="", metadata=flag(
         "with CURVE: directory of the public certificates of the gateways and workers allowed to connect "
         "('' = any client that knows the server's public key)"))
 

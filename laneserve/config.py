@@ -18,6 +18,11 @@ T = TypeVar("T")
 ENV_PREFIX = "LANESERVE_"
 
 
+def flag(text: str) -> dict:
+    """Field metadata: the flag's help text (`field(default=..., metadata=flag("..."))`)."""
+    return {"help": text}
+
+
 def env_name(field_name: str) -> str:
     return ENV_PREFIX + field_name.upper()
 

@@ -29,7 +29,7 @@ import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
 
-from laneserve.config import to_argv
+from laneserve.config import flag, to_argv
 
 POLL_S = 0.1
 RESTART_WINDOW_S = 60.0
@@ -37,12 +37,12 @@ RESTART_WINDOW_S = 60.0
 
 @dataclass
 class LauncherConfig:
-    num_workers: int = field(default=0, metadata={"help": "workers to start; 0 = one per visible GPU, else one CPU worker"})
-    startup_timeout: float = field(default=600.0, metadata={"help": "seconds to wait for the stack to become healthy"})
-    shutdown_timeout: float = field(default=10.0, metadata={"help": "seconds each child gets to exit before SIGKILL"})
-    max_restarts: int = field(default=5, metadata={"help": (
+    num_workers: int = field(default=0, metadata=flag("workers to start; 0 = one per visible GPU, else one CPU worker"))
+    startup_timeout: float = field(default=600.0, metadata=flag("seconds to wait for the stack to become healthy"))
+    shutdown_timeout: float = field(default=10.0, metadata=flag("seconds each child gets to exit before SIGKILL"))
+    max_restarts: int = field(default=5, metadata=flag(
         "restarts of a dead worker or sidecar within a minute before the stack goes down; 0 = a dead child "
-        "always takes the stack down")})
+        "always takes the stack down"))
 
 
 def _die_with_parent() -> None:
