@@ -5,12 +5,13 @@ every FULL block whose K/V is computed is registered under a chained hash of its
 token ids (`hash((parent_hash, tokens))`, vLLM's automatic prefix caching), and a
 lookup is confirmed by comparing the block's stored tokens, so a hash collision
 can never hand out the wrong K/V. A freed block keeps its hash (and stays
-findable) until it is reused; free blocks are reused uncached-first, then least
-recently freed (LRU eviction). Pinned blocks (the warm prefix pool) hold an
-extra reference and are never evicted.
+findable) until it is reused; free blocks are reused uncached-first (the most
+recently freed first), then least recently freed (LRU eviction). Pinned blocks
+(the warm prefix pool) hold an extra reference and are never evicted.
 
 Must not do I/O or know about scheduling policy. Invariant (`check()`): every
-block is in exactly one of {free list, referenced}: free + used == total.
+block is in exactly one of {free lists, referenced}: free + used == total, and
+a free block is on the cached free list iff it has a hash.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ def chain_hashes(token_ids: list[int], block_size: int, start: int = 0, parent: 
     out = [] if out is None else out
     h = parent if parent is not None else 0
     end = len(token_ids) // block_size if end is None else end
-    for i in range(start, end):
-        h = hash((h, tuple(token_ids[i * block_size:(i + 1) * block_size])))
+    blocks = iter(token_ids[start * block_size:end * block_size])
+    for block in zip(*[blocks] * block_size):  # the full blocks as tuples, cut in C
+        h = hash((h, block))
         out.append(h)
     return out
 
@@ -44,15 +46,17 @@ class BlockManager:
         self.tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self.pinned: set[int] = set()
         self.cached: dict[int, int] = {}  # hash -> block id
-        # Free blocks in reuse order: uncached ones at the front, cached ones by age (LRU first).
-        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Free blocks, reused in this order: the uncached ones (a stack: the most recently freed is on top, at
+        # the end; block 0 first at start), then the cached ones by age (LRU first, evicted when reused).
+        self.free_uncached: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.free_cached: OrderedDict[int, None] = OrderedDict()
         self.queries = 0  # tokens looked up in the prefix cache
         self.hits = 0  # of which were found
 
     # ------------------------------------------------------------------ queries
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        return len(self.free_uncached) + len(self.free_cached)
 
     @property
     def num_usable(self) -> int:
@@ -82,13 +86,14 @@ class BlockManager:
         bs = self.block_size
         usable = (req.compute_target - 1) // bs  # full blocks that leave >= 1 token to compute
         hashes = req.block_hashes
-        if len(hashes) < usable:
-            chain_hashes(tokens, bs, len(hashes), hashes[-1] if hashes else None, hashes, usable)
-        cached = self.cached
+        cached, stored = self.cached, self.tokens
         n = 0
-        for i in range(usable):
-            bid = cached.get(hashes[i])
-            if bid is None or self.tokens[bid] != tuple(tokens[i * bs:(i + 1) * bs]):
+        while n < usable:
+            block = tuple(tokens[n * bs:(n + 1) * bs])
+            if n == len(hashes):  # hashed up to the first miss only: cache_full_blocks() hashes the rest
+                hashes.append(hash((hashes[n - 1] if n else 0, block)))  # chain_hashes(), one block
+            bid = cached.get(hashes[n])
+            if bid is None or stored[bid] != block:
                 break
             n += 1
         return n
@@ -104,7 +109,7 @@ class BlockManager:
         for h in req.block_hashes[:num_hit_blocks]:
             bid = self.cached[h]
             if self.ref[bid] == 0:
-                del self.free[bid]
+                del self.free_cached[bid]  # a cached block: it has a hash
             self.ref[bid] += 1
             req.block_ids.append(bid)
         req.num_registered_blocks = num_hit_blocks
@@ -121,18 +126,28 @@ class BlockManager:
     def allocate(self, req: Request, num_new_tokens: int) -> bool:
         """Append the blocks for num_new_tokens more tokens of K/V; False (nothing taken) if short."""
         n = self.blocks_needed(req, num_new_tokens)
-        if n > len(self.free):
+        if n == 0:
+            return True
+        uncached = self.free_uncached
+        if n > len(uncached) + len(self.free_cached):
             return False
-        for _ in range(n):
-            bid, _ = self.free.popitem(last=False)
-            h = self.hash[bid]
-            if h is not NO_HASH:  # evict: this cached block is reused for new K/V
-                del self.cached[h]
-                self.hash[bid] = NO_HASH
-                self.tokens[bid] = None
-            self.ref[bid] = 1
-            req.block_ids.append(bid)
-            req.new_block_ids.append(bid)
+        k = min(n, len(uncached))
+        taken = uncached[-k:] if k else []
+        del uncached[len(uncached) - k:]
+        taken.reverse()  # top of the stack first
+        if n > k:  # evict: least recently freed cached blocks are reused for new K/V
+            pop_lru, cached, hash_of, tokens_of = self.free_cached.popitem, self.cached, self.hash, self.tokens
+            for _ in range(n - k):
+                bid = pop_lru(last=False)[0]
+                del cached[hash_of[bid]]
+                hash_of[bid] = NO_HASH
+                tokens_of[bid] = None
+                taken.append(bid)
+        ref = self.ref
+        for bid in taken:
+            ref[bid] = 1
+        req.block_ids += taken
+        req.new_block_ids += taken
         return True
 
     def cache_full_blocks(self, req: Request, num_tokens: int | None = None) -> None:
@@ -144,26 +159,32 @@ class BlockManager:
             return
         bs = self.block_size
         full = (req.num_computed_tokens if num_tokens is None else num_tokens) // bs
-        hashes = req.block_hashes
-        if len(hashes) < full:
-            chain_hashes(req.token_ids, bs, len(hashes), hashes[-1] if hashes else None, hashes, full)
+        token_ids, hashes, block_ids = req.token_ids, req.block_hashes, req.block_ids
+        cached, hash_of, tokens_of = self.cached, self.hash, self.tokens
         for i in range(req.num_registered_blocks, full):
+            block = tuple(token_ids[i * bs:(i + 1) * bs])
+            if i == len(hashes):
+                hashes.append(hash((hashes[i - 1] if i else 0, block)))  # chain_hashes(), one block
             h = hashes[i]
-            if h not in self.cached:  # else another block holds the same tokens; keep that one
-                bid = req.block_ids[i]
-                self.hash[bid] = h
-                self.tokens[bid] = tuple(req.token_ids[i * bs:(i + 1) * bs])
-                self.cached[h] = bid
+            if h not in cached:  # else another block holds the same tokens; keep that one
+                bid = block_ids[i]
+                hash_of[bid] = h
+                tokens_of[bid] = block
+                cached[h] = bid
         req.num_registered_blocks = full
 
     def free_blocks(self, req: Request) -> None:
-        """Drop the request's references; tail blocks first so they are evicted first (vLLM)."""
+        """Drop the request's references; tail blocks first so they are evicted first (vLLM): cached ones join
+        the LRU end, uncached ones the top of the stack (so its head block is reused first)."""
+        ref, hashes = self.ref, self.hash
+        uncached, cached = self.free_uncached, self.free_cached
         for bid in reversed(req.block_ids):
-            self.ref[bid] -= 1
-            if self.ref[bid] == 0:
-                self.free[bid] = None  # appended: most recently freed, evicted last
-                if self.hash[bid] is NO_HASH:
-                    self.free.move_to_end(bid, last=False)
+            ref[bid] -= 1
+            if ref[bid] == 0:
+                if hashes[bid] is NO_HASH:
+                    uncached.append(bid)
+                else:
+                    cached[bid] = None  # most recently freed, evicted last
         req.block_ids = []
         req.new_block_ids = []
         req.num_registered_blocks = 0
@@ -178,9 +199,14 @@ class BlockManager:
     def check(self) -> None:
         """Recount everything (tests): free + used == total, refs consistent, cache index sound."""
         used = sum(1 for r in self.ref if r > 0)
+        free_cached = list(self.free_cached)
+        free = self.free_uncached + free_cached
         assert all(r >= 0 for r in self.ref), "negative refcount"
-        assert used + len(self.free) == self.num_blocks, (used, len(self.free), self.num_blocks)
-        assert all(self.ref[b] == 0 for b in self.free), "a free block is referenced"
+        assert used + len(free) == self.num_blocks, (used, len(free), self.num_blocks)
+        assert len(set(free)) == len(free), "a block is free twice"
+        assert all(self.ref[b] == 0 for b in free), "a free block is referenced"
+        assert all(self.hash[b] is NO_HASH for b in self.free_uncached), "a cached block on the uncached list"
+        assert all(self.hash[b] is not NO_HASH for b in free_cached), "an uncached block on the cached list"
         assert all(self.ref[b] >= 1 for b in self.pinned)
         for h, bid in self.cached.items():
             assert self.hash[bid] == h and self.tokens[bid] is not None

@@ -24,7 +24,8 @@ class Request:
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "params", "arrival_time", "status",
                  "num_computed_tokens", "block_ids", "block_hashes", "num_cached_tokens", "max_len",
                  "internal", "on_worker", "first_delta_sent", "new_block_ids", "admit_seq", "seen_at",
-                 "gated_since", "num_preemptions", "num_registered_blocks", "num_output_placeholders")
+                 "gated_since", "num_preemptions", "num_registered_blocks", "num_output_placeholders",
+                 "max_num_tokens", "length_limit")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float = 0.0, max_len: int = 1 << 62, internal: bool = False):
@@ -39,6 +40,10 @@ class Request:
         self.block_hashes: list[int] = []  # chained hash of each full block, computed lazily
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.max_len = max_len  # context limit: min(max_model_len, max_active_blocks * block_size)
+        # Derived once for the hot paths: prompt + max_tokens outputs, and the number of tokens at which
+        # generation ends by LENGTH (max_tokens reached, or the context limit).
+        self.max_num_tokens = self.num_prompt_tokens + params.max_tokens
+        self.length_limit = min(self.max_num_tokens, max_len)
         # A warm-prefix request: its last token is a sentinel that is never computed, so the
         # worker never samples for it; its full blocks are pinned when the prefill is done.
         self.internal = internal

@@ -28,10 +28,6 @@ MAX_INFLIGHT_STEPS = 2  # with --async-scheduling: the worker runs one step whil
 _WARM_PARAMS = SamplingParams(max_tokens=1)
 
 
-def _sort_key(item: tuple) -> tuple[int, int]:
-    return item[0], item[1]
-
-
 # What one step in flight does to one request, checked against the request when the step's output comes back:
 # (request, its num_computed_tokens once this step is done, whether the worker samples a token for it in this step,
 # its num_preemptions when scheduled: a preempted request's old steps are void). A plain tuple: 256 per step.
@@ -152,7 +148,7 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         batch: list[tuple[Request, int]] = []
         budget, active, preempted = self._schedule_running(batch, budget)
-        if not preempted:  # admitting while evicting would just thrash
+        if self.waiting and not preempted:  # admitting while evicting would just thrash
             self._admit_waiting(now, batch, budget, active)
         # An empty step carries finished ids to the worker, or error deltas back through update() (a step
         # already in flight brings those back anyway).
@@ -163,28 +159,31 @@ class Scheduler:
 
     def _run_order(self) -> list[tuple[Request, int]]:
         """(request, tokens left to compute): decodes by bucket (lowest tokens-remaining first), then running
-        prefills; oldest first within each. Hot path: properties inlined (compute_target = len + placeholders -
-        internal). Left out (they wait for the steps in flight): requests whose in-flight samples already reach
-        max_tokens or the context limit, and warm prefixes whose last chunk is in flight."""
+        prefills; oldest first within each. Left out (they wait for the steps in flight): requests whose
+        in-flight samples already reach max_tokens or the context limit, and warm prefixes whose last chunk is
+        in flight.
+
+        Hot path (every step, every running request): no sort, since `running` is in admission order, a stable
+        split into one lane per bucket (plus prefills) is the (bucket, admit_seq) order; properties inlined
+        (n = len + placeholders; compute_target = n - internal; tokens_remaining = max_num_tokens - n)."""
         buckets = self.buckets
-        prefill_key = len(buckets) + 1
-        keyed = []
+        lanes: list[list[tuple[Request, int]]] = [[] for _ in range(len(buckets) + 2)]
+        prefills = lanes[-1]
         for r in self.running.values():
-            toks = r.token_ids
             ph = r.num_output_placeholders
-            remaining = r.params.max_tokens - len(toks) + r.num_prompt_tokens - ph
-            if ph and (remaining <= 0 or len(toks) + ph >= r.max_len):
+            n = len(r.token_ids) + ph
+            if ph and n >= r.length_limit:
                 continue
-            left = len(toks) + ph - r.internal - r.num_computed_tokens
-            if left <= 0:
-                continue
+            left = n - r.internal - r.num_computed_tokens
             if left == 1:
-                key = bisect_left(buckets, remaining)
-            else:
-                key = prefill_key
-            keyed.append((key, r.admit_seq, r, left))
-        keyed.sort(key=_sort_key)
-        return [(k[2], k[3]) for k in keyed]
+                lanes[bisect_left(buckets, r.max_num_tokens - n)].append((r, 1))
+            elif left > 0:
+                prefills.append((r, left))
+        order = lanes[0]
+        for lane in lanes[1:]:
+            if lane:
+                order += lane
+        return order
 
     def _schedule_running(self, batch: list, budget: int) -> tuple[int, int, bool]:
         """Schedule running requests in run order; preempt from the back of that order when blocks run out.
@@ -197,17 +196,20 @@ class Scheduler:
         threshold = self.cfg.long_prefill_threshold
         preemptions_before = self.preemptions
         active = 0
-        i = 0
-        while i < len(order) and budget > 0:
-            req, left = order[i]
-            n = left if left < budget else budget
+        for item in order:  # _make_room only pops items after this one (or this one, and then we stop)
+            if budget <= 0:
+                break
+            req, left = item
+            n = left
+            if left > budget:
+                n = budget
+                item = (req, n)
             if req.num_computed_tokens + n > len(req.block_ids) * bs and not self._make_room(req, n, order):
                 break
-            batch.append((req, n))
+            batch.append(item)
             budget -= n
             if left <= threshold:
                 active += 1
-            i += 1
         return budget, active, self.preemptions != preemptions_before
 
     def _make_room(self, req: Request, n: int, order: list[tuple[Request, int]]) -> bool:
@@ -271,16 +273,19 @@ class Scheduler:
         new_reqs, cached_reqs, num_scheduled = [], [], {}
         flight: list[Scheduled] = []
         for req, n in batch:
-            num_scheduled[req.request_id] = n
+            rid = req.request_id
+            num_scheduled[rid] = n
             if not req.on_worker:
-                new_reqs.append(NewReq(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                new_reqs.append(NewReq(request_id=rid, prompt_token_ids=req.prompt_token_ids,
                                        params=req.params, block_ids=list(req.block_ids),
                                        num_computed_tokens=req.num_computed_tokens,
                                        output_token_ids=req.output_token_ids))
                 req.on_worker = True
+                if req.new_block_ids:  # the NewReq has them all
+                    req.new_block_ids = []
             elif req.new_block_ids:
-                cached_reqs.append(CachedReq(req.request_id, req.new_block_ids))
-            req.new_block_ids = []
+                cached_reqs.append(CachedReq(rid, req.new_block_ids))
+                req.new_block_ids = []
             done = req.num_computed_tokens + n
             req.num_computed_tokens = done
             # Reaches the end of its tokens (compute_target, inlined; warm prefixes never sample).
@@ -301,26 +306,36 @@ class Scheduler:
                              f"{self.in_flight[0][0] if self.in_flight else None}")
         deltas, self.pending = self.pending, []
         bs = self.block_size
+        bm = self.bm
+        caching = bm.enable_prefix_caching
         running = Status.RUNNING
         sampling: dict[str, Request] = {}
         for req, done, samples, epoch in self.in_flight.popleft()[1]:
             if req.status is not running or req.num_preemptions != epoch:
                 continue  # finished, aborted or preempted since it was scheduled: its share of the step is void
-            if done // bs > req.num_registered_blocks:  # this K/V is in the cache now: offer full blocks to it
-                self.bm.cache_full_blocks(req, done)
+            if caching and done // bs > req.num_registered_blocks:  # this K/V is cached now: offer its full blocks
+                bm.cache_full_blocks(req, done)
             if samples:
                 req.num_output_placeholders -= 1
                 sampling[req.request_id] = req
             elif req.internal and done == req.compute_target:
                 self._finish_warm(req)
-        logprobs = out.logprobs
+        sampled, logprobs = out.sampled_token_ids, out.logprobs
         for i, rid in enumerate(out.request_ids):
             # Tokens for a request that finished, was aborted or preempted meanwhile are dropped: with steps in
             # flight a request that stopped in step N has one more token coming from step N+1.
             req = sampling.pop(rid, None)
             if req is None:
                 continue
-            delta = self._append_tokens(req, out.sampled_token_ids[i])
+            tokens = sampled[i]
+            if req.params.stop_token_ids or len(req.token_ids) + len(tokens) >= req.length_limit:
+                delta = self._append_tokens(req, tokens)  # it may stop here
+            else:  # hot path: no stop possible
+                req.token_ids += tokens
+                delta = TokenDelta(rid, list(tokens))
+            if not req.first_delta_sent:
+                delta.num_cached_tokens = req.num_cached_tokens
+                req.first_delta_sent = True
             if logprobs is not None:
                 delta.logprobs = logprobs[i]
             deltas.append(delta)
@@ -330,28 +345,22 @@ class Scheduler:
         return deltas
 
     def _append_tokens(self, req: Request, tokens: list[int]) -> TokenDelta:
-        """Append sampled tokens up to the first stop; STOP includes the stop token in the delta."""
-        p = req.params
+        """Append sampled tokens up to the first stop (and finish there); STOP includes the stop token."""
         toks = req.token_ids
+        stop_token_ids = req.params.stop_token_ids
+        num_before = len(toks)
         reason = None
-        taken = tokens
-        for j, tok in enumerate(tokens):
+        for tok in tokens:
             toks.append(tok)
-            n_out = len(toks) - req.num_prompt_tokens
-            if tok in p.stop_token_ids and n_out >= p.min_tokens:
+            if tok in stop_token_ids and len(toks) - req.num_prompt_tokens >= req.params.min_tokens:
                 reason = FinishReason.STOP
-            elif n_out >= p.max_tokens or len(toks) >= req.max_len:
-                reason = FinishReason.LENGTH
-            if reason is not None:
-                taken = tokens[:j + 1]
                 break
-        delta = TokenDelta(req.request_id, list(taken), reason)
-        if not req.first_delta_sent:
-            delta.num_cached_tokens = req.num_cached_tokens
-            req.first_delta_sent = True
+            if len(toks) >= req.length_limit:  # max_tokens or the context limit
+                reason = FinishReason.LENGTH
+                break
         if reason is not None:
             self._finish(req)
-        return delta
+        return TokenDelta(req.request_id, tokens[:len(toks) - num_before], reason)
 
     # ------------------------------------------------------------------ transitions
     def _finish(self, req: Request) -> None:

@@ -97,26 +97,27 @@ class SimWorker:
             self.reqs[cr.request_id][1].extend(cr.new_block_ids)
         ids, sampled = [], []
         prefill_tokens = decode_seqs = kv_read = 0
-        reqs, kv, token_fn = self.reqs, self.kv, self.token_fn
+        reqs, kv, token_fn, vocab = self.reqs, self.kv, self.token_fn, self.vocab
         for rid, n in step.num_scheduled_tokens.items():
             st = reqs[rid]
             toks, blocks, done = st
             end = done + n
-            if not (0 < n and end <= len(toks) and len(blocks) * bs >= end):
+            left = len(toks) - end  # tokens still to compute after this step
+            if n <= 0 or left < 0 or end > len(blocks) * bs:
                 raise AssertionError(f"bad schedule for {rid}: computed {done} + {n} of {len(toks)} tokens, "
                                      f"{len(blocks)} blocks")
             if kv is not None:
                 for pos in range(done, end):
                     kv[blocks[pos // bs] * bs + pos % bs] = toks[pos]
             st[2] = end
-            if n == 1 and done > 0:
+            kv_read += end
+            if n == 1 and done:
                 decode_seqs += 1
             else:
                 prefill_tokens += n
-            kv_read += end
-            if end == len(toks):
+            if not left:
                 # deterministic, never a stop token: outputs end by length
-                tok = token_fn(rid, toks) if token_fn is not None else (end * 31 + len(rid)) % self.vocab
+                tok = token_fn(rid, toks) if token_fn is not None else (end * 31 + len(rid)) % vocab
                 toks.append(tok)
                 ids.append(rid)
                 sampled.append([tok])
@@ -165,7 +166,7 @@ def simulate(requests: list[SimRequest], cfg: BatcherConfig, cost: CostModel = C
     arrival_of: dict[str, float] = {}
     first_at: dict[str, float] = {}
     near_done_at: dict[str, float] = {}
-    max_tokens: dict[str, int] = {}
+    near_done_from: dict[str, float] = {}  # outputs that make a request nearly done (inf once it is)
     owner: dict[str, int] = {}
     # (time, kind, seq, payload): kind 0 = step done, 1 = arrival, 2 = abort; steps first at equal times
     events: list = []
@@ -178,40 +179,52 @@ def simulate(requests: list[SimRequest], cfg: BatcherConfig, cost: CostModel = C
     free_at = dict.fromkeys(scheds, 0.0)  # when the worker is done with the steps it holds
     now = 0.0
 
+    host_gap = 0.0 if pipelined else cost.h / 1000.0
+    step_seconds = cost.step_seconds
+    heappush, heappop = heapq.heappush, heapq.heappop
+    output_tokens, first_chunk_cached = res.output_tokens, res.first_chunk_cached
+
     def start(w: int) -> None:
-        depth = scheds[w].max_inflight_steps if pipelined else 1
-        while len(busy[w]) < depth:
-            step = scheds[w].schedule(now)
+        sched, worker, outs = scheds[w], workers[w], busy[w]
+        depth = sched.max_inflight_steps if pipelined else 1
+        while len(outs) < depth:
+            step = sched.schedule(now)
             if step is None:
                 return
-            out, (pf, dec, kv) = workers[w].execute(step)  # in order: the same state the worker would see
-            dt = cost.step_seconds(pf, dec, kv)
+            out, (pf, dec, kv) = worker.execute(step)  # in order: the same state the worker would see
+            dt = step_seconds(pf, dec, kv)
             res.steps += 1
             res.prefill_tokens += pf
             res.decode_tokens += dec
-            bm = scheds[w].bm
+            bm = sched.bm
             res.block_seconds += (bm.num_blocks - bm.num_free) * dt
-            busy[w].append(out)
-            free_at[w] = max(now, free_at[w]) + dt + (0.0 if pipelined else cost.h / 1000.0)
-            heapq.heappush(events, (free_at[w], 0, w, None))
+            outs.append(out)
+            free_at[w] = max(now, free_at[w]) + dt + host_gap
+            heappush(events, (free_at[w], 0, w, None))
 
     def deliver(deltas) -> None:
         for d in deltas:
             rid = d.request_id
-            if d.new_token_ids:
-                first_at.setdefault(rid, now)
-                res.output_tokens[rid] = res.output_tokens.get(rid, 0) + len(d.new_token_ids)
-                if rid not in near_done_at and max_tokens[rid] - res.output_tokens[rid] <= NEAR_DONE:
+            new, reason = d.new_token_ids, d.finish_reason
+            n = output_tokens.get(rid, 0)  # 0: no tokens yet
+            if new:
+                if not n:
+                    first_at[rid] = now
+                    if rid not in first_chunk_cached:
+                        first_chunk_cached[rid] = d.num_cached_tokens
+                n += len(new)
+                output_tokens[rid] = n
+                if n >= near_done_from[rid]:
                     near_done_at[rid] = now
-            if rid not in res.first_chunk_cached and (d.new_token_ids or d.finish_reason is not None):
-                res.first_chunk_cached[rid] = d.num_cached_tokens
-            if d.finish_reason is not None:
-                name = FinishReason(d.finish_reason).name
+                    near_done_from[rid] = math.inf
+            if reason is not None:
+                if not n and rid not in first_chunk_cached:
+                    first_chunk_cached[rid] = d.num_cached_tokens
+                name = FinishReason(reason).name
                 res.finish[name] = res.finish.get(name, 0) + 1
                 assert rid in arrival_of, f"second finish for {rid}"
                 arr = arrival_of.pop(rid)
-                n = res.output_tokens.get(rid, 0)
-                if rid in first_at and d.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+                if rid in first_at and reason in (FinishReason.STOP, FinishReason.LENGTH):
                     res.ttft.append(first_at[rid] - arr)
                     res.e2e.append(now - arr)
                     if n > 1:
@@ -220,7 +233,7 @@ def simulate(requests: list[SimRequest], cfg: BatcherConfig, cost: CostModel = C
                         res.near_done_to_free.append(now - near_done_at.pop(rid))
 
     while events:
-        now, kind, seq, payload = heapq.heappop(events)
+        now, kind, seq, payload = heappop(events)
         if kind == 1:
             r = requests[payload]
             rid = f"r{payload}"
@@ -228,7 +241,7 @@ def simulate(requests: list[SimRequest], cfg: BatcherConfig, cost: CostModel = C
             msg = AddRequest(request_id=rid, prompt_token_ids=r.prompt_token_ids, params=params, arrival_time=now)
             w = pick_worker(scheds, msg.prompt_token_ids) if num_workers > 1 else 0
             owner[rid] = w
-            max_tokens[rid] = params.max_tokens
+            near_done_from[rid] = params.max_tokens - NEAR_DONE
             arrival_of[rid] = now
             scheds[w].add_request(msg)
             start(w)

@@ -133,3 +133,39 @@ def test_duplicate_content_is_registered_once():
     bm.free_blocks(a)
     bm.free_blocks(b)
     bm.check()
+
+
+def test_free_blocks_are_reused_in_the_documented_order():
+    """Against a one-list model of the policy: uncached blocks first (the most recently freed first), then the
+    cached ones least recently freed first; a prefix hit takes a free cached block off the list."""
+    import random
+    from collections import OrderedDict
+
+    rng = random.Random(7)
+    bm = BlockManager(24, BS)
+    model = OrderedDict.fromkeys(range(24))  # the reuse order, front first
+    docs = [[rng.randrange(50) for _ in range(8)] for _ in range(3)]  # shared prefixes: hits on free blocks
+    live: list[Request] = []
+    for i in range(400):
+        if live and (rng.random() < 0.45 or bm.num_free < 6):
+            r = live.pop(rng.randrange(len(live)))
+            freed = [b for b in reversed(r.block_ids) if bm.ref[b] == 1]
+            bm.free_blocks(r)
+            for b in freed:
+                model[b] = None
+                if bm.hash[b] is None:
+                    model.move_to_end(b, last=False)
+            continue
+        r = req(rng.choice(docs) + [rng.randrange(50) for _ in range(rng.randrange(1, 10))], f"r{i}")
+        hit = bm.lookup(r)
+        for h in r.block_hashes[:hit]:
+            model.pop(bm.cached[h], None)
+        r.num_computed_tokens = bm.acquire_prefix(r, hit)
+        before = len(r.block_ids)
+        assert bm.allocate(r, r.compute_target - r.num_computed_tokens)
+        assert r.block_ids[before:] == [model.popitem(last=False)[0] for _ in r.block_ids[before:]]
+        r.num_computed_tokens = r.compute_target
+        bm.cache_full_blocks(r)
+        live.append(r)
+        bm.check()
+    assert bm.num_free == len(model)

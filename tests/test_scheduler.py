@@ -275,3 +275,43 @@ def test_stats():
     d.step()
     st = s.stats()
     assert (st.num_running, st.num_waiting, st.kv_blocks_total, st.kv_blocks_free, st.steps) == (1, 1, 64, 62, 1)
+
+
+def test_run_order_is_bucket_then_admission_order_under_churn():
+    """_run_order() splits `running` (admission order) into lanes instead of sorting: check it against the
+    sort it stands for, every step of a churning async workload (preemptions, stops, a warm prefix)."""
+    import random
+    from bisect import bisect_left
+
+    def by_sorting(s: Scheduler) -> list:
+        keyed = []
+        for r in s.running.values():
+            ph = r.num_output_placeholders
+            if ph and (r.tokens_remaining <= 0 or r.num_tokens + ph >= r.max_len):
+                continue
+            left = r.num_uncomputed_tokens
+            if left > 0:
+                key = bisect_left(s.buckets, r.tokens_remaining) if left == 1 else len(s.buckets) + 1
+                keyed.append((key, r.admit_seq, r, left))
+        return [(r, left) for _, _, r, left in sorted(keyed, key=lambda k: k[:2])]
+
+    rng = random.Random(3)
+    s = Scheduler(cfg(max_num_batched_tokens=96, max_active_blocks=12), 40, BS, 8192,
+                  warm_prefixes=[list(range(900, 932))])
+    w = SimWorker(s.num_blocks, s.block_size, check_kv=True)
+    flight, now, n_checked = [], 0.0, 0
+    for i in range(600):
+        if i < 300 and rng.random() < 0.3:
+            add(s, f"r{i}", rng.randrange(1, 70), base=rng.choice([0, 900, rng.randrange(2000)]),
+                max_tokens=rng.randrange(1, 60), stop_token_ids=(7,) if rng.random() < 0.3 else ())
+        while len(flight) < s.max_inflight_steps:
+            assert s._run_order() == by_sorting(s)
+            n_checked += len(s.running)
+            st = s.schedule(now)
+            if st is None:
+                break
+            flight.append(w.execute(st)[0])
+        if flight:
+            now += 0.01
+            s.update(flight.pop(0), now)
+    assert n_checked > 1000 and s.preemptions > 0
