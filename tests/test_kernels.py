@@ -16,7 +16,7 @@ if not ON_GPU:  # must be set before triton is first imported
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
-from workers.kernels.paged_attention import paged_decode, write_kv  # noqa: E402
+from workers.kernels.paged_attention import paged_decode, paged_prefill, write_kv  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPE = torch.bfloat16 if ON_GPU else torch.float32
@@ -119,3 +119,61 @@ def test_write_kv_skips_padding_slots():
     untouched = torch.ones(flat.shape[0], dtype=torch.bool)
     untouched[[5, 40]] = False
     assert (flat[untouched.to(DEVICE)] == 7.0).all()
+
+
+def reference_prefill(q, k_cache, v_cache, block_tables, seq_lens, qsl, first, scale, window=None,
+                      k_scale=None, v_scale=None):
+    """float64 causal attention of each sequence's chunk (its last nq positions) over its pages."""
+    out = {}
+    group = q.shape[1] // k_cache.shape[2]
+    for b in range(first, len(seq_lens)):
+        q0, q1, n = int(qsl[b]), int(qsl[b + 1]), int(seq_lens[b])
+        pos = torch.arange(n)
+        blocks = block_tables[b].cpu()[pos // PAGE]
+        k = k_cache.cpu()[blocks, pos % PAGE].double().repeat_interleave(group, 1)  # [n, Hq, D]
+        v = v_cache.cpu()[blocks, pos % PAGE].double().repeat_interleave(group, 1)
+        if k_scale is not None:
+            k = k * k_scale.cpu().double().repeat_interleave(group)[None, :, None]
+            v = v * v_scale.cpu().double().repeat_interleave(group)[None, :, None]
+        q_pos = pos[n - (q1 - q0):]
+        s = torch.einsum("qhd,nhd->hqn", q[q0:q1].cpu().double(), k) * scale
+        ok = pos[None, :] <= q_pos[:, None]
+        if window:
+            ok &= pos[None, :] > q_pos[:, None] - window
+        s = s.masked_fill(~ok[None], float("-inf"))
+        out[b] = torch.einsum("hqn,nhd->qhd", s.softmax(-1), v)
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 21])
+@pytest.mark.parametrize("quant", [False, True])
+def test_paged_prefill_matches_reference(window, quant):
+    """A packed step: 2 decodes (left alone), then chunks from 0, after a cached prefix, and single-token."""
+    heads, kv_heads, dim = (32, 8, 128) if ON_GPU else (4, 2, 16)
+    chunks = [(1, 9), (1, 30), (37, 37), (20, 53), (1, 1), (70, 70 + 45)] if not ON_GPU else \
+        [(1, 900), (1, 30), (1000, 1000), (300, 2000), (1, 1), (700, 1400), (2048, 2048)]
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))  # fresh inputs each run
+    q_lens = [nq for nq, _ in chunks]
+    seq_lens = torch.tensor([n for _, n in chunks], dtype=torch.int32)
+    max_blocks = -(-int(seq_lens.max()) // PAGE)
+    num_blocks = len(chunks) * max_blocks + 5
+    bt = torch.randperm(num_blocks, generator=g)[:len(chunks) * max_blocks].view(len(chunks), -1).to(torch.int32)
+    kc = torch.randn(num_blocks, PAGE, kv_heads, dim, generator=g)
+    vc = torch.randn(num_blocks, PAGE, kv_heads, dim, generator=g)
+    ks = vs = None
+    if quant:
+        ks, vs = torch.rand(kv_heads, generator=g) * 0.02 + 0.01, torch.rand(kv_heads, generator=g) * 0.02 + 0.01
+        kc, vc = (kc / ks[None, None, :, None]).round().clamp(-127, 127), (vc / vs[None, None, :, None]).round()
+        kc, vc, ks, vs = kc.to(torch.int8), vc.clamp(-127, 127).to(torch.int8), ks.to(DEVICE), vs.to(DEVICE)
+    else:
+        kc, vc = kc.to(DTYPE), vc.to(DTYPE)
+    q = torch.randn(sum(q_lens), heads, dim, generator=g).to(DTYPE)
+    qsl = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    out = torch.full_like(q, float("nan")).to(DEVICE)
+    first = 2  # the first two are the step's decodes: not the prefill kernel's rows
+    paged_prefill(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), bt.to(DEVICE), seq_lens.to(DEVICE), qsl.to(DEVICE),
+                  first, len(chunks) - first, max(q_lens[first:]), dim ** -0.5, out, ks, vs, window)
+    ref = reference_prefill(q, kc, vc, bt, seq_lens, qsl, first, dim ** -0.5, window, ks, vs)
+    assert torch.isnan(out[:int(qsl[first])]).all()  # decode rows untouched
+    for b, r in ref.items():
+        assert rel_err(out[int(qsl[b]):int(qsl[b + 1])], r) < (1e-2 if ON_GPU else 1e-5), b

@@ -4,6 +4,7 @@ One command runs every part and prints one table; JSON goes to --out. Parts:
   roofline  device copy bandwidth -> weight bytes / bandwidth = batch-1 floor per step
   engine    ModelRunner.execute decode steps at several concurrencies (prefilled to --context)
   hf        transformers.generate on the same shapes and weights (eager, dynamic cache)
+  breakdown GPU kernel time of decode and prefill steps by category vs wall time (workers/breakdown.py)
 Timing: CUDA events / synchronised wall clock after warm-up, medians. On CPU it runs the
 tiny model so the code path stays tested; the numbers that matter come from a GPU.
 """
@@ -31,6 +32,9 @@ MISTRAL_7B = {
     "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "sliding_window": None, "torch_dtype": "bfloat16",
     "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
 }
+
+
+BREAKDOWN_PREFILL = 2048  # prefill chunk the breakdown profiles (the default --max-num-batched-tokens)
 
 
 def write_dummy_model_dir(path: str, config: dict = MISTRAL_7B) -> str:
@@ -271,9 +275,10 @@ def kv_ratios(rows: list[Row], kv_dtypes: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="laneserve bench", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="", help="checkpoint dir; default: a Mistral-7B-shaped dummy on GPU, tiny on CPU")
-    ap.add_argument("--parts", default="roofline,engine,hf", help="comma list of roofline,engine,hf")
+    ap.add_argument("--parts", default="roofline,engine,hf", help="comma list of roofline,engine,hf,breakdown")
     ap.add_argument("--batches", default="1,8,32,64,128,256")
     ap.add_argument("--hf-batches", default="1,32,64")
+    ap.add_argument("--breakdown-batches", default="1,32,128")
     ap.add_argument("--contexts", default="1024", help="comma list of context lengths for the engine part")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--kv-cache-dtype", default="auto",
@@ -298,12 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"argv": sys.argv, "date": time.strftime("%Y-%m-%d"), "device": (
         torch.cuda.get_device_name() if gpu else "cpu"), "torch": torch.__version__}
     kv_dtypes = args.kv_cache_dtype.split(",")
-    for kv_dtype in kv_dtypes if "engine" in parts else kv_dtypes[:1]:
-        if "engine" not in parts and "roofline" not in parts:
+    for kv_dtype in kv_dtypes if parts & {"engine", "breakdown"} else kv_dtypes[:1]:
+        if not parts & {"engine", "roofline", "breakdown"}:
             break
         cfg = WorkerConfig(model=model, load_format="dummy" if model != "tiny" else "auto",
                            dtype="bfloat16" if gpu else "float32", max_num_seqs=max(batches),
-                           max_model_len=max(contexts) + args.steps + 128, max_num_batched_tokens=8192)
+                           max_model_len=max(contexts + [BREAKDOWN_PREFILL * 4] * ('breakdown' in parts)) + args.steps + 128, max_num_batched_tokens=8192)
         for name, value in (("kv_cache_dtype", kv_dtype), ("enforce_eager", args.enforce_eager)):
             if hasattr(cfg, name):
                 setattr(cfg, name, value)
@@ -330,6 +335,13 @@ def main(argv: list[str] | None = None) -> int:
                 r.extra["kv_cache_dtype"] = kv_dtype
                 r.note = f"kv {kv_dtype}" if len(kv_dtypes) > 1 else r.note
             rows += got
+        if "breakdown" in parts and gpu:
+            from workers.breakdown import breakdown
+
+            print(f"breakdown: KV cache {kv_dtype}", flush=True)
+            vocab = min(runner.model_config.vocab_size, 32000)
+            got = breakdown(runner, [int(b) for b in args.breakdown_batches.split(",")], contexts[0], vocab, BREAKDOWN_PREFILL)
+            result.setdefault("breakdown", {})[kv_dtype] = got
         del runner
         gc.collect()  # the runner's CUDA graphs and KV pool must go before the next runner / HF's model
         if gpu:

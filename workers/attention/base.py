@@ -75,10 +75,8 @@ def allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> tor
     return ok
 
 
-def prefill_chunks(meta: AttentionMetadata, block_size: int, window: int | None, plain_causal_mask: bool = True):
-    """Per prefill sequence: (q_start, q_end, key slots [L], mask [1, nq, L]). With
-    plain_causal_mask=False the mask is None where the chunk is the whole context and plainly
-    causal, so SDPA can take its is_causal (flash) path."""
+def prefill_chunks(meta: AttentionMetadata, block_size: int, window: int | None):
+    """Per prefill sequence: (q_start, q_end, key slots [L], mask [1, nq, L])."""
     device = meta.slot_mapping.device
     chunks = []
     start = sum(meta.query_lens_cpu[:meta.num_decodes])
@@ -86,9 +84,7 @@ def prefill_chunks(meta: AttentionMetadata, block_size: int, window: int | None,
         nq, seq_len = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
         k_pos = torch.arange(seq_len, device=device)
         slots = key_slots(meta.block_tables[i], k_pos, block_size)
-        mask = None
-        if plain_causal_mask or nq != seq_len or (window is not None and seq_len > window):
-            mask = allowed(k_pos[seq_len - nq:, None], k_pos[None, :], window)[None]
+        mask = allowed(k_pos[seq_len - nq:, None], k_pos[None, :], window)[None]
         chunks.append((start, start + nq, slots, mask))
         start += nq
     return chunks

@@ -1,12 +1,10 @@
-"""The GPU attention backend: Triton paged decode, Triton KV writes, SDPA for prefill chunks.
+"""The GPU attention backend: Triton KV writes, Triton paged decode and paged prefill.
 
-Owns per-step planning for the GPU path. Decodes read K/V straight from the pages
-(workers/kernels/paged_attention.py), so the step needs no gather and the decode part is
-CUDA-graph safe (everything it reads lives in the metadata tensors). Prefill chunks run
-through SDPA (flash attention when the chunk starts at 0, the memory-efficient kernel
-with an offset causal mask when it starts mid-prompt) over K/V gathered from the pages.
-int8 pools: the write and decode kernels quantise / dequantise with the layer's per-KV-head
-scales; a prefill chunk dequantises only the rows it gathered (its sequence's context).
+Owns per-step planning for the GPU path. Every kernel reads K/V straight from the pages
+(workers/kernels/paged_attention.py): no gather, no mask tensors. Decodes are CUDA-graph safe
+(everything they read lives in the metadata tensors); all prefill chunks of a step, wherever
+each starts (chunked prefill, prefix-cache hits), go through one varlen launch.
+int8 pools: the kernels quantise / dequantise with the layer's per-KV-head scales.
 """
 
 from __future__ import annotations
@@ -14,18 +12,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from workers.attention.base import AttentionBackend, AttentionMetadata, prefill_chunks
-from workers.kernels.paged_attention import num_partitions, paged_decode, write_kv
-from workers.kv_cache import LayerScales, dequantize
+from workers.attention.base import AttentionBackend, AttentionMetadata
+from workers.kernels.paged_attention import num_partitions, paged_decode, paged_prefill, write_kv
+from workers.kv_cache import LayerScales
 
 
 @dataclass
 class _Plan:
-    num_parts: int
-    # per prefill sequence: (q_start, q_end, key slots [L], mask [1, nq, L] or None for plain causal)
-    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
+    num_parts: int  # decode partitions (flash-decoding)
+    num_prefills: int  # sequences after the decodes
+    max_prefill_len: int  # longest prefill chunk: sizes the prefill grid
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -42,8 +39,8 @@ class TritonAttentionBackend(AttentionBackend):
         parts = 1
         if nd:
             parts = num_partitions(nd, self.num_kv_heads, max(meta.seq_lens_cpu[:nd]), self.num_sms)
-        prefills = prefill_chunks(meta, block_size, sliding_window, plain_causal_mask=False)
-        meta.plan = _Plan(parts, prefills)
+        prefill_lens = meta.query_lens_cpu[nd:]
+        meta.plan = _Plan(parts, len(prefill_lens), max(prefill_lens, default=0))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
@@ -59,18 +56,7 @@ class TritonAttentionBackend(AttentionBackend):
         if nd:
             paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
                          num_parts=plan.num_parts, k_scale=ks, v_scale=vs, out=out[:nd], window=self.window)
-        if plan.prefills:
-            flat_k = k_cache.view(-1, *k_cache.shape[2:])
-            flat_v = v_cache.view(-1, *v_cache.shape[2:])
-            for q_start, q_end, slots, mask in plan.prefills:
-                if mask is None and ks is None:  # the chunk is the whole context: no gather needed
-                    kp, vp = k[q_start:q_end], v[q_start:q_end]
-                else:
-                    kp, vp = flat_k[slots], flat_v[slots]  # [L, Hkv, D]: this sequence's context only
-                if ks is not None:
-                    kp, vp = dequantize(kp, ks, q.dtype), dequantize(vp, vs, q.dtype)
-                qp = q[q_start:q_end].transpose(0, 1)  # [Hq, nq, D]
-                o = F.scaled_dot_product_attention(qp, kp.transpose(0, 1), vp.transpose(0, 1), attn_mask=mask,
-                                                   is_causal=mask is None, scale=scale, enable_gqa=True)
-                out[q_start:q_end] = o.transpose(0, 1)
+        if plan.num_prefills:
+            paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, nd,
+                          plan.num_prefills, plan.max_prefill_len, scale, out, ks, vs, self.window)
         return out

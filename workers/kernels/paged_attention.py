@@ -8,6 +8,10 @@ Owns two kernels and their launchers; knows nothing of requests or scheduling.
   Long contexts split into `num_parts` partitions (flash-decoding), reduced by a
   second kernel; each sequence splits its own length, so the launch needs no
   host-side lengths and is CUDA-graph safe.
+- `paged_prefill`: the prefill chunks of a step, all sequences in one launch (varlen:
+  packed query rows, each sequence's chunk at its own offset), flash-attention style
+  over the same pages: causal from the chunk's start position, so a chunk after a
+  cached prefix or an earlier chunk needs no gather and no mask tensor.
 - `write_kv`: scatter new K/V rows into the pool by slot (= block * page + offset),
   quantising to int8 with per-head scales when the pool is int8.
 Pool layout per layer: k/v [num_blocks, page, num_kv_heads, head_dim].
@@ -20,6 +24,11 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+# Launch configs (H200-tuned with `python -m workers.kernel_bench`, docs/perf.md); the interpreter
+# (CPU tests) gets small tiles.
+DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+PREFILL_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+PREFILL_CONFIG_CPU = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 
 
 @triton.jit
@@ -115,9 +124,11 @@ def num_partitions(batch: int, num_kv_heads: int, max_model_len: int, num_sms: i
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, sm_scale: float, num_parts: int = 1,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, window: int | None = None,
+                 config: dict | None = None) -> torch.Tensor:
     """q [B, Hq, D]; k/v_cache [num_blocks, page, Hkv, D]; block_tables [B, max_blocks] int32;
-    seq_lens [B] int32 (context length incl. the new token, already written). Returns [B, Hq, D]."""
+    seq_lens [B] int32 (context length incl. the new token, already written). Returns [B, Hq, D].
+    config: BLOCK_N / num_warps / num_stages overrides (the kernel bench sweeps them)."""
     batch, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -136,12 +147,116 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         out, po, pm, pl, sm_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
-        G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=head_dim, PAGE=page,
-        BLOCK_N=max(page, 64), NUM_PARTS=num_parts, QUANT=quant, WINDOW=window or 0, num_warps=4, num_stages=2,
+        G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=head_dim, PAGE=page, NUM_PARTS=num_parts,
+        QUANT=quant, WINDOW=window or 0, **{**DECODE_CONFIG, **(config or {})},
     )
     if num_parts > 1:
         _reduce_kernel[(batch, num_heads)](po, pm, pl, out, out.stride(0), out.stride(1), num_heads,
                                            D=head_dim, NUM_PARTS=num_parts, num_warps=4)
+    return out
+
+
+@triton.jit
+def _prefill_tile(q, m_i, l_i, acc, n0, hi, q_pos, qk_scale, k_ptr, v_ptr, bt_row_ptr, kvh, s_kb, s_kt, s_kh,
+                  D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+                  WINDOW: tl.constexpr):
+    """One BLOCK_N tile of keys [n0, n0 + BLOCK_N) into the online softmax; MASK: causal/window/end mask."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    mask_n = offs_n < hi
+    block = tl.load(bt_row_ptr + offs_n // PAGE, mask=mask_n, other=0)
+    kv_off = block.to(tl.int64) * s_kb + (offs_n % PAGE) * s_kt + kvh * s_kh
+    k = tl.load(k_ptr + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0).to(q.dtype)
+    v = tl.load(v_ptr + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0).to(q.dtype)
+    qk = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASK:
+        ok = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
+        if WINDOW > 0:
+            ok = ok & (offs_n[None, :] > q_pos[:, None] - WINDOW)
+        qk = tl.where(ok, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    if MASK:  # a row may have seen no key yet (window): keep exp2 away from -inf - -inf
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qsl_ptr, ks_ptr, vs_ptr, out_ptr,
+    sm_scale, first_seq,
+    s_qt, s_qh, s_kb, s_kt, s_kh, s_btb, s_ot, s_oh,
+    G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    QUANT: tl.constexpr, WINDOW: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    b = first_seq + tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b)
+    nq = tl.load(qsl_ptr + b + 1) - q_start
+    if tile * BLOCK_M >= nq:
+        return
+    seq_len = tl.load(lens_ptr + b)
+    kvh = h // G
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    mask_m = offs_m < nq
+    q_pos = seq_len - nq + offs_m  # the chunk's queries sit at the end of the context
+    q = tl.load(q_ptr + (q_start + offs_m)[:, None] * s_qt + h * s_qh + offs_d[None, :], mask=mask_m[:, None],
+                other=0.0)
+    qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
+    if QUANT:
+        qk_scale = qk_scale * tl.load(ks_ptr + kvh)
+    bt_row_ptr = bt_ptr + b * s_btb
+
+    first_q = seq_len - nq + tile * BLOCK_M
+    hi = tl.minimum(first_q + BLOCK_M, seq_len)  # causal: no key past the tile's last query
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    if WINDOW > 0:  # every tile is masked by the window
+        lo = tl.maximum(first_q - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        full_end = lo
+    else:  # keys before the tile's first query are seen by all its queries: no mask there
+        full_end = first_q // BLOCK_N * BLOCK_N
+        for n0 in range(0, full_end, BLOCK_N):
+            m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, n0, hi, q_pos, qk_scale, k_ptr, v_ptr, bt_row_ptr, kvh,
+                                          s_kb, s_kt, s_kh, D, PAGE, BLOCK_N, False, WINDOW)
+    for n0 in range(full_end, hi, BLOCK_N):
+        m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, n0, hi, q_pos, qk_scale, k_ptr, v_ptr, bt_row_ptr, kvh,
+                                      s_kb, s_kt, s_kh, D, PAGE, BLOCK_N, True, WINDOW)
+    out = acc / l_i[:, None]
+    if QUANT:
+        out = out * tl.load(vs_ptr + kvh)
+    tl.store(out_ptr + (q_start + offs_m)[:, None] * s_ot + h * s_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None])
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, first_seq: int, num_seqs: int,
+                  max_query_len: int, sm_scale: float, out: torch.Tensor,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                  window: int | None = None, config: dict | None = None) -> torch.Tensor:
+    """Causal attention for sequences first_seq .. first_seq+num_seqs-1 of a packed step: sequence b's
+    queries are rows query_start_loc[b]:query_start_loc[b+1] of q [T, Hq, D], at the last positions of its
+    seq_lens[b]-token context, whose K/V (this chunk's included) are already in the pages. Writes those
+    rows of out [T, Hq, D]. max_query_len (a host int) sizes the grid: no device sync.
+    config: BLOCK_M / BLOCK_N / num_warps / num_stages overrides (the kernel bench sweeps them)."""
+    _, num_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    quant = k_cache.dtype == torch.int8
+    cfg = {**(PREFILL_CONFIG if q.is_cuda else PREFILL_CONFIG_CPU), **(config or {})}
+    grid = (triton.cdiv(max_query_len, cfg["BLOCK_M"]), num_heads, num_seqs)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        k_scale if quant else seq_lens, v_scale if quant else seq_lens, out, sm_scale, first_seq,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        G=num_heads // num_kv_heads, D=head_dim, PAGE=page, QUANT=quant, WINDOW=window or 0, **cfg,
+    )
     return out
 
 

@@ -1,0 +1,160 @@
+"""Attention kernel bench: paged decode and paged prefill on one layer of a 7B shape, with launch-config sweeps.
+
+`python -m workers.kernel_bench [--sweep] [--out FILE]` on a GPU. Decode is reported as bytes of K/V
+read per second (its roofline is the copy bandwidth); prefill as attention TFLOP/s (causal: half the
+QK^T and PV work), against SDPA's flash attention on the same chunk (contiguous K/V, no pages) as
+the baseline. CUDA events after warm-up, medians. --sweep times each config of the grid below and
+prints the best; workers/kernels/paged_attention.py holds the chosen defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from workers.kernels.paged_attention import (DECODE_CONFIG, PREFILL_CONFIG, num_partitions, paged_decode,
+                                             paged_prefill)
+
+HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 16
+DECODE_GRID = {"BLOCK_N": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}
+PREFILL_GRID = {"BLOCK_M": [64, 128], "BLOCK_N": [64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}
+
+
+def time_ms(fn, reps: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def pages(num_seqs: int, ctx: int, kv_dtype: torch.dtype):
+    """A one-layer pool holding num_seqs contexts of ctx tokens in shuffled blocks."""
+    per_seq = -(-ctx // PAGE)
+    blocks = torch.randperm(num_seqs * per_seq, device="cuda").view(num_seqs, per_seq).to(torch.int32)
+    shape = (num_seqs * per_seq, PAGE, KV_HEADS, DIM)
+    if kv_dtype == torch.int8:
+        k = torch.randint(-127, 128, shape, dtype=torch.int8, device="cuda")
+        v = torch.randint(-127, 128, shape, dtype=torch.int8, device="cuda")
+        scales = (torch.full((KV_HEADS,), 0.01, device="cuda"), torch.full((KV_HEADS,), 0.01, device="cuda"))
+    else:
+        k = torch.randn(shape, dtype=kv_dtype, device="cuda")
+        v = torch.randn(shape, dtype=kv_dtype, device="cuda")
+        scales = (None, None)
+    return k, v, blocks, scales
+
+
+def bench_decode(batch: int, ctx: int, kv_dtype: torch.dtype, config: dict | None, parts: int | None = None) -> dict:
+    k, v, bt, (ks, vs) = pages(batch, ctx, kv_dtype)
+    q = torch.randn(batch, HEADS, DIM, dtype=torch.bfloat16, device="cuda")
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    parts = parts or num_partitions(batch, KV_HEADS, ctx)
+    ms = time_ms(lambda: paged_decode(q, k, v, bt, lens, DIM ** -0.5, num_parts=parts, k_scale=ks, v_scale=vs,
+                                      out=out, config=config))
+    nbytes = 2 * batch * ctx * KV_HEADS * DIM * k.element_size()
+    return {"batch": batch, "ctx": ctx, "kv": str(kv_dtype).split(".")[-1], "parts": parts, "config": config,
+            "us": ms * 1e3, "tb_s": nbytes / ms / 1e9}
+
+
+def bench_prefill(num_seqs: int, chunk: int, prefix: int, kv_dtype: torch.dtype, config: dict | None) -> dict:
+    ctx = prefix + chunk
+    k, v, bt, (ks, vs) = pages(num_seqs, ctx, kv_dtype)
+    q = torch.randn(num_seqs * chunk, HEADS, DIM, dtype=torch.bfloat16, device="cuda")
+    lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(0, num_seqs + 1, dtype=torch.int32, device="cuda") * chunk
+    out = torch.empty_like(q)
+    ms = time_ms(lambda: paged_prefill(q, k, v, bt, lens, qsl, 0, num_seqs, chunk, DIM ** -0.5, out, ks, vs,
+                                       config=config))
+    flops = num_seqs * HEADS * 4 * DIM * chunk * (prefix + chunk / 2)  # QK^T + PV over the causal half
+    return {"seqs": num_seqs, "chunk": chunk, "prefix": prefix, "kv": str(kv_dtype).split(".")[-1],
+            "config": config, "us": ms * 1e3, "tflops": flops / ms / 1e9}
+
+
+def bench_sdpa(num_seqs: int, chunk: int) -> dict:
+    """Baseline: flash attention (SDPA) on contiguous K/V of a chunk from position 0."""
+    q = torch.randn(num_seqs, HEADS, chunk, DIM, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(num_seqs, HEADS, chunk, DIM, dtype=torch.bfloat16, device="cuda")  # GQA expanded
+    v = torch.randn_like(k)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        ms = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    flops = num_seqs * HEADS * 4 * DIM * chunk * chunk / 2
+    return {"seqs": num_seqs, "chunk": chunk, "prefix": 0, "kv": "sdpa-flash", "us": ms * 1e3,
+            "tflops": flops / ms / 1e9}
+
+
+def grid(space: dict) -> list[dict]:
+    return [dict(zip(space, values)) for values in itertools.product(*space.values())]
+
+
+def sweep(run, space: dict, key: str, label: str) -> dict:
+    """Time run(config) for every config; print each; return the best row (max of key)."""
+    best = None
+    for cfg in grid(space):
+        try:
+            row = run(cfg)
+        except Exception as exc:  # a config Triton cannot compile (shared memory): skip it
+            print(f"    {label} {cfg}: {type(exc).__name__}", flush=True)
+            continue
+        print(f"    {label} {cfg}: {row['us']:9.1f} us  {row[key]:7.2f}", flush=True)
+        if best is None or row[key] > best[key]:
+            best = row
+    print(f"  best {label}: {best['config']} {best['us']:.1f} us {key} {best[key]:.2f}", flush=True)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m workers.kernel_bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--sweep", action="store_true", help="sweep launch configs (slow: compiles each)")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    result: dict = {"device": torch.cuda.get_device_name(), "decode": [], "prefill": [], "best": {}}
+    bf16, i8 = torch.bfloat16, torch.int8
+    if args.sweep:
+        for kv in (bf16, i8):
+            for parts in (1, 2):
+                name = f"decode 128x2048 {str(kv).split('.')[-1]} parts {parts}"
+                result["best"][name] = sweep(lambda c: bench_decode(128, 2048, kv, c, parts), DECODE_GRID, "tb_s", name)
+        name = "decode 32x1024 bfloat16"
+        result["best"][name] = sweep(lambda c: bench_decode(32, 1024, bf16, c), DECODE_GRID, "tb_s", name)
+        name = "prefill 1x2048 bfloat16"
+        result["best"][name] = sweep(lambda c: bench_prefill(1, 2048, 0, bf16, c), PREFILL_GRID, "tflops", name)
+        name = "prefill 8x384 after 1536"
+        result["best"][name] = sweep(lambda c: bench_prefill(8, 384, 1536, bf16, c), PREFILL_GRID, "tflops", name)
+    print(f"defaults: decode {DECODE_CONFIG}, prefill {PREFILL_CONFIG}")
+    for kv, (batch, ctx) in itertools.product((bf16, i8), [(1, 2048), (32, 1024), (128, 1024), (128, 2048)]):
+        row = bench_decode(batch, ctx, kv, None)
+        result["decode"].append(row)
+        print(f"  decode  {row['kv']:9} batch {batch:4d} ctx {ctx:5d} parts {row['parts']:2d}: "
+              f"{row['us']:8.1f} us  {row['tb_s']:5.2f} TB/s of K/V", flush=True)
+    for seqs, chunk, prefix, kv in [(1, 2048, 0, bf16), (1, 2048, 0, i8), (8, 384, 1536, bf16), (4, 512, 0, bf16)]:
+        row = bench_prefill(seqs, chunk, prefix, kv, None)
+        result["prefill"].append(row)
+        print(f"  prefill {row['kv']:10} {seqs} x {chunk:4d} after {prefix:4d}: {row['us']:8.1f} us  "
+              f"{row['tflops']:6.1f} TFLOP/s", flush=True)
+    for seqs, chunk in [(1, 2048), (4, 512)]:
+        row = bench_sdpa(seqs, chunk)
+        result["prefill"].append(row)
+        print(f"  prefill {row['kv']:10} {seqs} x {chunk:4d} after    0: {row['us']:8.1f} us  "
+              f"{row['tflops']:6.1f} TFLOP/s (baseline)", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
