@@ -26,7 +26,7 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 # Launch configs (H200-tuned with `python -m workers.kernel_bench`, docs/perf.md); the interpreter
 # (CPU tests) gets small tiles.
-DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 PREFILL_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
 PREFILL_CONFIG_CPU = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 
