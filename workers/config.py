@@ -30,7 +30,7 @@ class WorkerConfig:
         "int8 KV scales JSON from `laneserve calibrate-kv`; empty = kv_scales.json in the model dir if present, "
         "else set once from the first prefill chunk (docs/kv_int8.md)"))
     attention_backend: str = field(default="auto", metadata=flag(
-        "auto (triton on CUDA, torch elsewhere) | torch (reference: gather + SDPA) | triton (paged decode kernel)"))
+        "auto (triton on CUDA, torch elsewhere) | torch (reference: gather + SDPA) | triton (paged decode/prefill kernels)"))
     enforce_eager: bool = field(default=False, metadata=flag("CUDA: run decode eagerly instead of CUDA graphs"))
     num_threads: int = field(default=0, metadata=flag("CPU: torch intra-op threads; 0 = torch's default"))
     tensor_parallel_size: int = field(default=1, metadata=flag(
