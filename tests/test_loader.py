@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.helpers_models import DEVICE, Sim, edit_config, greedy, make_checkpoint
 from workers.config import WorkerConfig
-from workers.loader import WeightLoadError, resolve_device, resolve_dtype
+from workers.loader import WeightLoadError, load_model, load_model_config, resolve_device, resolve_dtype
 from workers.model.config import ModelConfig, ModelConfigError
 from workers.runner import ModelRunner
 
@@ -90,12 +90,32 @@ def test_dummy_load_format_builds_the_shapes_without_weights(ckpt, tmp_path):
     os.remove(os.path.join(path, "model.safetensors"))
     a, b = runner_for(path, load_format="dummy"), runner_for(path, load_format="dummy")
     real = load_file(os.path.join(ckpt, "model.safetensors"))
-    params = dict(a.model.named_parameters())
+    params = a.model.checkpoint_state_dict()  # the merged projections split back into the HF tensors
     assert {k: tuple(v.shape) for k, v in real.items()} == {k: tuple(v.shape) for k, v in params.items()}
-    assert all(torch.equal(params[k], v) for k, v in b.model.named_parameters())  # seeded
+    assert all(torch.equal(params[k], v) for k, v in b.model.checkpoint_state_dict().items())  # seeded
     sim = Sim(a)
     sim.add("x", [1, 2, 3, 4, 5], greedy(3))
     assert len(sim.run()["x"]) == 3
+
+
+def test_merged_projections_hold_the_checkpoint_rows(tmp_path):
+    """qkv_proj / gate_up_proj rows are the checkpoint's q, k, v / gate, up (biases too), and
+    checkpoint_state_dict() gives every checkpoint tensor back under its name."""
+    make_checkpoint(str(tmp_path), "qwen2", seed=4)  # qkv bias, tied embeddings
+    model = load_model(str(tmp_path), load_model_config(str(tmp_path)), torch.float32, torch.device("cpu"))
+    ckpt = load_file(str(tmp_path / "model.safetensors"))
+    layer = model.model.layers[1]
+    attn = "model.layers.1.self_attn."
+    assert not hasattr(layer.self_attn, "q_proj") and not hasattr(layer.mlp, "up_proj")
+    assert torch.equal(layer.self_attn.qkv_proj.weight,
+                       torch.cat([ckpt[attn + p + ".weight"] for p in ("q_proj", "k_proj", "v_proj")]))
+    assert torch.equal(layer.self_attn.qkv_proj.bias,
+                       torch.cat([ckpt[attn + p + ".bias"] for p in ("q_proj", "k_proj", "v_proj")]))
+    assert torch.equal(layer.mlp.gate_up_proj.weight, torch.cat([ckpt["model.layers.1.mlp.gate_proj.weight"],
+                                                                  ckpt["model.layers.1.mlp.up_proj.weight"]]))
+    mine = model.checkpoint_state_dict()
+    assert mine.keys() == ckpt.keys() - {"lm_head.weight"}  # tied: no lm_head parameter
+    assert all(torch.equal(mine[k], ckpt[k]) for k in mine)
 
 
 def test_device_and_dtype_errors():

@@ -24,6 +24,7 @@ from tests.helpers_models import DEVICE, Sim, greedy, hf_greedy, make_checkpoint
 from tests.stack import alive, cmdline, descendants
 from workers.config import WorkerConfig
 from workers.loader import load_model, load_model_config
+from workers.model.llama import LlamaForCausalLM
 from workers.model.tiny import TINY_CONFIG
 from workers.parallel import TPGroup, check_shardable
 from workers.runner import ModelRunner
@@ -82,14 +83,16 @@ def test_rank_shards_reassemble_the_whole_model(ckpt, model):
     mc = load_model_config(path)
     whole = load_model(path, mc, torch.float32, torch.device("cpu"))
     shards = [load_model(path, mc, torch.float32, torch.device("cpu"), tp_rank=r, tp_size=2) for r in (0, 1)]
-    dims = shards[0].shard_dims()
+    with torch.device("meta"):
+        dims = LlamaForCausalLM(mc, 2).shard_dims()  # the loading layout, before the projections are merged
     layer = "model.layers.0."
     assert dims[layer + "self_attn.k_proj.weight"] == 0 and dims[layer + "mlp.down_proj.weight"] == 1
     assert dims["model.embed_tokens.weight"] is None
     if model == "checkpoint":
         assert dims[layer + "self_attn.q_proj.bias"] == 0 and dims[layer + "self_attn.o_proj.bias"] is None
-    parts = [dict(s.named_parameters()) for s in shards]
-    for name, full in whole.named_parameters():
+    # a rank's merged qkv / gate_up rows are its q, k, v / gate, up shards: split back, they reassemble
+    parts = [s.checkpoint_state_dict() for s in shards]
+    for name, full in whole.checkpoint_state_dict().items():
         if dims[name] is None:
             assert torch.equal(parts[0][name], full) and torch.equal(parts[1][name], full), name
         else:
@@ -113,7 +116,7 @@ def test_tp2_greedy_matches_tp1_and_transformers(ckpt):
         assert runner.kv_cache.pool.shape[-2] == 1 and runner.num_blocks == 2 * tp1.num_blocks
         assert runner.model.lm_head is None  # tied: config.json said so
         attn = runner.model.model.layers[0].self_attn
-        assert (attn.num_heads, attn.num_kv_heads, attn.q_proj.weight.shape[0]) == (2, 1, 32)
+        assert (attn.num_heads, attn.num_kv_heads, attn.qkv_proj.weight.shape[0]) == (2, 1, 32 + 16 + 16)
         assert run_batch(Leader(group, runner)) == ref
         # a step that fails alike on every rank (unknown request) fails there too and both reset:
         # the group stays in step and a second batch still matches

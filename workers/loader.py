@@ -71,7 +71,8 @@ def load_model_config(model: str) -> ModelConfig:
 
 def load_model(model: str, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                load_format: str = "auto", seed: int = 0, tp_rank: int = 0, tp_size: int = 1) -> LlamaForCausalLM:
-    """Build on the meta device, materialise in dtype on device, then fill the weights.
+    """Build on the meta device, materialise in dtype on device, fill the weights under their HF names,
+    then merge the projections (LlamaForCausalLM.fuse_projections).
     tp_size > 1: this rank's shard only (LlamaForCausalLM.shard_dims says what is sliced)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format {load_format!r}: choose {', '.join(LOAD_FORMATS)}")
@@ -92,6 +93,9 @@ def load_model(model: str, model_cfg: ModelConfig, dtype: torch.dtype, device: t
         init_random_(net, torch.Generator(device=device).manual_seed(seed))
     else:
         load_safetensors(net, model, tp_rank, tp_size)
+    net.fuse_projections()  # q/k/v and gate/up into one GEMM each, once every part is filled
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the freed parts' blocks: they fit no merged weight
     return net
 
 

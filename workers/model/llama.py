@@ -1,17 +1,25 @@
 """The Llama family (Llama incl. Llama-3 RoPE scaling, Mistral, Qwen2) as one plain nn.Module.
 
 Owns the math, written to match HF transformers op for op (RMSNorm in fp32, RoPE from an
-fp32 cos/sin table, GQA, SwiGLU). Parameter names equal HF's, so a checkpoint's tensors
-load by name. Must not know requests, blocks or sampling: forward() gets packed tokens,
-their positions and an AttentionMetadata; attention goes through the bound backend,
-which writes K/V into this layer's slice of the pool.
+fp32 cos/sin table, GQA, SwiGLU). Must not know requests, blocks or sampling: forward() gets
+packed tokens, their positions and an AttentionMetadata; attention goes through the bound
+backend, which writes K/V into this layer's slice of the pool.
+
+Built with HF's parameter names, so a checkpoint's tensors load by name; then the loader calls
+fuse_projections(), which merges q/k/v into one `qkv_proj` and gate/up into one `gate_up_proj`
+(one GEMM each; the parts' rows concatenated, `MergedLinear`), freeing the parts. The small ops
+go through workers/kernels/fused.py: on CUDA one Triton kernel each for residual add + RMSNorm
+(the residual stream is carried beside the hidden state, vLLM style: layer(x, residual) ->
+(x, residual)), RoPE in place on q/k (views into the qkv output) and SiLU * up; elsewhere the
+same torch math as HF, op for op.
 
 Tensor parallelism (tp_size > 1, docs/tensor_parallel.md), Megatron-style: q/k/v and gate/up are
 column-parallel (each rank holds num_heads/T query heads, num_kv_heads/T KV heads, and
 intermediate_size/T MLP columns), o_proj and down_proj row-parallel, each followed by the one
 all-reduce of its block half. Embedding, norms and lm_head are replicated. Parameter names stay
-HF's; each parallel linear says which dim of its weight/bias is sharded (`tp_shard_dims`) so the
-loader can slice the checkpoint.
+HF's until fuse_projections(); each parallel linear says which dim of its weight/bias is sharded
+(`tp_shard_dims`) so the loader can slice the checkpoint. Each part is this rank's shard, so a
+rank's merged qkv rows are [its q heads; its k heads; its v heads], and gate_up [its gate; its up].
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.attention.base import AttentionBackend, AttentionMetadata
+from workers.kernels.fused import add_rms_norm, rms_norm, rope_, silu_mul
 from workers.model.config import ModelConfig
 from workers.parallel import all_reduce
 
@@ -58,15 +67,9 @@ class RotaryEmbedding:
         self.cos = emb.cos().to(device)
         self.sin = emb.sin().to(device)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    def apply_(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> None:
+        """q [T, Hq, D], k [T, Hkv, D] rotated in place (neox rotate_half, as HF)."""
+        rope_(q, k, positions, self.cos, self.sin)
 
 
 class RMSNorm(nn.Module):
@@ -75,11 +78,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm(x); with a residual: residual += x in place, then RMSNorm(residual) (one kernel on CUDA)."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -108,6 +111,21 @@ class RowParallelLinear(nn.Linear):
         return y + self.bias if self.bias is not None else y
 
 
+class MergedLinear(nn.Module):
+    """Column-parallel projections of the same input as one GEMM: weight (and bias) rows are the
+    parts' rows, concatenated. Built from the loaded parts by fuse_projections()."""
+
+    def __init__(self, parts: dict[str, nn.Linear]):
+        super().__init__()
+        self.sizes = {name: p.out_features for name, p in parts.items()}  # part name -> its rows
+        self.weight = nn.Parameter(torch.cat([p.weight for p in parts.values()]), requires_grad=False)
+        biases = [p.bias for p in parts.values()]
+        self.bias = None if biases[0] is None else nn.Parameter(torch.cat(biases), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_size: int = 1):
         super().__init__()
@@ -120,18 +138,25 @@ class Attention(nn.Module):
         self.k_proj = ColumnParallelLinear(h, cfg.num_kv_heads * d, cfg.qkv_bias, tp_size)
         self.v_proj = ColumnParallelLinear(h, cfg.num_kv_heads * d, cfg.qkv_bias, tp_size)
         self.o_proj = RowParallelLinear(cfg.num_heads * d, h, cfg.o_bias, tp_size)
+        self.qkv_proj: MergedLinear | None = None  # q/k/v merged by fuse()
         self.k_cache: torch.Tensor | None = None  # bound by LlamaForCausalLM.bind()
         self.v_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
         self.kv_scales = None  # int8 pools: this layer's workers.kv_cache.LayerScales
 
+    def fuse(self) -> None:
+        self.qkv_proj = MergedLinear({"q_proj": self.q_proj, "k_proj": self.k_proj, "v_proj": self.v_proj})
+        del self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        q, k = rope(q, k, positions)
+        q, k, v = self.qkv_proj(x).split(list(self.qkv_proj.sizes.values()), dim=-1)
+        # views into the qkv output (row stride = all heads): backends take strided q/k/v
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        rope.apply_(q, k, positions)
         o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.kv_scales)
         return self.o_proj(o.reshape(T, -1))
 
@@ -143,9 +168,14 @@ class MLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(h, n, bias, tp_size)
         self.up_proj = ColumnParallelLinear(h, n, bias, tp_size)
         self.down_proj = RowParallelLinear(n, h, bias, tp_size)
+        self.gate_up_proj: MergedLinear | None = None  # gate/up merged by fuse()
+
+    def fuse(self) -> None:
+        self.gate_up_proj = MergedLinear({"gate_proj": self.gate_proj, "up_proj": self.up_proj})
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -156,9 +186,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rope, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rope, meta):
+        """The residual stream, vLLM style: this layer's input is residual + x, a sum left to the norm
+        that needs it (residual += x in place, then the norm, one kernel on CUDA; HF's `x + sublayer(x)`,
+        bit for bit). Returns (MLP output, residual) likewise unsummed. The first layer gets residual
+        None and x the embedding."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rope, meta)
+        x = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -199,19 +238,41 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden] before the final norm; the caller
         picks the rows it samples from and hands only those to compute_logits()."""
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x = layer(x, positions, self.rope, meta)
-        return x
+            x, residual = layer(x, residual, positions, self.rope, meta)
+        return residual.add_(x)  # the last layer's MLP output joins the stream
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on the selected rows (the norm is per row, so this is exact)."""
         weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
         return F.linear(self.model.norm(hidden), weight)
 
+    def fuse_projections(self) -> None:
+        """After the weights are loaded: q/k/v -> qkv_proj and gate/up -> gate_up_proj in every layer,
+        the parts freed (one layer's merged copy staged at a time)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
+    def checkpoint_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's weights under the checkpoint's (HF) names: merged projections split back into
+        views of their parts, whether fused or not (tests, debugging)."""
+        out = {}
+        for name, tensor in self.state_dict().items():
+            prefix, _, leaf = name.rpartition(".")
+            mod = self.get_submodule(prefix)
+            if not isinstance(mod, MergedLinear):
+                out[name] = tensor
+                continue
+            parent = prefix.rpartition(".")[0]
+            for part, rows in zip(mod.sizes, tensor.split(list(mod.sizes.values()))):
+                out[f"{parent}.{part}.{leaf}"] = rows
+        return out
+
     def shard_dims(self) -> dict[str, int | None]:
         """Parameter name -> the dim of the full (checkpoint) tensor this rank holds a 1/tp_size slice
-        of; None: replicated, the whole tensor."""
+        of; None: replicated, the whole tensor. The loading layout: before fuse_projections()."""
         dims = {}
         for mod_name, mod in self.named_modules():
             for p_name, _ in mod.named_parameters(recurse=False):

@@ -1,0 +1,168 @@
+"""The fused Triton kernels (workers/kernels/fused.py) against their torch fallbacks, which are the
+model's HF math; fresh random inputs each run (the seed is in every failure message).
+
+On a GPU the kernels run for real against the fallback on a CPU copy; on CPU (CI) both run on CPU,
+the kernels under Triton's interpreter (fused.USE_TRITON). Plus the model's forward with the kernels
+against the same forward with the fallbacks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:  # must be set before triton is first imported
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from workers.kernels import fused  # noqa: E402
+from workers.model.llama import RotaryEmbedding  # noqa: E402
+from workers.model.tiny import TINY_CONFIG  # noqa: E402
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+SEED = int.from_bytes(os.urandom(4), "little")
+DTYPES = [torch.float32, torch.bfloat16]
+# Triton's interpreter casts fp32 -> bf16 by truncation (the GPU rounds to nearest even, as torch):
+# on CPU each bf16 rounding may be a whole ulp off
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2 if ON_GPU else 3e-2}
+
+
+@contextlib.contextmanager
+def use_triton(on: bool = True):
+    """The Triton path (on CPU tensors too) or, with False, the fallbacks (on CUDA tensors too)."""
+    fused.USE_TRITON = on
+    try:
+        yield
+    finally:
+        fused.USE_TRITON = None
+
+
+def randn(*shape, dtype=torch.float32, salt=0):
+    g = torch.Generator().manual_seed(SEED + salt)
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a, ref = a.cpu().double(), ref.cpu().double()
+    return ((a - ref).abs().max() / ref.abs().max()).item()
+
+
+def strided_rows(t: torch.Tensor, pad: int = 5) -> torch.Tensor:
+    """t's values as a view whose rows are `pad` elements further apart than its width."""
+    big = torch.zeros(t.shape[0], t.shape[1] + pad, dtype=t.dtype, device=t.device)
+    big[:, :t.shape[1]] = t
+    return big[:, :t.shape[1]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden,tokens", [(96, 1), (96, 17), (4096, 3)])
+def test_add_rms_norm_and_rms_norm(dtype, hidden, tokens):
+    x = randn(tokens, hidden, dtype=dtype, salt=1)
+    residual = randn(tokens, hidden, dtype=dtype, salt=2) * 4
+    weight = (1 + 0.1 * randn(hidden, salt=3)).to(dtype)
+    eps = 1e-5
+    ref_res = residual.clone()
+    ref = fused.add_rms_norm(x, ref_res, weight, eps)
+    ref_plain = fused.rms_norm(x, weight, eps)
+    res = strided_rows(residual.to(DEVICE))  # the residual stream updated in place through a strided view
+    with use_triton():
+        out = fused.add_rms_norm(strided_rows(x.to(DEVICE)), res, weight.to(DEVICE), eps)
+        plain = fused.rms_norm(x.to(DEVICE), weight.to(DEVICE), eps)
+    msg = f"seed {SEED}"
+    assert out.dtype == dtype and out.shape == x.shape and out.is_contiguous()
+    if ON_GPU or dtype == torch.float32:
+        assert torch.equal(res.cpu(), ref_res), msg  # the add rounds once to dtype, as torch's
+    assert rel_err(res, ref_res) < TOL[dtype], msg
+    assert rel_err(out, ref) < TOL[dtype], msg
+    assert rel_err(plain, ref_plain) < TOL[dtype], msg
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter,tokens", [(96, 1), (1376, 3), (40, 17)])
+def test_silu_mul(dtype, inter, tokens):
+    gate_up = randn(tokens, 2 * inter, dtype=dtype, salt=4) * 3
+    ref = fused.silu_mul(gate_up)
+    with use_triton():
+        out = fused.silu_mul(strided_rows(gate_up.to(DEVICE)))
+    assert out.shape == (tokens, inter) and out.dtype == dtype
+    assert rel_err(out, ref) < TOL[dtype], f"seed {SEED}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 4, 2, 32), (3, 6, 2, 96), (17, 5, 5, 16)])
+def test_rope_in_place_on_views_into_qkv(dtype, tokens, heads, kv_heads, dim):
+    max_len = 300
+    rope = RotaryEmbedding(dataclasses.replace(TINY_CONFIG, head_dim=dim, rope_theta=500000.0), max_len)
+    positions = torch.randint(0, max_len, (tokens,), generator=torch.Generator().manual_seed(SEED))
+    qkv = randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype, salt=5)
+    sizes = [heads * dim, kv_heads * dim, kv_heads * dim]
+
+    def views(t):
+        q, k, v = t.split(sizes, dim=-1)
+        return q.unflatten(-1, (heads, dim)), k.unflatten(-1, (kv_heads, dim)), v
+
+    # the reference is the model's math before this kernel existed: out of place, rotate_half
+    q, k, _ = views(qkv)
+    cos = rope.cos[positions].to(dtype)[:, None, :]
+    sin = rope.sin[positions].to(dtype)[:, None, :]
+    rot = lambda x: torch.cat((-x[..., dim // 2:], x[..., :dim // 2]), -1)  # noqa: E731
+    ref_q, ref_k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
+
+    fallback = qkv.clone()
+    fq, fk, _ = views(fallback)
+    fused.rope_(fq, fk, positions, rope.cos, rope.sin)
+    assert torch.equal(fq, ref_q) and torch.equal(fk, ref_k)  # the CPU path is the old math, exactly
+
+    got = qkv.to(DEVICE)
+    gq, gk, gv = views(got)
+    assert tokens == 1 or not (gq.is_contiguous() or gk.is_contiguous())
+    with use_triton():
+        fused.rope_(gq, gk, positions.to(DEVICE), rope.cos.to(DEVICE), rope.sin.to(DEVICE))
+    msg = f"seed {SEED}"
+    assert rel_err(gq, ref_q) < TOL[dtype], msg
+    assert rel_err(gk, ref_k) < TOL[dtype], msg
+    assert torch.equal(gv.cpu(), views(qkv)[2]), msg  # v's columns untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tiny_model_with_kernels_matches_fallbacks(dtype):
+    """The forward wiring on the Triton path (residual stream, RoPE on qkv views, merged GEMMs):
+    prefill then one decode step of the tiny model, hidden states against the fallback path."""
+    from workers.attention import AttentionMetadata, get_backend
+    from workers.kv_cache import KVCache
+    from workers.loader import load_model
+
+    device = torch.device(DEVICE)
+    cfg = dataclasses.replace(TINY_CONFIG, num_layers=2)
+    model = load_model("tiny", cfg, dtype, device, seed=SEED % 1000)
+    kv = KVCache(cfg.num_layers, 4, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+    backend = get_backend("torch", device, cfg.num_kv_heads)
+    model.bind(kv.layer_caches(), backend, 64, kv.layer_scales())
+    prompt = torch.randint(0, cfg.vocab_size, (7,), generator=torch.Generator().manual_seed(SEED))
+
+    def run(tokens, start):
+        n = len(tokens)
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([start + n], dtype=torch.int32, device=device),
+            block_tables=torch.tensor([[0]], dtype=torch.int32, device=device),
+            slot_mapping=torch.arange(start, start + n, device=device), num_decodes=int(n == 1),
+            query_lens_cpu=[n], seq_lens_cpu=[start + n])
+        backend.prepare(meta, 16, None)
+        positions = torch.arange(start, start + n, device=device)
+        return model(tokens.to(device), positions, meta)
+
+    outs = []
+    for on in (False, True):
+        with torch.inference_mode(), use_triton(on):
+            outs.append((run(prompt, 0).cpu(), run(prompt[-1:], len(prompt)).cpu()))
+    (ref_prefill, ref_decode), (prefill, decode) = outs
+    tol = 1e-4 if dtype == torch.float32 else 5e-2  # two layers of bf16 rounding differences
+    assert rel_err(prefill, ref_prefill) < tol, f"seed {SEED}"
+    assert rel_err(decode, ref_decode) < tol, f"seed {SEED}"
+
