@@ -87,7 +87,9 @@ def test_paged_decode_sliding_window():
         assert rel_err(out, ref) < (1e-2 if ON_GPU else 1e-5)
 
 
-def test_int8_write_then_decode_is_within_int8_rounding():
+@pytest.mark.parametrize("variant", [{}, {"INT8_QK": True}, {"INT8_QK": True, "INT8_PV": True}])
+def test_int8_write_then_decode_is_within_int8_rounding(variant):
+    """variant: the int8-tensor-core paths (q quantised per row for q.k^T; p in steps of 1/127 for p.V)."""
     batch, heads, kv_heads, dim, max_len = 2, 4, 2, 32, 40
     q, kc, vc, bt, lens = make_case(batch, heads, kv_heads, dim, max_len, 7)
     k_scale = (kc.float().abs().amax(dim=(0, 1, 3)) / 127).to(DEVICE)
@@ -100,10 +102,12 @@ def test_int8_write_then_decode_is_within_int8_rounding():
     expect = kc.float() / k_scale[None, None, :, None]
     expect = torch.sign(expect) * torch.floor(expect.abs() + 0.5)
     assert torch.equal(kq.float(), expect.clamp(-127, 127))
-    out = paged_decode(q, kq, vq, bt, lens, dim ** -0.5, num_parts=2, k_scale=k_scale, v_scale=v_scale)
+    out = paged_decode(q, kq, vq, bt, lens, dim ** -0.5, num_parts=2, k_scale=k_scale, v_scale=v_scale,
+                       config=variant)
     ref_exact = reference_decode(q, kc, vc, bt, lens, dim ** -0.5)
     ref_quant = reference_decode(q, kq, vq, bt, lens, dim ** -0.5, k_scale, v_scale)
-    assert rel_err(out, ref_quant) < (1e-2 if ON_GPU else 1e-5)  # the kernel computes its function exactly
+    # the kernel computes its function exactly, up to the variant's own rounding of q / p
+    assert rel_err(out, ref_quant) < (2e-2 if variant else 1e-2 if ON_GPU else 1e-5)
     assert rel_err(out, ref_exact) < 0.03  # and int8 rounding costs little
 
 

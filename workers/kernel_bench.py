@@ -23,6 +23,9 @@ from workers.kernels.paged_attention import (DECODE_CONFIG, PREFILL_CONFIG, num_
 
 HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 16
 DECODE_GRID = {"BLOCK_N": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}
+INT8_GRID = {"INT8_QK": [False, True], "INT8_PV": [False, True], "BLOCK_N": [64, 128], "num_warps": [4, 8],
+             "num_stages": [2, 3]}
+PARTS_SHAPES = [(8, 1024), (32, 1024), (64, 1024), (32, 2048), (64, 2048), (128, 1024), (128, 2048), (256, 1024)]
 PREFILL_GRID = {"BLOCK_M": [64, 128], "BLOCK_N": [64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}
 
 
@@ -57,16 +60,22 @@ def pages(num_seqs: int, ctx: int, kv_dtype: torch.dtype):
 
 
 def bench_decode(batch: int, ctx: int, kv_dtype: torch.dtype, config: dict | None, parts: int | None = None) -> dict:
+    """Also reports the output's max error relative to the default config's (int8 variants change the math)."""
+    torch.manual_seed(batch * ctx)
     k, v, bt, (ks, vs) = pages(batch, ctx, kv_dtype)
     q = torch.randn(batch, HEADS, DIM, dtype=torch.bfloat16, device="cuda")
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
     parts = parts or num_partitions(batch, KV_HEADS, ctx)
-    ms = time_ms(lambda: paged_decode(q, k, v, bt, lens, DIM ** -0.5, num_parts=parts, k_scale=ks, v_scale=vs,
-                                      out=out, config=config))
+    run = lambda cfg: paged_decode(q, k, v, bt, lens, DIM ** -0.5, num_parts=parts, k_scale=ks, v_scale=vs,  # noqa: E731
+                                   out=out, config=cfg)
+    ms = time_ms(lambda: run(config))
+    got = out.float().clone()
+    ref = run({}).float()
+    err = ((got - ref).abs().max() / ref.abs().max()).item() if config else 0.0
     nbytes = 2 * batch * ctx * KV_HEADS * DIM * k.element_size()
     return {"batch": batch, "ctx": ctx, "kv": str(kv_dtype).split(".")[-1], "parts": parts, "config": config,
-            "us": ms * 1e3, "tb_s": nbytes / ms / 1e9}
+            "us": ms * 1e3, "tb_s": nbytes / ms / 1e9, "rel_err_vs_default": err}
 
 
 def bench_prefill(num_seqs: int, chunk: int, prefix: int, kv_dtype: torch.dtype, config: dict | None) -> dict:
@@ -108,7 +117,8 @@ def sweep(run, space: dict, key: str, label: str) -> dict:
         except Exception as exc:  # a config Triton cannot compile (shared memory): skip it
             print(f"    {label} {cfg}: {type(exc).__name__}", flush=True)
             continue
-        print(f"    {label} {cfg}: {row['us']:9.1f} us  {row[key]:7.2f}", flush=True)
+        err = f"  err {row['rel_err_vs_default']:.1e}" if "rel_err_vs_default" in row else ""
+        print(f"    {label} {cfg}: {row['us']:9.1f} us  {row[key]:7.2f}{err}", flush=True)
         if best is None or row[key] > best[key]:
             best = row
     print(f"  best {label}: {best['config']} {best['us']:.1f} us {key} {best[key]:.2f}", flush=True)
@@ -118,11 +128,25 @@ def sweep(run, space: dict, key: str, label: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m workers.kernel_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="sweep launch configs (slow: compiles each)")
+    ap.add_argument("--parts", action="store_true", help="time decode at 1/2/4/8/16 partitions over batch x context")
+    ap.add_argument("--int8", action="store_true", help="sweep the int8 decode variants (int8 q.k^T / p.V)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    result: dict = {"device": torch.cuda.get_device_name(), "decode": [], "prefill": [], "best": {}}
+    result: dict = {"device": torch.cuda.get_device_name(), "decode": [], "prefill": [], "best": {}, "parts": []}
     bf16, i8 = torch.bfloat16, torch.int8
+    if args.parts:
+        for batch, ctx in PARTS_SHAPES:
+            rows = [bench_decode(batch, ctx, bf16, None, parts) for parts in (1, 2, 4, 8, 16)]
+            result["parts"] += rows
+            best = max(rows, key=lambda r: r["tb_s"])
+            print(f"  parts  batch {batch:4d} ctx {ctx:5d}: " + "  ".join(f"{r['parts']}:{r['us']:.0f}us"
+                  for r in rows) + f"  best {best['parts']} (heuristic {num_partitions(batch, KV_HEADS, ctx)})",
+                  flush=True)
+    if args.int8:
+        for batch, ctx in [(128, 2048), (32, 1024)]:
+            name = f"decode {batch}x{ctx} int8 variants"
+            result["best"][name] = sweep(lambda c: bench_decode(batch, ctx, i8, c), INT8_GRID, "tb_s", name)
     if args.sweep:
         for kv in (bf16, i8):
             for parts in (1, 2):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.attention.base import AttentionBackend, AttentionMetadata
-from workers.kernels.paged_attention import num_partitions, paged_decode, paged_prefill, write_kv
+from workers.kernels.paged_attention import MAX_PARTITIONS, num_partitions, paged_decode, paged_prefill, write_kv
 from workers.kv_cache import LayerScales
 
 
@@ -41,6 +41,23 @@ class TritonAttentionBackend(AttentionBackend):
             parts = num_partitions(nd, self.num_kv_heads, max(meta.seq_lens_cpu[:nd]), self.num_sms)
         prefill_lens = meta.query_lens_cpu[nd:]
         meta.plan = _Plan(parts, len(prefill_lens), max(prefill_lens, default=0))
+
+    def compile_kernels(self, num_heads: int, head_dim: int, dtype: torch.dtype, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, kv_scales: LayerScales | None, window: int | None) -> None:
+        """JIT-compile every kernel variant a step can pick before serving: each decode partition count
+        (eager mixed steps choose it from their longest context) and the prefill. A compile mid-serving
+        stalls that step ~1 s. The launches read block 0 and write only their scratch output."""
+        dev = k_cache.device
+        ks, vs = (kv_scales.k, kv_scales.v) if kv_scales is not None else (None, None)
+        q = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=dev)
+        one = torch.ones(1, dtype=torch.int32, device=dev)
+        table = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+        parts = 1
+        while parts <= MAX_PARTITIONS:
+            paged_decode(q, k_cache, v_cache, table, one, 1.0, num_parts=parts, k_scale=ks, v_scale=vs, window=window)
+            parts *= 2
+        qsl = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+        paged_prefill(q, k_cache, v_cache, table, one, qsl, 0, 1, 1, 1.0, torch.empty_like(q), ks, vs, window)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,

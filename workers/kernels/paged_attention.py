@@ -29,16 +29,20 @@ LOG2E = 1.4426950408889634
 DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 PREFILL_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
 PREFILL_CONFIG_CPU = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+# int8 pools: q.k^T on int8 tensor cores (q quantised per row) / p.V with p in int8 steps of 1/127
+INT8_QK, INT8_PV = False, False
+MAX_PARTITIONS = 32
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_btb"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, ks_ptr, vs_ptr,
     out_ptr, po_ptr, pm_ptr, pl_ptr,
     sm_scale,
     s_qb, s_qh, s_kb, s_kt, s_kh, s_btb, s_ob, s_oh,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_PARTS: tl.constexpr, QUANT: tl.constexpr, WINDOW: tl.constexpr,
+    NUM_PARTS: tl.constexpr, QUANT: tl.constexpr, WINDOW: tl.constexpr, INT8_QK: tl.constexpr,
+    INT8_PV: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -58,10 +62,16 @@ def _decode_kernel(
     heads = kvh * G + offs_g
     q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + offs_d[None, :], mask=mask_g[:, None], other=0.0)
     qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
+    row_scale = tl.full([G_PAD], 1.0, tl.float32)
     if QUANT:
         k_scale = tl.load(ks_ptr + kvh)
         v_scale = tl.load(vs_ptr + kvh)
         qk_scale = qk_scale * k_scale
+        if INT8_QK:  # q to int8 per row (dynamic absmax): q.k^T on int8 tensor cores, no K conversion
+            qf = q.to(tl.float32)
+            row_scale = tl.maximum(tl.max(tl.abs(qf), 1), 1e-20) / 127.0
+            qf = qf / row_scale[:, None]
+            q = tl.where(qf >= 0, tl.floor(qf + 0.5), -tl.floor(0.5 - qf)).to(tl.int8)
 
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
@@ -73,15 +83,22 @@ def _decode_kernel(
         kv_off = block.to(tl.int64) * s_kb + (offs_n % PAGE) * s_kt + kvh * s_kh
         k = tl.load(k_ptr + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         v = tl.load(v_ptr + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        if INT8_QK:
+            qk = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * (row_scale * qk_scale)[:, None]
+        else:
+            qk = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if INT8_PV:  # p in [0, 1] to int8 steps of 1/127; l sums the same quantised p
+            p8 = tl.floor(p * 127.0 + 0.5)
+            l_i = l_i * alpha + tl.sum(p8, 1) / 127.0
+            pv = tl.dot(p8.to(tl.int8), v, out_dtype=tl.int32).to(tl.float32) / 127.0
+        else:
+            l_i = l_i * alpha + tl.sum(p, 1)
+            pv = tl.dot(p.to(out_ptr.dtype.element_ty), v.to(out_ptr.dtype.element_ty))
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     if QUANT:
         acc = acc * v_scale
@@ -118,7 +135,7 @@ def num_partitions(batch: int, num_kv_heads: int, max_model_len: int, num_sms: i
     """Enough partitions to give ~2 waves of programs at small batch; 1 when the batch fills the GPU."""
     want = max(1, (2 * num_sms) // max(1, batch * num_kv_heads))
     cap = max(1, triton.cdiv(max_model_len, 256))  # no partition shorter than 256 tokens at full length
-    return min(triton.next_power_of_2(want), triton.next_power_of_2(cap), 32)
+    return min(triton.next_power_of_2(want), triton.next_power_of_2(cap), MAX_PARTITIONS)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -141,6 +158,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         pl = torch.empty_like(pm)
     else:
         po = pm = pl = out
+    cfg = {**DECODE_CONFIG, **(config or {})}
+    int8_qk, int8_pv = quant and cfg.pop("INT8_QK", INT8_QK), quant and cfg.pop("INT8_PV", INT8_PV)
     dummy = seq_lens
     _decode_kernel[(batch, num_kv_heads, num_parts)](
         q, k_cache, v_cache, block_tables, seq_lens, k_scale if quant else dummy, v_scale if quant else dummy,
@@ -148,7 +167,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=head_dim, PAGE=page, NUM_PARTS=num_parts,
-        QUANT=quant, WINDOW=window or 0, **{**DECODE_CONFIG, **(config or {})},
+        QUANT=quant, WINDOW=window or 0, INT8_QK=int8_qk, INT8_PV=int8_pv, **cfg,
     )
     if num_parts > 1:
         _reduce_kernel[(batch, num_heads)](po, pm, pl, out, out.stride(0), out.stride(1), num_heads,
@@ -184,7 +203,7 @@ def _prefill_tile(q, m_i, l_i, acc, n0, hi, q_pos, qk_scale, k_ptr, v_ptr, bt_ro
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_seq", "s_btb"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qsl_ptr, ks_ptr, vs_ptr, out_ptr,
     sm_scale, first_seq,
