@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 
 import pytest
 import torch
@@ -25,6 +26,10 @@ from workers.kv_cache import (DYNAMIC_MARGIN, KVCache, bytes_per_block, dequanti
 from workers.runner import ModelRunner
 
 PAGE = 16
+# Triton on CPU tensors runs under the interpreter (conftest.py picks it on machines without a GPU);
+# on a GPU machine these cases skip: tests/test_kernels.py runs the kernels there
+triton_on_cpu = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                   reason="Triton on CPU tensors needs TRITON_INTERPRET=1 (set on CPU machines)")
 
 
 def tiny(**kw) -> ModelRunner:
@@ -76,7 +81,7 @@ def _backends():
     try:
         import triton  # noqa: F401
 
-        out.append(pytest.param("triton"))
+        out.append(pytest.param("triton", marks=triton_on_cpu))
     except ImportError:
         pass
     return out
@@ -134,10 +139,14 @@ def test_backend_int8_attention_is_exact_on_its_values_and_within_int8_rounding(
         assert ((vd[b, :n] - v[b, :n].double()).abs() <= vs.double()[:, None] / 2 + 1e-7).all()
     on_stored = reference(q, kd, vd, seqs, d ** -0.5)
     rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
-    assert rel(out, on_stored) < 1e-5  # the backend computes attention over what it stored, exactly
+    # the backend computes attention over what it stored: exactly, except that the Triton decode kernel
+    # also rounds q and p to int8 for the int8 tensor cores (bounds in tests/test_kernels.py)
+    assert rel(out[2:], on_stored[2:]) < 1e-5  # the prefill chunk
+    assert rel(out[:2], on_stored[:2]) < (1e-5 if backend_name == "torch" else 2e-2)  # the decodes
     assert rel(out, exact) < 0.03  # and int8 rounding costs ~2% (the Triton kernel test's bound)
 
 
+@triton_on_cpu
 def test_torch_quantiser_matches_the_triton_write_kernel_bit_for_bit():
     pytest.importorskip("triton")
     from workers.kernels.paged_attention import write_kv
@@ -209,7 +218,7 @@ def test_bad_scales_file_fails_naming_the_file(tmp_path, bad, match):
 
 
 # ------------------------------------------------------------------------------------------ runners
-@pytest.mark.parametrize("backend,n_new", [("torch", 64), ("triton", 8)])
+@pytest.mark.parametrize("backend,n_new", [("torch", 64), pytest.param("triton", 8, marks=triton_on_cpu)])
 def test_int8_runner_greedy_agrees_with_float_kv(backend, n_new, text_ids):
     """Chunked prefill then decodes; the float-KV reference runs on the torch backend."""
     if backend == "triton":

@@ -32,10 +32,12 @@ if [ "${SKIP_REPLAY:-0}" != 1 ]; then
   SERVE=$!
   for _ in $(seq 600); do grep -q "laneserve ready" "$OUT/serve.log" && break; kill -0 $SERVE || break; sleep 0.5; done
   grep "laneserve ready\|exited\|Error" "$OUT/serve.log" | head -5
-  python3 -m laneserve.cli loadtest --url http://127.0.0.1:8011 --trace rag --num-requests ${REPLAY_N:-600} \
-    --rate ${REPLAY_RATE:-24} --burstiness 0.5 --num-docs 16 --doc-tokens 1536 --question-tokens 256:512 \
-    --output-tokens 128:256 --hit-rate 0.8 --slo ttft=120ms,tpot=30ms --no-progress --no-plots \
-    --out "$OUT/replay" 2>&1 | tail -40
+  for rate in ${REPLAY_RATE:-24}; do  # a space-separated list: one replay per rate, same server
+    python3 -m laneserve.cli loadtest --url http://127.0.0.1:8011 --trace rag --num-requests ${REPLAY_N:-600} \
+      --rate $rate --burstiness 0.5 --num-docs 16 --doc-tokens 1536 --question-tokens 256:512 \
+      --output-tokens 128:256 --hit-rate 0.8 --slo ttft=120ms,tpot=30ms --no-progress --no-plots \
+      --out "$OUT/replay_$rate" 2>&1 | tail -40
+  done
   kill -INT $SERVE; wait $SERVE
   tail -3 "$OUT/serve.log"
 fi

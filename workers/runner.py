@@ -84,7 +84,7 @@ class ModelRunner:
         self.num_blocks = self.kv_cache.num_blocks
         self.model.bind(self.kv_cache.layer_caches(), self.backend, self.max_model_len, self.kv_cache.layer_scales())
         if self.device.type == "cuda" and self.backend.name == "triton":
-            attn = self.model.layers[0].self_attn
+            attn = self.model.model.layers[0].self_attn
             k_cache, v_cache = self.kv_cache.layer_caches()[0]
             self.backend.compile_kernels(attn.num_heads, mc.head_dim, self.dtype, k_cache, v_cache, attn.kv_scales,
                                          self.model.sliding_window)

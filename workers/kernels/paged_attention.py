@@ -27,10 +27,11 @@ LOG2E = 1.4426950408889634
 # Launch configs (H200-tuned with `python -m workers.kernel_bench`, docs/perf.md); the interpreter
 # (CPU tests) gets small tiles.
 DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+# int8 pools: q.k^T and p.V on int8 tensor cores (q quantised per row, p per row and tile), wider tiles:
+# 1.3x the bf16 kernel at 128 x 2k where converting K/V to bf16 for tl.dot ran at 0.87x (docs/kv_int8.md)
+DECODE_CONFIG_INT8 = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "INT8_QK": True, "INT8_PV": True}
 PREFILL_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
 PREFILL_CONFIG_CPU = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
-# int8 pools: q.k^T on int8 tensor cores (q quantised per row) / p.V with p in int8 steps of 1/127
-INT8_QK, INT8_PV = False, False
 MAX_PARTITIONS = 32
 
 
@@ -91,10 +92,11 @@ def _decode_kernel(
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
-        if INT8_PV:  # p in [0, 1] to int8 steps of 1/127; l sums the same quantised p
-            p8 = tl.floor(p * 127.0 + 0.5)
-            l_i = l_i * alpha + tl.sum(p8, 1) / 127.0
-            pv = tl.dot(p8.to(tl.int8), v, out_dtype=tl.int32).to(tl.float32) / 127.0
+        if INT8_PV:  # p to int8 per (row, tile): steps of the row's tile max / 127; l sums the same p
+            p_scale = tl.maximum(tl.max(p, 1), 1e-30) / 127.0
+            p8 = tl.floor(p / p_scale[:, None] + 0.5)
+            l_i = l_i * alpha + tl.sum(p8, 1) * p_scale
+            pv = tl.dot(p8.to(tl.int8), v, out_dtype=tl.int32).to(tl.float32) * p_scale[:, None]
         else:
             l_i = l_i * alpha + tl.sum(p, 1)
             pv = tl.dot(p.to(out_ptr.dtype.element_ty), v.to(out_ptr.dtype.element_ty))
@@ -132,8 +134,9 @@ def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, s_ob, s_oh, H, D: tl.constex
 
 
 def num_partitions(batch: int, num_kv_heads: int, max_model_len: int, num_sms: int = 132) -> int:
-    """Enough partitions to give ~2 waves of programs at small batch; 1 when the batch fills the GPU."""
-    want = max(1, (2 * num_sms) // max(1, batch * num_kv_heads))
+    """Enough partitions for ~4 programs per SM at small batch; 1 when the batch fills the GPU (H200, in a
+    CUDA graph: batch 8 x 1k is fastest at 8 partitions, 32 at 2, 64 and up at 1; docs/perf.md)."""
+    want = max(1, (4 * num_sms) // max(1, batch * num_kv_heads))
     cap = max(1, triton.cdiv(max_model_len, 256))  # no partition shorter than 256 tokens at full length
     return min(triton.next_power_of_2(want), triton.next_power_of_2(cap), MAX_PARTITIONS)
 
@@ -158,8 +161,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         pl = torch.empty_like(pm)
     else:
         po = pm = pl = out
-    cfg = {**DECODE_CONFIG, **(config or {})}
-    int8_qk, int8_pv = quant and cfg.pop("INT8_QK", INT8_QK), quant and cfg.pop("INT8_PV", INT8_PV)
+    cfg = {"INT8_QK": False, "INT8_PV": False, **(DECODE_CONFIG_INT8 if quant else DECODE_CONFIG), **(config or {})}
+    int8_qk, int8_pv = cfg.pop("INT8_QK") and quant, cfg.pop("INT8_PV") and quant
     dummy = seq_lens
     _decode_kernel[(batch, num_kv_heads, num_parts)](
         q, k_cache, v_cache, block_tables, seq_lens, k_scale if quant else dummy, v_scale if quant else dummy,
