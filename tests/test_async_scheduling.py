@@ -367,7 +367,7 @@ async def _mix(base: str, stop_id: int | None = None) -> list[dict]:
         return list(await asyncio.gather(*(_greedy(s, base, p, m, **extra) for p, m in jobs)))
 
 
-async def test_stack_greedy_outputs_match_with_and_without_async_scheduling(stack, make_stack):
+async def test_stack_greedy_outputs_match_with_and_without_async_scheduling_and_overlap(stack, make_stack):
     import aiohttp
 
     on = await _mix(stack.base_url)  # the default stack schedules asynchronously
@@ -382,7 +382,11 @@ async def test_stack_greedy_outputs_match_with_and_without_async_scheduling(stac
     off = make_stack("--no-async-scheduling")
     assert await _mix(off.base_url) == on
     assert await _mix(off.base_url, ord(ch)) == stopped
-    assert not any("failing its requests" in line for line in stack.lines + off.lines)
+    # the worker launching each decode-only step before collecting the previous one (CUDA's default)
+    overlapped = make_stack("--overlap-steps", "on")
+    assert await _mix(overlapped.base_url) == on
+    assert await _mix(overlapped.base_url, ord(ch)) == stopped
+    assert not any("failing its requests" in line for line in stack.lines + off.lines + overlapped.lines)
 
 
 async def test_sidecar_keeps_two_steps_at_the_worker_and_checks_their_order(tmp_path):

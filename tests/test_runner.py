@@ -110,3 +110,46 @@ def test_bfloat16_on_cpu_runs():
     sim = Sim(r)
     sim.add("a", random_prompt(20, seed=3, vocab=256), greedy(4))
     assert all(0 <= t < TINY_CONFIG.vocab_size for t in sim.run()["a"])
+
+
+def _pipelined(runner: ModelRunner) -> tuple[list[P.StepOutput], list[int]]:
+    """Steps as the async sidecar sends them: each submitted before the previous step's output is read.
+    Decode-only steps (some reading a token still in flight), a finish, a seeded + penalised request,
+    logprobs, then a mixed step (a new prompt beside the decodes) that must wait for the host tokens.
+    Returns the outputs and, after each submit, how many outputs were ready."""
+    new = [P.NewReq(request_id="a", prompt_token_ids=random_prompt(20, seed=1, vocab=256), params=greedy(50),
+                    block_ids=[0, 1, 2]),
+           P.NewReq(request_id="b", prompt_token_ids=random_prompt(9, seed=2, vocab=256),
+                    params=P.SamplingParams(max_tokens=50, temperature=1.0, seed=5, repetition_penalty=1.3),
+                    block_ids=[3, 4]),
+           P.NewReq(request_id="c", prompt_token_ids=random_prompt(5, seed=3, vocab=256),
+                    params=greedy(50, logprobs=2), block_ids=[5])]
+    steps = [P.StepInput(step=0, new_reqs=new, num_scheduled_tokens={"a": 20, "b": 9, "c": 5})]
+    steps += [P.StepInput(step=k, num_scheduled_tokens={"a": 1, "b": 1, "c": 1}) for k in (1, 2, 3)]
+    steps += [P.StepInput(step=4, num_scheduled_tokens={"a": 1, "b": 1}, finished_req_ids=["c"])]
+    steps += [P.StepInput(step=5, new_reqs=[P.NewReq(request_id="d", prompt_token_ids=random_prompt(30, 4, 256),
+                                                     params=greedy(50), block_ids=[6, 7])],
+                          num_scheduled_tokens={"a": 1, "b": 1, "d": 30})]
+    steps += [P.StepInput(step=k, num_scheduled_tokens={"a": 1, "b": 1, "d": 1}) for k in (6, 7)]
+    outs, ready = [], []
+    for s in steps:
+        runner.submit(s)
+        got = runner.take_outputs()
+        ready.append(len(got))
+        outs += got
+    runner.flush()
+    outs += runner.take_outputs()
+    runner.reset()
+    return outs, ready
+
+
+def test_overlapped_steps_give_the_serial_tokens():
+    serial, ready_serial = _pipelined(tiny(overlap_steps="off"))
+    overlapped, ready = _pipelined(tiny(overlap_steps="on"))
+    assert ready_serial == [1] * 8
+    # one step stays in flight: each submit returns the previous step's output (the mixed step 5 collects
+    # it before its own forward, the decode-only ones after launching theirs)
+    assert ready == [0] + [1] * 7
+    key = lambda o: (o.step, o.request_ids, o.sampled_token_ids, o.logprobs, o.error)  # noqa: E731
+    assert [key(o) for o in overlapped] == [key(o) for o in serial]
+    assert [o.step for o in overlapped] == list(range(8))

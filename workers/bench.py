@@ -2,7 +2,8 @@
 
 One command runs every part and prints one table; JSON goes to --out. Parts:
   roofline  device copy bandwidth -> weight bytes / bandwidth = batch-1 floor per step
-  engine    ModelRunner.execute decode steps at several concurrencies (prefilled to --context)
+  engine    ModelRunner decode steps at several concurrencies (prefilled to --context), submitted as
+            the worker loop does (overlapped steps where the runner overlaps)
   hf        transformers.generate on the same shapes and weights (eager, dynamic cache)
   breakdown GPU kernel time of decode and prefill steps by category vs wall time (workers/breakdown.py)
 Timing: CUDA events / synchronised wall clock after warm-up, medians. On CPU it runs the
@@ -91,7 +92,8 @@ def measure_copy_bandwidth(nbytes: int = 4 << 30) -> float:
 
 # ---------------------------------------------------------------------------------------------- engine
 class EngineDriver:
-    """Drives ModelRunner.execute with StepInputs as the sidecar would (decode-only steady state)."""
+    """Drives ModelRunner.submit with StepInputs as the sidecar and worker loop would (decode-only steady
+    state)."""
 
     def __init__(self, runner, context: int, seed: int = 0):
         self.runner = runner
@@ -142,19 +144,29 @@ class EngineDriver:
             r["len"] += 1  # the token sampled at the end of prefill
 
     def decode_step(self) -> float:
+        """One decode step as the worker loop submits it: with overlapped steps the previous step is
+        collected inside this submit and this one stays in flight, so in steady state the time of a
+        submit is the time per step."""
         sched = {rid: 1 for rid in self.reqs}
         for r in self.reqs.values():
             r["len"] += 1
         t0 = time.perf_counter()
-        self._run(P.StepInput(step=self.step, num_scheduled_tokens=sched))
+        self.runner.submit(P.StepInput(step=self.step, num_scheduled_tokens=sched))
+        self._check(self.runner.take_outputs())
+        self.step += 1
         return time.perf_counter() - t0
 
-    def _run(self, step: P.StepInput) -> P.StepOutput:
-        out = self.runner.execute(step)
-        if out.error:
-            raise RuntimeError(out.error)
+    @staticmethod
+    def _check(outputs: list[P.StepOutput]) -> None:
+        for out in outputs:
+            if out.error:
+                raise RuntimeError(out.error)
+
+    def _run(self, step: P.StepInput) -> None:
+        self.runner.submit(step)
+        self.runner.flush()
+        self._check(self.runner.take_outputs())
         self.step += 1
-        return out
 
     def finish(self) -> None:
         self._run(P.StepInput(step=self.step, finished_req_ids=list(self.reqs)))
@@ -186,14 +198,24 @@ def bench_engine(runner, batches: list[int], context: int, steps: int, vocab: in
         drv = EngineDriver(runner, context)
         drv.prefill(batch, vocab, chunk)
         times = [drv.decode_step() for _ in range(steps + 5)][5:]
+        serial_ms = 0.0
+        if runner.overlap:  # the same steps without overlap, for the ratio
+            runner.overlap = False
+            serial_ms = statistics.median([drv.decode_step() for _ in range(steps + 1)][1:]) * 1e3
+            runner.overlap = True
+        runner.flush()
+        drv._check(runner.take_outputs())
         graph_ms = forward_graph_ms(runner, batch)
         drv.finish()
         ms = statistics.median(times) * 1e3
         extra = {"forward_graph_ms": graph_ms, "gpu_busy": graph_ms / ms} if graph_ms else {}
+        if serial_ms:
+            extra["serial_ms_per_step"] = serial_ms
         full = [(n, t) for n, t in drv.prefill_steps if n == chunk] or drv.prefill_steps
         extra["prefill_ms_per_token"] = statistics.median(t / n for n, t in full) * 1e3
         rows.append(Row("engine", batch, context, ms, batch / ms * 1e3, extra=extra))
         busy = f"  forward graph {graph_ms:.2f} ms = {graph_ms / ms:.0%} of the step" if graph_ms else ""
+        busy += f"  (not overlapped: {serial_ms:.2f} ms/step)" if serial_ms else ""
         print(f"  engine  batch {batch:4d}  {ms:8.2f} ms/step  {batch / ms * 1e3:9.0f} tok/s{busy}", flush=True)
     return rows
 

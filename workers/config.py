@@ -32,6 +32,10 @@ class WorkerConfig:
     attention_backend: str = field(default="auto", metadata=flag(
         "auto (triton on CUDA, torch elsewhere) | torch (reference: gather + SDPA) | triton (paged decode/prefill kernels)"))
     enforce_eager: bool = field(default=False, metadata=flag("CUDA: run decode eagerly instead of CUDA graphs"))
+    overlap_steps: str = field(default="auto", metadata=flag(
+        "auto (on for CUDA at tensor-parallel size 1) | on | off: launch a decode-only step's forward before the "
+        "previous step's sampled tokens reach the host (they are read on the device), so host work hides "
+        "behind the GPU"))
     num_threads: int = field(default=0, metadata=flag("CPU: torch intra-op threads; 0 = torch's default"))
     tensor_parallel_size: int = field(default=1, metadata=flag(
         "ranks (GPUs) per worker: this process is rank 0 and starts ranks 1..T-1; heads and MLP are split "

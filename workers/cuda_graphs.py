@@ -42,9 +42,12 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=i32, device=device)
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=i32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=i32, device=device)
-        # pinned host staging: ids, positions, slots, seq_lens in one int64 buffer; tables apart
-        self.host_vec = torch.zeros(4, n, dtype=i64, pin_memory=True)
-        self.host_tables = torch.zeros(n, self.max_blocks, dtype=i32, pin_memory=True)
+        # pinned host staging: ids, positions, slots, seq_lens, pending-token rows in one int64 buffer;
+        # tables apart. Two of each, used in turn: with overlapped steps the GPU may not yet have copied
+        # the previous step's buffer when the next step is staged (the one before that has finished).
+        self.host_vec = [torch.zeros(5, n, dtype=i64, pin_memory=True) for _ in range(2)]
+        self.host_tables = [torch.zeros(n, self.max_blocks, dtype=i32, pin_memory=True) for _ in range(2)]
+        self.turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
@@ -82,24 +85,34 @@ class DecodeGraphs:
         return n <= self.sizes[-1]
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
-            tables: list[list[int]]) -> torch.Tensor:
-        """One decode step of n = len(input_ids) sequences -> logits [n, vocab]."""
+            tables: list[list[int]], src: np.ndarray | None = None,
+            prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step of n = len(input_ids) sequences -> logits [n, vocab]. src[i] >= 0: sequence i's
+        input token is prev_tokens[src[i]] (sampled by the step in flight, still on the device)."""
         n = len(input_ids)
         bs = next(s for s in self.sizes if s >= n)
-        vec = self.host_vec.numpy()
+        host_vec, host_tables = self.host_vec[self.turn], self.host_tables[self.turn]
+        self.turn ^= 1
+        vec = host_vec.numpy()
         vec[0, :n], vec[1, :n], vec[2, :n], vec[3, :n] = input_ids, positions, slots, seq_lens
         vec[2, n:bs] = -1  # padding rows write no K/V
         vec[3, n:bs] = 1
-        host_tables = self.host_tables.numpy()
+        vec[4, :bs] = -1
+        if src is not None:
+            vec[4, :n] = src
+        tables_np = host_tables.numpy()
         for i, t in enumerate(tables):
-            host_tables[i, :len(t)] = t
+            tables_np[i, :len(t)] = t
         dev = self.input_ids.device
-        staged = self.host_vec.to(dev, non_blocking=True)  # 8 KiB: whole buffer, contiguous
+        staged = host_vec.to(dev, non_blocking=True)  # 10 KiB: whole buffer, contiguous
         self.input_ids[:bs].copy_(staged[0, :bs])
+        if src is not None:
+            rows = staged[4, :bs]
+            self.input_ids[:bs] = torch.where(rows >= 0, prev_tokens[rows.clamp(min=0)], self.input_ids[:bs])
         self.positions[:bs].copy_(staged[1, :bs])
         self.slots[:bs].copy_(staged[2, :bs])
         self.seq_lens[:bs].copy_(staged[3, :bs])
         width = max(len(t) for t in tables)
-        self.block_tables[:n, :width].copy_(self.host_tables[:n, :width], non_blocking=True)
+        self.block_tables[:n, :width].copy_(host_tables[:n, :width], non_blocking=True)
         self.graphs[bs].replay()
         return self.logits[bs][:n]

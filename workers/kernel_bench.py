@@ -23,9 +23,10 @@ from workers.kernels.paged_attention import (DECODE_CONFIG, PREFILL_CONFIG, num_
 
 HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 16
 DECODE_GRID = {"BLOCK_N": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}
-INT8_GRID = {"INT8_QK": [False, True], "INT8_PV": [False, True], "BLOCK_N": [64, 128], "num_warps": [4, 8],
+INT8_GRID = {"INT8_QK": [True], "INT8_PV": [False, True], "BLOCK_N": [64, 128, 256], "num_warps": [2, 4, 8],
              "num_stages": [2, 3]}
-PARTS_SHAPES = [(8, 1024), (32, 1024), (64, 1024), (32, 2048), (64, 2048), (128, 1024), (128, 2048), (256, 1024)]
+PARTS_SHAPES = [(1, 1024), (1, 2048), (4, 2048), (8, 1024), (32, 1024), (64, 1024), (32, 2048), (64, 2048),
+                (128, 1024), (128, 2048), (256, 1024)]
 PREFILL_GRID = {"BLOCK_M": [64, 128], "BLOCK_N": [64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}
 
 
@@ -136,7 +137,7 @@ def sweep(run, space: dict, key: str, label: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m workers.kernel_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="sweep launch configs (slow: compiles each)")
-    ap.add_argument("--parts", action="store_true", help="time decode at 1/2/4/8/16 partitions over batch x context")
+    ap.add_argument("--parts", action="store_true", help="time decode at 1 to 32 partitions over batch x context")
     ap.add_argument("--int8", action="store_true", help="sweep the int8 decode variants (int8 q.k^T / p.V)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
@@ -145,14 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     bf16, i8 = torch.bfloat16, torch.int8
     if args.parts:
         for batch, ctx in PARTS_SHAPES:
-            rows = [bench_decode(batch, ctx, bf16, None, parts) for parts in (1, 2, 4, 8, 16)]
+            rows = [bench_decode(batch, ctx, bf16, None, parts) for parts in (1, 2, 4, 8, 16, 32)]
             result["parts"] += rows
             best = max(rows, key=lambda r: r["tb_s"])
             print(f"  parts  batch {batch:4d} ctx {ctx:5d}: " + "  ".join(f"{r['parts']}:{r['us']:.0f}us"
                   for r in rows) + f"  best {best['parts']} (heuristic {num_partitions(batch, KV_HEADS, ctx)})",
                   flush=True)
     if args.int8:
-        for batch, ctx in [(128, 2048), (32, 1024)]:
+        for batch, ctx in [(128, 2048)]:
             name = f"decode {batch}x{ctx} int8 variants"
             result["best"][name] = sweep(lambda c: bench_decode(batch, ctx, i8, c), INT8_GRID, "tb_s", name)
     if args.sweep:

@@ -1,7 +1,9 @@
 """The worker process: one per GPU. Connects to the sidecar, announces itself, runs steps.
 
 Owns the socket loop only; the model, KV pool and sampling live in workers.runner.
-Blocking and single-threaded on purpose: one step at a time, the GPU is the bottleneck.
+Blocking and single-threaded on purpose, the GPU is the bottleneck. With overlapped steps
+(ModelRunner.submit; --overlap-steps) at most one step is in flight: when the next StepInput is
+already queued it is launched before the one in flight is collected and reported.
 Liveness (docs/reliability.md): a Heartbeat every HEARTBEAT_S while idle; a sidecar that does
 not know this worker (it restarted) answers with Reannounce, and the worker then forgets every
 request and registers again with WorkerReady. ZeroMQ reconnects to a restarted sidecar by itself.
@@ -45,6 +47,10 @@ def run(cfg: WorkerConfig) -> None:
     log.info("worker %d ready: %d KV blocks", cfg.worker_id, runner.num_blocks)
     try:
         while not stopping:
+            if runner.in_flight and not sock.poll(0):  # no step queued behind the one in flight: finish it
+                for out in finish(runner, cfg.worker_id):
+                    sock.send(P.encode(out))
+                continue
             if not sock.poll(int(HEARTBEAT_S * 1000)):
                 sock.send(P.encode(P.Heartbeat(worker_id=cfg.worker_id)))
                 continue
@@ -60,7 +66,8 @@ def run(cfg: WorkerConfig) -> None:
                 runner.reset()
                 sock.send(ready)
                 continue
-            sock.send(P.encode(execute(runner, msg, cfg.worker_id)))
+            for out in submit(runner, msg, cfg.worker_id):
+                sock.send(P.encode(out))
     finally:
         sock.close()
         ctx.term()
@@ -68,11 +75,31 @@ def run(cfg: WorkerConfig) -> None:
             tp.close()
 
 
-def execute(runner, step: P.StepInput, worker_id: int) -> P.StepOutput:
-    """Run one step; an exception fails the step (the sidecar fails its requests), not the worker."""
+def submit(runner, step: P.StepInput, worker_id: int) -> list[P.StepOutput]:
+    """Start one step; returns the outputs that are ready (in step order: the step that was in flight,
+    then, without overlap, this one). An exception fails the steps it cut short (the sidecar fails
+    their requests), not the worker."""
     try:
-        return runner.execute(step)
+        runner.submit(step)
+        return runner.take_outputs()
     except Exception:
         log.exception("step %d failed", step.step)
-        runner.reset()
-        return P.StepOutput(step=step.step, worker_id=worker_id, error=traceback.format_exc(limit=4))
+        return _failed(runner, worker_id, traceback.format_exc(limit=4), step.step)
+
+
+def finish(runner, worker_id: int) -> list[P.StepOutput]:
+    """Wait for the step in flight and return its output."""
+    try:
+        runner.flush()
+        return runner.take_outputs()
+    except Exception:
+        log.exception("step in flight failed")
+        return _failed(runner, worker_id, traceback.format_exc(limit=4))
+
+
+def _failed(runner, worker_id: int, error: str, step: int | None = None) -> list[P.StepOutput]:
+    done = runner.take_outputs()  # finished before the error: still valid
+    lost = runner.abandon()
+    if step is not None and step not in lost:
+        lost.append(step)
+    return done + [P.StepOutput(step=s, worker_id=worker_id, error=error) for s in lost]

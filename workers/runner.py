@@ -31,7 +31,7 @@ from workers.kv_cache import (BLOCK_SIZE, DEFAULT_CPU_KV_BYTES, KVCache, bytes_p
                               load_kv_scales, parse_bytes, resolve_kv_dtype)
 from workers.loader import load_model, load_model_config, resolve_device, resolve_dtype
 from workers.parallel import broadcast_tokens, check_shardable, min_across_ranks, rank_device
-from workers.sampling import SampleRow, sample
+from workers.sampling import SampleRow, Sampled, sample_on_device
 
 log = logging.getLogger("laneserve.worker")
 
@@ -48,6 +48,20 @@ class RequestState:
 
     def __post_init__(self):
         self.sample_row = SampleRow(self.params, self.token_ids, self.num_prompt_tokens)  # shares token_ids
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose sampled tokens may still be on the device."""
+
+    step: int
+    reqs: list[RequestState]  # the requests that sample, in row order
+    sampled: Sampled | None  # device tokens (None: nothing samples, or TP's already-collected tokens)
+    t0: float
+    collected: tuple | None = None  # TP: (tokens, logprobs), sampled and broadcast in step
+
+    def device_tokens(self) -> torch.Tensor | None:
+        return self.sampled.tokens if self.sampled is not None else None
 
 
 class ModelRunner:
@@ -79,6 +93,12 @@ class ModelRunner:
                                 tp_rank, self.tp_size)
         self.backend = get_backend(cfg.attention_backend, self.device, self.num_kv_heads)
         self.requests: dict[str, RequestState] = {}
+        self.overlap = cfg.overlap_steps == "on" or (
+            cfg.overlap_steps == "auto" and self.device.type == "cuda" and self.tp_size == 1)
+        if self.overlap and self.tp_size != 1:
+            raise ValueError("--overlap-steps on needs --tensor-parallel-size 1 (ranks broadcast sampled tokens)")
+        self._in_flight: _InFlight | None = None
+        self._outbox: list[P.StepOutput] = []
         self.graphs: DecodeGraphs | None = None  # captured below, after the pool exists
         self.kv_cache = self._allocate_kv_cache()
         self.num_blocks = self.kv_cache.num_blocks
@@ -156,10 +176,27 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ step
     def reset(self) -> None:
-        """Forget every request (after a failed step the sidecar fails them all)."""
+        """Forget every request and any step in flight (after a failed step the sidecar fails them all)."""
         self.requests.clear()
+        self._in_flight = None
+        self._outbox.clear()
 
     def execute(self, step: P.StepInput) -> P.StepOutput:
+        """Run one step to completion (no step in flight before or after)."""
+        self.submit(step)
+        self.flush()
+        return self.take_outputs()[-1]
+
+    # Pipelined use (workers/main.py): submit() starts a step; its output, and the one of the step that
+    # was in flight before it, appear in take_outputs() once their tokens reach the host. With overlap
+    # a decode-only step launches its forward first, with the tokens the step in flight sampled read on
+    # the device, then collects that step's tokens (which waits only for its sampling kernels) while
+    # this forward runs: the host's per-step work (output, socket, next input) hides behind the GPU.
+    @property
+    def in_flight(self) -> bool:
+        return self._in_flight is not None
+
+    def submit(self, step: P.StepInput) -> None:
         t0 = time.perf_counter()
         for rid in step.finished_req_ids:
             self.requests.pop(rid, None)
@@ -169,60 +206,116 @@ class ModelRunner:
                 len(r.prompt_token_ids), list(r.block_ids), r.num_computed_tokens)
         for c in step.cached_reqs:
             self.requests[c.request_id].block_ids.extend(c.new_block_ids)
-        out = P.StepOutput(step=step.step, worker_id=self.cfg.worker_id)
         if not step.num_scheduled_tokens:
-            return out
+            self.flush()
+            self._outbox.append(P.StepOutput(step=step.step, worker_id=self.cfg.worker_id))
+            return
         with torch.inference_mode():
-            sampled_reqs, tokens, logprobs = self._run(step.num_scheduled_tokens)
-        out.request_ids = [r.request_id for r in sampled_reqs]
-        out.sampled_token_ids = [[t] for t in tokens]
-        if logprobs is not None:
-            out.logprobs = [[lp] if lp is not None else [] for lp in logprobs]
-        out.execute_time = time.perf_counter() - t0
+            pending = self._pending_rows(step.num_scheduled_tokens)
+            if pending is None:
+                self.flush()  # this step needs the tokens of the one in flight on the host
+            sampled_reqs, logits_fn = self._run(step.num_scheduled_tokens, pending)
+            self.flush()
+            self._in_flight = self._sample(step.step, sampled_reqs, logits_fn, t0)
+        if not self.overlap:
+            self.flush()
+
+    def flush(self) -> None:
+        """Collect the tokens of the step in flight (waits for its sampling) and queue its output."""
+        f, self._in_flight = self._in_flight, None
+        if f is None:
+            return
+        out = P.StepOutput(step=f.step, worker_id=self.cfg.worker_id)
+        if f.reqs:
+            tokens, logprobs = f.collected or f.sampled.collect()
+            for r, t in zip(f.reqs, tokens):
+                r.token_ids.append(t)
+            out.request_ids = [r.request_id for r in f.reqs]
+            out.sampled_token_ids = [[t] for t in tokens]
+            if logprobs is not None:
+                out.logprobs = [[lp] if lp is not None else [] for lp in logprobs]
+        out.execute_time = time.perf_counter() - f.t0
+        self._outbox.append(out)
+
+    def take_outputs(self) -> list[P.StepOutput]:
+        out, self._outbox = self._outbox, []
         return out
 
-    def _run_decode_graph(self, reqs: list[RequestState]):
-        """Decode-only step (one token each, every request samples): replay a CUDA graph."""
+    def abandon(self) -> list[int]:
+        """After submit() raised: the steps started whose outputs will not come; forgets everything."""
+        lost = [self._in_flight.step] if self._in_flight is not None else []
+        self.reset()
+        return lost
+
+    def _pending_rows(self, scheduled: dict[str, int]) -> dict[str, int] | None:
+        """With a step in flight: for a decode-only step that can run before its tokens reach the host,
+        request id -> row of the in-flight step's tokens, for the requests whose input is that token.
+        None when there is nothing in flight, or the step must wait for the host to have the tokens."""
+        f = self._in_flight
+        if f is None or not self.overlap or f.sampled is None:
+            return None
+        rows = {id(r): i for i, r in enumerate(f.reqs)}
+        pending = {}
+        for rid, n in scheduled.items():
+            r = self.requests[rid]
+            if n != 1:
+                return None
+            if r.num_computed_tokens == len(r.token_ids) and id(r) in rows:
+                pending[rid] = rows[id(r)]
+            elif r.num_computed_tokens + 1 != len(r.token_ids):
+                return None
+        return pending
+
+    def _run_decode_graph(self, reqs: list[RequestState], src: np.ndarray | None):
+        """Decode-only step (one token each, every request samples): replay a CUDA graph. src[i] >= 0:
+        request i's input token is row src[i] of the in-flight step's device tokens."""
         bs = BLOCK_SIZE
         n = len(reqs)
         ids, pos, slots, lens = (np.empty(n, dtype=np.int64) for _ in range(4))
         for i, r in enumerate(reqs):
             p = r.num_computed_tokens
-            ids[i], pos[i], lens[i] = r.token_ids[p], p, p + 1
+            ids[i], pos[i], lens[i] = (r.token_ids[p] if p < len(r.token_ids) else 0), p, p + 1
             slots[i] = r.block_ids[p // bs] * bs + p % bs
             r.num_computed_tokens = p + 1
         logits = self.graphs.run(ids, pos, slots, lens, [r.block_ids[:(r.num_computed_tokens - 1) // bs + 1]
-                                                         for r in reqs])
-        tokens, logprobs = self._sample(reqs, lambda: logits)
-        return reqs, tokens, logprobs
+                                                         for r in reqs], src, self._device_tokens(src))
+        return reqs, lambda: logits
 
-    def _sample(self, reqs: list[RequestState], logits_fn):
-        """Sample one token per request and append it. Under TP only rank 0 computes logits and
-        samples; the token ids are broadcast so every rank appends the same ones. A sampling error on
-        rank 0 is broadcast too (as -1s), so the step fails on every rank alike."""
+    def _device_tokens(self, src: np.ndarray | None) -> torch.Tensor | None:
+        return self._in_flight.device_tokens() if src is not None else None
+
+    def _sample(self, step: int, reqs: list[RequestState], logits_fn, t0: float) -> _InFlight:
+        """Launch sampling of one token per request (appended when the step is flushed). Under TP only
+        rank 0 computes logits and samples; the token ids are broadcast so every rank appends the same
+        ones. A sampling error on rank 0 is broadcast too (as -1s), so the step fails on every rank alike."""
+        if not reqs:
+            return _InFlight(step, [], None, t0)
+        if self.tp_size == 1:
+            return _InFlight(step, reqs, sample_on_device(logits_fn(), [r.sample_row for r in reqs]), t0)
         tokens = logprobs = None
         if self.tp_rank == 0:
             try:
-                tokens, logprobs = sample(logits_fn(), [r.sample_row for r in reqs])
+                tokens, logprobs = sample_on_device(logits_fn(), [r.sample_row for r in reqs]).collect()
             except Exception:
-                if self.tp_size > 1:
-                    broadcast_tokens(None, len(reqs), 0, self.device)
+                broadcast_tokens(None, len(reqs), 0, self.device)
                 raise
-        if self.tp_size > 1:
-            tokens = broadcast_tokens(tokens, len(reqs), self.tp_rank, self.device)
-        for r, t in zip(reqs, tokens):
-            r.token_ids.append(t)
-        return tokens, logprobs
+        tokens = broadcast_tokens(tokens, len(reqs), self.tp_rank, self.device)
+        return _InFlight(step, reqs, None, t0, collected=(tokens, logprobs))
 
     def _scales_ready(self) -> bool:
         """Dynamic int8 scales are set by the first eager forward; a graph replay cannot set them."""
         return self.kv_cache.scales is None or self.kv_cache.scales.ready
 
-    def _run(self, scheduled: dict[str, int]):
+    def _run(self, scheduled: dict[str, int], pending: dict[str, int] | None):
+        """The forward of one step -> (the requests that sample, a function returning their logits).
+        pending: request id -> row of the in-flight step's device tokens holding its input token."""
+        src = None
+        if pending:
+            src = np.array([pending.get(rid, -1) for rid in scheduled], dtype=np.int64)
         if self.graphs is not None and len(scheduled) <= self.graphs.sizes[-1] and self._scales_ready() and all(
-                n == 1 and self.requests[rid].num_computed_tokens + 1 == len(self.requests[rid].token_ids)
+                n == 1 and self.requests[rid].num_computed_tokens + 1 >= len(self.requests[rid].token_ids)
                 for rid, n in scheduled.items()):
-            return self._run_decode_graph([self.requests[rid] for rid in scheduled])
+            return self._run_decode_graph([self.requests[rid] for rid in scheduled], src)
         # Decodes (one token) first, longest context first: the attention backend batches them
         # into padded calls, and neighbours of similar length waste little padding.
         order = sorted(scheduled, key=lambda rid: (scheduled[rid] != 1,
@@ -235,7 +328,10 @@ class ModelRunner:
             pos = np.arange(start, start + n)
             num_blocks = -(-(start + n) // bs)
             blocks = np.asarray(r.block_ids[:num_blocks], dtype=np.int64)
-            input_ids.append(np.asarray(r.token_ids[start:start + n], dtype=np.int64))
+            ids = np.zeros(n, dtype=np.int64)  # a pending token (not yet on the host) stays 0 here
+            known = r.token_ids[start:start + n]
+            ids[:len(known)] = known
+            input_ids.append(ids)
             positions.append(pos)
             slots.append(blocks[pos // bs] * bs + pos % bs)
             query_lens.append(n)
@@ -256,21 +352,20 @@ class ModelRunner:
             num_decodes=_leading_ones(query_lens),
             query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
         self.backend.prepare(meta, bs, self.model_config.sliding_window)
-        hidden = self.model(torch.from_numpy(np.concatenate(input_ids)).to(dev),
-                            torch.from_numpy(np.concatenate(positions)).to(dev), meta)
+        token_ids = torch.from_numpy(np.concatenate(input_ids)).to(dev)
+        if pending:  # decode-only: row i is request order[i]'s single token
+            src = torch.tensor([pending.get(rid, -1) for rid in order], device=dev)
+            token_ids = torch.where(src >= 0, self._in_flight.device_tokens()[src.clamp(min=0)], token_ids)
+        hidden = self.model(token_ids, torch.from_numpy(np.concatenate(positions)).to(dev), meta)
 
-        # A request samples when this step's chunk reaches the end of its tokens.
+        # A request samples when this step's chunk reaches the end of its tokens (+ a pending one).
         sample_idx, sampled_reqs = [], []
         for i, r in enumerate(reqs):
             r.num_computed_tokens += query_lens[i]
-            if r.num_computed_tokens == len(r.token_ids):
+            if r.num_computed_tokens >= len(r.token_ids):
                 sample_idx.append(int(qsl[i + 1]) - 1)
                 sampled_reqs.append(r)
-        if not sampled_reqs:
-            return [], [], None
-        tokens, logprobs = self._sample(
-            sampled_reqs, lambda: self.model.compute_logits(hidden[torch.tensor(sample_idx, device=dev)]))
-        return sampled_reqs, tokens, logprobs
+        return sampled_reqs, lambda: self.model.compute_logits(hidden[torch.tensor(sample_idx, device=dev)])
 
 
 def _leading_ones(query_lens: list[int]) -> int:

@@ -47,15 +47,23 @@ def seed_for(seed: int, output_index: int) -> int:
     return (seed * _SEED_MIX + output_index) & ((1 << 63) - 1)
 
 
+def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
+    """Host values as a device tensor without a device sync (a pinned, non-blocking copy on CUDA)."""
+    t = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     """In place, vLLM's formulas; counts built from the token lists with one scatter_add each."""
     B, V = logits.shape
     device = logits.device
-    rep = torch.tensor([r.params.repetition_penalty for r in rows], device=device)
-    freq = torch.tensor([r.params.frequency_penalty for r in rows], device=device)
-    pres = torch.tensor([r.params.presence_penalty for r in rows], device=device)
+    rep = to_device([r.params.repetition_penalty for r in rows], torch.float32, device)
+    freq = to_device([r.params.frequency_penalty for r in rows], torch.float32, device)
+    pres = to_device([r.params.presence_penalty for r in rows], torch.float32, device)
     out_counts = _bin_counts([r.token_ids[r.num_prompt_tokens:] for r in rows], V, device)
-    if bool((rep != 1.0).any()):
+    if any(r.params.repetition_penalty != 1.0 for r in rows):
         prompt_seen = _bin_counts([r.token_ids[:r.num_prompt_tokens] for r in rows], V, device) > 0
         factor = torch.where(prompt_seen | (out_counts > 0), rep[:, None], 1.0)
         logits.copy_(torch.where(logits > 0, logits / factor, logits * factor))
@@ -69,7 +77,7 @@ def _bin_counts(seqs: list[list[int]], vocab: int, device) -> torch.Tensor:
     for i, s in enumerate(seqs):
         padded[i, :len(s)] = torch.tensor(s, dtype=torch.int64)
     counts = torch.zeros(len(seqs), vocab + 1, device=device)
-    counts.scatter_add_(1, padded.to(device), torch.ones(padded.shape, device=device))
+    counts.scatter_add_(1, to_device(padded, torch.int64, device), torch.ones(padded.shape, device=device))
     return counts[:, :vocab]
 
 
@@ -103,8 +111,30 @@ def exponential_noise(rows: list[SampleRow], shape: tuple[int, int], device) -> 
     return q
 
 
+@dataclass
+class Sampled:
+    """One step's sampled tokens, still on the device: collect() copies them to the host (the only
+    device sync of sampling), so a worker can launch the next step's forward first."""
+
+    tokens: torch.Tensor  # [B] int64
+    raw_logprobs: torch.Tensor | None  # [B, V] when a row asked for logprobs
+    rows: list[SampleRow]
+
+    def collect(self) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+        token_list = self.tokens.tolist()
+        if self.raw_logprobs is None:
+            return token_list, None
+        return token_list, _logprobs(self.raw_logprobs, self.tokens, self.rows)
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprobs | None] | None]:
     """logits [B, V] (any float dtype) -> (one token id per row, per-row logprobs or None when no row asked)."""
+    return sample_on_device(logits, rows).collect()
+
+
+def sample_on_device(logits: torch.Tensor, rows: list[SampleRow]) -> Sampled:
+    """The sampling kernels for logits [B, V], launched without waiting for the device: every decision
+    about which kernels to run is taken from the rows' (host) parameters."""
     logits = logits.float()
     B, V = logits.shape
     device = logits.device
@@ -124,24 +154,20 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
     tokens = logits.argmax(dim=-1)
     temps = [r.params.temperature for r in rows]
     if any(t >= GREEDY_EPS for t in temps):
-        greedy = torch.tensor([t < GREEDY_EPS for t in temps], device=device)
-        temp = torch.tensor([t if t >= GREEDY_EPS else 1.0 for t in temps], device=device)
+        greedy = to_device([t < GREEDY_EPS for t in temps], torch.bool, device)
+        temp = to_device([t if t >= GREEDY_EPS else 1.0 for t in temps], torch.float32, device)
         scaled = logits / temp[:, None]
-        min_p = torch.tensor([r.params.min_p for r in rows], device=device)
-        if bool((min_p > 0).any()):
+        if any(r.params.min_p > 0 for r in rows):
+            min_p = to_device([r.params.min_p for r in rows], torch.float32, device)
             scaled = scaled.masked_fill(min_p_mask(scaled.softmax(dim=-1), min_p), float("-inf"))
-        top_k = torch.tensor([r.params.top_k for r in rows], device=device)
-        top_p = torch.tensor([r.params.top_p for r in rows], device=device)
-        if bool(((top_k > 0) & (top_k < V)).any() or (top_p < 1.0).any()):
+        if any(0 < r.params.top_k < V or r.params.top_p < 1.0 for r in rows):
+            top_k = to_device([r.params.top_k for r in rows], torch.int64, device)
+            top_p = to_device([r.params.top_p for r in rows], torch.float32, device)
             scaled = scaled.masked_fill(top_k_top_p_mask(scaled, top_k, top_p), float("-inf"))
         probs = scaled.softmax(dim=-1)
         sampled = (probs / exponential_noise(rows, (B, V), device)).argmax(dim=-1)
         tokens = torch.where(greedy, tokens, sampled)
-
-    token_list = tokens.tolist()
-    if raw_logprobs is None:
-        return token_list, None
-    return token_list, _logprobs(raw_logprobs, tokens, rows)
+    return Sampled(tokens, raw_logprobs, rows)
 
 
 def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow]) -> list[TokenLogprobs | None]:
