@@ -87,10 +87,10 @@ def test_paged_decode_sliding_window():
         assert rel_err(out, ref) < (1e-2 if ON_GPU else 1e-5)
 
 
-@pytest.mark.parametrize("variant", [{"INT8_QK": False, "INT8_PV": False}, {"INT8_QK": True, "INT8_PV": False}, {}])
+@pytest.mark.parametrize("variant", [{"INT8_QK": False, "INT8_PV": False}, {}, {"INT8_QK": True, "INT8_PV": True}])
 def test_int8_write_then_decode_is_within_int8_rounding(variant):
-    """variant: K/V dequantised to the q dtype for tl.dot (exact), or q.k^T on int8 tensor cores (q rounded
-    per row), or the default: p.V on int8 tensor cores too (p rounded per row and tile)."""
+    """variant: K/V dequantised to the q dtype for tl.dot (exact), or the default: q.k^T on int8 tensor
+    cores (q rounded per row), or p.V on int8 tensor cores too (p rounded per row and tile)."""
     batch, heads, kv_heads, dim, max_len = 2, 4, 2, 32, 40
     q, kc, vc, bt, lens = make_case(batch, heads, kv_heads, dim, max_len, 7)
     k_scale = (kc.float().abs().amax(dim=(0, 1, 3)) / 127).to(DEVICE)

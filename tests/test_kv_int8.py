@@ -140,7 +140,7 @@ def test_backend_int8_attention_is_exact_on_its_values_and_within_int8_rounding(
     on_stored = reference(q, kd, vd, seqs, d ** -0.5)
     rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
     # the backend computes attention over what it stored: exactly, except that the Triton decode kernel
-    # also rounds q and p to int8 for the int8 tensor cores (bounds in tests/test_kernels.py)
+    # also rounds q to int8 for the int8 tensor cores (bounds in tests/test_kernels.py)
     assert rel(out[2:], on_stored[2:]) < 1e-5  # the prefill chunk
     assert rel(out[:2], on_stored[:2]) < (1e-5 if backend_name == "torch" else 2e-2)  # the decodes
     assert rel(out, exact) < 0.03  # and int8 rounding costs ~2% (the Triton kernel test's bound)

@@ -111,20 +111,38 @@ def exponential_noise(rows: list[SampleRow], shape: tuple[int, int], device) -> 
     return q
 
 
-@dataclass
 class Sampled:
-    """One step's sampled tokens, still on the device: collect() copies them to the host (the only
-    device sync of sampling), so a worker can launch the next step's forward first."""
+    """One step's sampled tokens (and logprobs), copied to the host without waiting: on CUDA the copies
+    into pinned memory are queued right behind the sampling kernels, so collect() waits for those
+    alone, not for work queued after them (the next step's forward)."""
 
-    tokens: torch.Tensor  # [B] int64
-    raw_logprobs: torch.Tensor | None  # [B, V] when a row asked for logprobs
-    rows: list[SampleRow]
+    def __init__(self, tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, rows: list[SampleRow]):
+        self.tokens = tokens  # [B] int64, on the device: the next step may read it there
+        self.rows = rows
+        parts = [tokens]
+        if raw_logprobs is not None:  # the sampled token's logprob and the top-N, computed now
+            top_n = min(max(r.params.logprobs or 0 for r in rows), raw_logprobs.shape[1])
+            top_vals, top_ids = raw_logprobs.topk(top_n, dim=-1)
+            parts += [raw_logprobs.gather(1, tokens[:, None]).squeeze(1), top_vals, top_ids]
+        self.event = None
+        if tokens.is_cuda:
+            parts = [p.to("cpu", non_blocking=True) for p in parts]  # into pinned memory
+            self.event = torch.cuda.Event()
+            self.event.record()
+        self.host = parts
 
     def collect(self) -> tuple[list[int], list[TokenLogprobs | None] | None]:
-        token_list = self.tokens.tolist()
-        if self.raw_logprobs is None:
+        if self.event is not None:
+            self.event.synchronize()
+        token_list = self.host[0].tolist()
+        if len(self.host) == 1:
             return token_list, None
-        return token_list, _logprobs(self.raw_logprobs, self.tokens, self.rows)
+        chosen, top_vals, top_ids = (p.tolist() for p in self.host[1:])
+        out: list[TokenLogprobs | None] = []
+        for i, r in enumerate(self.rows):
+            n = r.params.logprobs
+            out.append(None if n is None else TokenLogprobs(chosen[i], top_ids[i][:n], top_vals[i][:n]))
+        return token_list, out
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprobs | None] | None]:
@@ -168,15 +186,3 @@ def sample_on_device(logits: torch.Tensor, rows: list[SampleRow]) -> Sampled:
         sampled = (probs / exponential_noise(rows, (B, V), device)).argmax(dim=-1)
         tokens = torch.where(greedy, tokens, sampled)
     return Sampled(tokens, raw_logprobs, rows)
-
-
-def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow]) -> list[TokenLogprobs | None]:
-    chosen = raw.gather(1, tokens[:, None]).squeeze(1).tolist()
-    top_n = max(r.params.logprobs or 0 for r in rows)
-    top_vals, top_ids = (raw.topk(min(top_n, raw.shape[1]), dim=-1) if top_n else (raw[:, :0], raw[:, :0].long()))
-    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    out: list[TokenLogprobs | None] = []
-    for i, r in enumerate(rows):
-        n = r.params.logprobs
-        out.append(None if n is None else TokenLogprobs(chosen[i], top_ids[i][:n], top_vals[i][:n]))
-    return out

@@ -27,9 +27,10 @@ LOG2E = 1.4426950408889634
 # Launch configs (H200-tuned with `python -m workers.kernel_bench`, docs/perf.md); the interpreter
 # (CPU tests) gets small tiles.
 DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-# int8 pools: q.k^T and p.V on int8 tensor cores (q quantised per row, p per row and tile), wider tiles:
-# 1.3x the bf16 kernel at 128 x 2k where converting K/V to bf16 for tl.dot ran at 0.87x (docs/kv_int8.md)
-DECODE_CONFIG_INT8 = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "INT8_QK": True, "INT8_PV": True}
+# int8 pools: q.k^T on int8 tensor cores (q quantised per row), V converted for p.V; 2 warps. 1.3x the
+# bf16 kernel at 128 x 2k, where converting K and V to bf16 for tl.dot ran at 0.87x; p.V on int8 tensor
+# cores too (INT8_PV: p quantised per row and tile) is no faster and doubles the error (docs/kv_int8.md)
+DECODE_CONFIG_INT8 = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 3, "INT8_QK": True, "INT8_PV": False}
 PREFILL_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
 PREFILL_CONFIG_CPU = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 MAX_PARTITIONS = 32
@@ -135,9 +136,9 @@ def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, s_ob, s_oh, H, D: tl.constex
 
 def num_partitions(batch: int, num_kv_heads: int, max_model_len: int, num_sms: int = 132) -> int:
     """Enough partitions for ~4 programs per SM at small batch; 1 when the batch fills the GPU (H200, in a
-    CUDA graph: batch 8 x 1k is fastest at 8 partitions, 32 at 2, 64 and up at 1; docs/perf.md)."""
+    CUDA graph: batch 1 x 1k is fastest at 16 partitions, 8 x 1k at 8, 32 at 2, 64 and up at 1; docs/perf.md)."""
     want = max(1, (4 * num_sms) // max(1, batch * num_kv_heads))
-    cap = max(1, triton.cdiv(max_model_len, 256))  # no partition shorter than 256 tokens at full length
+    cap = max(1, triton.cdiv(max_model_len, 64))  # no partition shorter than one 64-key tile at full length
     return min(triton.next_power_of_2(want), triton.next_power_of_2(cap), MAX_PARTITIONS)
 
 
