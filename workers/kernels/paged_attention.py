@@ -7,7 +7,8 @@ Owns two kernels and their launchers; knows nothing of requests or scheduling.
   16 that tl.dot needs; decode is bandwidth-bound, the padding costs no bytes).
   Long contexts split into `num_parts` partitions (flash-decoding), reduced by a
   second kernel; each sequence splits its own length, so the launch needs no
-  host-side lengths and is CUDA-graph safe.
+  host-side lengths and is CUDA-graph safe. int8 pools: q.k^T on int8 tensor cores
+  (q rounded per row; DECODE_CONFIG_INT8).
 - `paged_prefill`: the prefill chunks of a step, all sequences in one launch (varlen:
   packed query rows, each sequence's chunk at its own offset), flash-attention style
   over the same pages: causal from the chunk's start position, so a chunk after a
