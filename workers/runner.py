@@ -60,9 +60,6 @@ class _InFlight:
     t0: float
     collected: tuple | None = None  # TP: (tokens, logprobs), sampled and broadcast in step
 
-    def device_tokens(self) -> torch.Tensor | None:
-        return self.sampled.tokens if self.sampled is not None else None
-
 
 class ModelRunner:
     def __init__(self, cfg: WorkerConfig, tp_rank: int = 0):
@@ -266,9 +263,9 @@ class ModelRunner:
                 return None
         return pending
 
-    def _run_decode_graph(self, reqs: list[RequestState], src: np.ndarray | None):
+    def _run_decode_graph(self, reqs: list[RequestState], src: np.ndarray | None, prev: torch.Tensor | None):
         """Decode-only step (one token each, every request samples): replay a CUDA graph. src[i] >= 0:
-        request i's input token is row src[i] of the in-flight step's device tokens."""
+        request i's input token is prev[src[i]] (the in-flight step's tokens, on the device)."""
         bs = BLOCK_SIZE
         n = len(reqs)
         ids, pos, slots, lens = (np.empty(n, dtype=np.int64) for _ in range(4))
@@ -278,11 +275,8 @@ class ModelRunner:
             slots[i] = r.block_ids[p // bs] * bs + p % bs
             r.num_computed_tokens = p + 1
         logits = self.graphs.run(ids, pos, slots, lens, [r.block_ids[:(r.num_computed_tokens - 1) // bs + 1]
-                                                         for r in reqs], src, self._device_tokens(src))
+                                                         for r in reqs], src, prev)
         return reqs, lambda: logits
-
-    def _device_tokens(self, src: np.ndarray | None) -> torch.Tensor | None:
-        return self._in_flight.device_tokens() if src is not None else None
 
     def _sample(self, step: int, reqs: list[RequestState], logits_fn, t0: float) -> _InFlight:
         """Launch sampling of one token per request (appended when the step is flushed). Under TP only
@@ -309,13 +303,14 @@ class ModelRunner:
     def _run(self, scheduled: dict[str, int], pending: dict[str, int] | None):
         """The forward of one step -> (the requests that sample, a function returning their logits).
         pending: request id -> row of the in-flight step's device tokens holding its input token."""
-        src = None
+        src = prev = None
         if pending:
             src = np.array([pending.get(rid, -1) for rid in scheduled], dtype=np.int64)
+            prev = self._in_flight.sampled.tokens
         if self.graphs is not None and len(scheduled) <= self.graphs.sizes[-1] and self._scales_ready() and all(
                 n == 1 and self.requests[rid].num_computed_tokens + 1 >= len(self.requests[rid].token_ids)
                 for rid, n in scheduled.items()):
-            return self._run_decode_graph([self.requests[rid] for rid in scheduled], src)
+            return self._run_decode_graph([self.requests[rid] for rid in scheduled], src, prev)
         # Decodes (one token) first, longest context first: the attention backend batches them
         # into padded calls, and neighbours of similar length waste little padding.
         order = sorted(scheduled, key=lambda rid: (scheduled[rid] != 1,
@@ -354,8 +349,8 @@ class ModelRunner:
         self.backend.prepare(meta, bs, self.model_config.sliding_window)
         token_ids = torch.from_numpy(np.concatenate(input_ids)).to(dev)
         if pending:  # decode-only: row i is request order[i]'s single token
-            src = torch.tensor([pending.get(rid, -1) for rid in order], device=dev)
-            token_ids = torch.where(src >= 0, self._in_flight.device_tokens()[src.clamp(min=0)], token_ids)
+            rows = torch.tensor([pending.get(rid, -1) for rid in order], device=dev)
+            token_ids = torch.where(rows >= 0, prev[rows.clamp(min=0)], token_ids)
         hidden = self.model(token_ids, torch.from_numpy(np.concatenate(positions)).to(dev), meta)
 
         # A request samples when this step's chunk reaches the end of its tokens (+ a pending one).
