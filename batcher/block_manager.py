@@ -17,6 +17,7 @@ a free block is on the cached free list iff it has a hash.
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import islice
 
 from batcher.request import Request
 
@@ -89,11 +90,12 @@ class BlockManager:
         cached, stored = self.cached, self.tokens
         n = 0
         while n < usable:
-            block = tuple(tokens[n * bs:(n + 1) * bs])
             if n == len(hashes):  # hashed up to the first miss only: cache_full_blocks() hashes the rest
+                block = tuple(tokens[n * bs:(n + 1) * bs])
                 hashes.append(hash((hashes[n - 1] if n else 0, block)))  # chain_hashes(), one block
             bid = cached.get(hashes[n])
-            if bid is None or stored[bid] != block:
+            # The tokens are compared on a hash hit only: a request waiting in line looks up every step.
+            if bid is None or stored[bid] != tuple(tokens[n * bs:(n + 1) * bs]):
                 break
             n += 1
         return n
@@ -128,21 +130,25 @@ class BlockManager:
         n = self.blocks_needed(req, num_new_tokens)
         if n == 0:
             return True
-        uncached = self.free_uncached
-        if n > len(uncached) + len(self.free_cached):
+        uncached, free_cached = self.free_uncached, self.free_cached
+        k = len(uncached)
+        if n > k + len(free_cached):
             return False
-        k = min(n, len(uncached))
-        taken = uncached[-k:] if k else []
-        del uncached[len(uncached) - k:]
-        taken.reverse()  # top of the stack first
-        if n > k:  # evict: least recently freed cached blocks are reused for new K/V
-            pop_lru, cached, hash_of, tokens_of = self.free_cached.popitem, self.cached, self.hash, self.tokens
-            for _ in range(n - k):
-                bid = pop_lru(last=False)[0]
+        if n <= k:
+            taken = uncached[-n:]
+            del uncached[-n:]
+            taken.reverse()  # top of the stack first
+        else:  # all the uncached ones, then evict: least recently freed cached blocks are reused for new K/V
+            taken = uncached[::-1]
+            uncached.clear()
+            cached, hash_of, tokens_of = self.cached, self.hash, self.tokens
+            victims = list(islice(free_cached, n - k))  # LRU first
+            for bid in victims:
+                del free_cached[bid]
                 del cached[hash_of[bid]]
                 hash_of[bid] = NO_HASH
                 tokens_of[bid] = None
-                taken.append(bid)
+            taken += victims
         ref = self.ref
         for bid in taken:
             ref[bid] = 1
@@ -158,19 +164,25 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
+        start = req.num_registered_blocks
         full = (req.num_computed_tokens if num_tokens is None else num_tokens) // bs
-        token_ids, hashes, block_ids = req.token_ids, req.block_hashes, req.block_ids
-        cached, hash_of, tokens_of = self.cached, self.hash, self.tokens
-        for i in range(req.num_registered_blocks, full):
-            block = tuple(token_ids[i * bs:(i + 1) * bs])
-            if i == len(hashes):
-                hashes.append(hash((hashes[i - 1] if i else 0, block)))  # chain_hashes(), one block
-            h = hashes[i]
-            if h not in cached:  # else another block holds the same tokens; keep that one
-                bid = block_ids[i]
-                hash_of[bid] = h
-                tokens_of[bid] = block
-                cached[h] = bid
+        if full > start:
+            hashes, block_ids = req.block_hashes, req.block_ids
+            cached, hash_of, tokens_of = self.cached, self.hash, self.tokens
+            known = len(hashes)  # at least `start`: lookup() hashed up to its first miss
+            h = hashes[start - 1] if start else 0
+            blocks = zip(*[iter(req.token_ids[start * bs:full * bs])] * bs)  # the full blocks as tuples, cut in C
+            for i, block in enumerate(blocks, start):
+                if i < known:
+                    h = hashes[i]
+                else:
+                    h = hash((h, block))  # chain_hashes(), one block at a time
+                    hashes.append(h)
+                if h not in cached:  # else another block holds the same tokens; keep that one
+                    bid = block_ids[i]
+                    hash_of[bid] = h
+                    tokens_of[bid] = block
+                    cached[h] = bid
         req.num_registered_blocks = full
 
     def free_blocks(self, req: Request) -> None:
@@ -179,8 +191,9 @@ class BlockManager:
         ref, hashes = self.ref, self.hash
         uncached, cached = self.free_uncached, self.free_cached
         for bid in reversed(req.block_ids):
-            ref[bid] -= 1
-            if ref[bid] == 0:
+            r = ref[bid] - 1
+            ref[bid] = r
+            if not r:
                 if hashes[bid] is NO_HASH:
                     uncached.append(bid)
                 else:

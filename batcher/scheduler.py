@@ -29,9 +29,10 @@ _WARM_PARAMS = SamplingParams(max_tokens=1)
 
 
 # What one step in flight does to one request, checked against the request when the step's output comes back:
-# (request, its num_computed_tokens once this step is done, whether the worker samples a token for it in this step,
-# its num_preemptions when scheduled: a preempted request's old steps are void). A plain tuple: 256 per step.
-Scheduled = tuple[Request, int, bool, int]
+# (request, tokens computed in this step, its num_computed_tokens once this step is done, whether the worker samples
+# a token for it in this step, its num_preemptions when scheduled: a preempted request's old steps are void).
+# A plain tuple: 256 per step.
+Scheduled = tuple[Request, int, int, bool, int]
 
 
 def parse_buckets(spec: str) -> list[int]:
@@ -141,6 +142,11 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
     def schedule(self, now: float) -> StepInput | None:
         """The next step, or None: nothing to run, or max_inflight_steps already in flight."""
+        batch = self._next_batch(now)
+        return None if batch is None else self._build_step(batch)
+
+    def _next_batch(self, now: float) -> list[tuple[Request, int]] | None:
+        """What runs in the next step: (request, tokens) in run order (admissions last); None: no step."""
         if len(self.in_flight) >= self.max_inflight_steps:
             return None
         self.gate.detector.observe(now, self.new_arrivals, len(self.waiting) - self.num_internal)
@@ -155,7 +161,7 @@ class Scheduler:
         if not batch and not self.finished_ids and (not self.pending or self.in_flight):
             return None
         self.step_no += 1
-        return self._build_step(batch)
+        return batch
 
     def _run_order(self) -> list[tuple[Request, int]]:
         """(request, tokens left to compute): decodes by bucket (lowest tokens-remaining first), then running
@@ -168,7 +174,8 @@ class Scheduler:
         (n = len + placeholders; compute_target = n - internal; tokens_remaining = max_num_tokens - n)."""
         buckets = self.buckets
         lanes: list[list[tuple[Request, int]]] = [[] for _ in range(len(buckets) + 2)]
-        prefills = lanes[-1]
+        rest, prefills = lanes[-2], lanes[-1]
+        top = buckets[-1] if buckets else -1  # above it: the rest lane, no search
         for r in self.running.values():
             ph = r.num_output_placeholders
             n = len(r.token_ids) + ph
@@ -176,7 +183,8 @@ class Scheduler:
                 continue
             left = n - r.internal - r.num_computed_tokens
             if left == 1:
-                lanes[bisect_left(buckets, r.max_num_tokens - n)].append((r, 1))
+                remaining = r.max_num_tokens - n
+                (rest if remaining > top else lanes[bisect_left(buckets, remaining)]).append((r, 1))
             elif left > 0:
                 prefills.append((r, left))
         order = lanes[0]
@@ -269,22 +277,27 @@ class Scheduler:
                 active += 1
         waiting.extendleft(reversed(held))
 
-    def _build_step(self, batch: list[tuple[Request, int]]) -> StepInput:
+    def _build_step(self, batch: list[tuple[Request, int]], messages: bool = True) -> StepInput | None:
+        """Commit the batch as the next step in flight; returns its StepInput (None without messages: see
+        schedule_in_process())."""
         new_reqs, cached_reqs, num_scheduled = [], [], {}
         flight: list[Scheduled] = []
         for req, n in batch:
-            rid = req.request_id
-            num_scheduled[rid] = n
+            if messages:
+                rid = req.request_id
+                num_scheduled[rid] = n
             if not req.on_worker:
-                new_reqs.append(NewReq(request_id=rid, prompt_token_ids=req.prompt_token_ids,
-                                       params=req.params, block_ids=list(req.block_ids),
-                                       num_computed_tokens=req.num_computed_tokens,
-                                       output_token_ids=req.output_token_ids))
+                if messages:
+                    new_reqs.append(NewReq(request_id=rid, prompt_token_ids=req.prompt_token_ids,
+                                           params=req.params, block_ids=list(req.block_ids),
+                                           num_computed_tokens=req.num_computed_tokens,
+                                           output_token_ids=req.output_token_ids))
                 req.on_worker = True
                 if req.new_block_ids:  # the NewReq has them all
                     req.new_block_ids = []
             elif req.new_block_ids:
-                cached_reqs.append(CachedReq(rid, req.new_block_ids))
+                if messages:
+                    cached_reqs.append(CachedReq(rid, req.new_block_ids))
                 req.new_block_ids = []
             done = req.num_computed_tokens + n
             req.num_computed_tokens = done
@@ -292,9 +305,11 @@ class Scheduler:
             samples = not req.internal and done == len(req.token_ids) + req.num_output_placeholders
             if samples:  # next step it decodes the token sampled now: the worker has it by then
                 req.num_output_placeholders += 1
-            flight.append((req, done, samples, req.num_preemptions))
+            flight.append((req, n, done, samples, req.num_preemptions))
         self.in_flight.append((self.step_no, flight))
         finished, self.finished_ids = self.finished_ids, []
+        if not messages:
+            return None
         return StepInput(step=self.step_no, new_reqs=new_reqs, cached_reqs=cached_reqs,
                          num_scheduled_tokens=num_scheduled, finished_req_ids=finished)
 
@@ -310,7 +325,7 @@ class Scheduler:
         caching = bm.enable_prefix_caching
         running = Status.RUNNING
         sampling: dict[str, Request] = {}
-        for req, done, samples, epoch in self.in_flight.popleft()[1]:
+        for req, _, done, samples, epoch in self.in_flight.popleft()[1]:
             if req.status is not running or req.num_preemptions != epoch:
                 continue  # finished, aborted or preempted since it was scheduled: its share of the step is void
             if caching and done // bs > req.num_registered_blocks:  # this K/V is cached now: offer its full blocks
@@ -343,6 +358,58 @@ class Scheduler:
             self._finish(req)
             deltas.append(TokenDelta(rid, [], FinishReason.ERROR, error=f"worker sampled no token in step {out.step}"))
         return deltas
+
+    # ------------------------------------------------------------------ a worker in this process (the simulator)
+    def schedule_in_process(self, now: float) -> list[Scheduled] | None:
+        """schedule() for a worker in this process that reads the step off the scheduler (the simulator's): the
+        same decisions and state changes, but no StepInput is built. Returns the step as the scheduler keeps it:
+        (request, tokens, its num_computed_tokens once done, whether the worker samples for it, epoch) in schedule
+        order; the outputs go back through update_in_order()."""
+        batch = self._next_batch(now)
+        if batch is None:
+            return None
+        self._build_step(batch, messages=False)
+        return self.in_flight[-1][1]
+
+    def update_in_order(self, tokens: list[int | None], now: float) -> tuple[list[TokenDelta], list[str]]:
+        """update() for a worker in this process that samples like the contract says and hands the tokens over
+        in schedule order: tokens[i] is what the i-th request of the oldest step in flight got (ignored if it
+        samples none in that step). The same state changes as update() with a StepOutput listing them in that
+        order (a real worker's order differs), in one pass and without one. Returns the deltas update() would,
+        less the plain ones (one token, no finish, not the request's first), whose request ids come in the
+        second list instead."""
+        flight = self.in_flight.popleft()[1]
+        if len(tokens) != len(flight):
+            raise ValueError(f"{len(tokens)} tokens for a step of {len(flight)} requests")
+        deltas, self.pending = self.pending, []
+        plain: list[str] = []
+        bs = self.block_size
+        bm = self.bm
+        caching = bm.enable_prefix_caching
+        running = Status.RUNNING
+        for (req, _, done, samples, epoch), token in zip(flight, tokens):
+            if req.status is not running or req.num_preemptions != epoch:
+                continue  # void, see update()
+            if caching and done // bs > req.num_registered_blocks:
+                bm.cache_full_blocks(req, done)
+            if not samples:
+                if req.internal and done == req.compute_target:
+                    self._finish_warm(req)
+                continue
+            req.num_output_placeholders -= 1
+            if req.params.stop_token_ids or len(req.token_ids) + 1 >= req.length_limit:
+                delta = self._append_tokens(req, [token])  # it may stop here
+            else:  # hot path: no stop possible
+                req.token_ids.append(token)
+                if req.first_delta_sent:
+                    plain.append(req.request_id)
+                    continue
+                delta = TokenDelta(req.request_id, [token])
+            if not req.first_delta_sent:
+                delta.num_cached_tokens = req.num_cached_tokens
+                req.first_delta_sent = True
+            deltas.append(delta)
+        return deltas, plain
 
     def _append_tokens(self, req: Request, tokens: list[int]) -> TokenDelta:
         """Append sampled tokens up to the first stop (and finish there); STOP includes the stop token."""

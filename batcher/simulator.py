@@ -25,11 +25,15 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
 
 from batcher.config import BatcherConfig
 from batcher.protocol import AddRequest, FinishReason, SamplingParams, StepInput, StepOutput
 from batcher.router import pick_worker
 from batcher.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from loadtest.traces import TraceRequest
 
 DEFAULT_COST_MODEL = Path(__file__).with_name("cost_model.json")
 NEAR_DONE = 8  # outputs left: the smallest default decode bucket
@@ -64,6 +68,28 @@ class SimRequest:
     prompt_token_ids: list[int]
     output_tokens: int
     params: SamplingParams | None = None  # default: max_tokens=output_tokens, no stop tokens
+
+    def prompt(self) -> list[int]:
+        return self.prompt_token_ids
+
+
+@dataclass
+class TraceSimRequest:
+    """A trace row whose prompt is made when it arrives: 100k prompts never all exist at once."""
+
+    arrival: float
+    row: TraceRequest
+    salt: int  # tells apart rows with equal fields: the row index
+    params: SamplingParams | None = None
+
+    @property
+    def output_tokens(self) -> int:
+        return max(self.row.output_tokens, 1)
+
+    def prompt(self) -> list[int]:
+        from loadtest.traces import compact_token_ids  # loaded already: _requests_from_trace read the trace
+
+        return compact_token_ids(self.row, salt=self.salt)
 
 
 class SimWorker:
@@ -125,6 +151,32 @@ class SimWorker:
                 (prefill_tokens, decode_seqs, kv_read))
 
 
+def run_in_process(scheduled: list, vocab: int = 32000) -> tuple[list[int | None], tuple[int, int, int]]:
+    """What SimWorker.execute() samples and computes for a step, read off the scheduler's own record of it
+    (Scheduler.schedule_in_process()) instead of a worker's state: simulate()'s fast path. Returns the token
+    sampled for each scheduled request (None where it samples none), for Scheduler.update_in_order(), and the
+    cost model's inputs."""
+    if not scheduled:
+        return [], (0, 0, 0)
+    _, ns, dones, _, _ = zip(*scheduled)
+    # Decodes: one token onto computed ones. done == 1 is a one-token prompt: n == 1 but a prefill.
+    decode_seqs = ns.count(1) - dones.count(1)
+    tokens = [(done * 31 + len(req.request_id)) % vocab if samples else None  # SimWorker's default token
+              for req, _, done, samples, _ in scheduled]
+    return tokens, (sum(ns) - decode_seqs, decode_seqs, sum(dones))
+
+
+@dataclass(slots=True)
+class _Progress:
+    """What simulate() tracks of an unfinished request."""
+
+    arrival: float
+    near_done_from: float  # outputs that make it nearly done (inf once it is)
+    outputs: int = 0
+    first_at: float | None = None
+    near_done_at: float | None = None
+
+
 @dataclass
 class SimResult:
     ttft: list[float] = field(default_factory=list)
@@ -148,34 +200,40 @@ class SimResult:
     schedulers: list = field(default_factory=list)
 
 
-def simulate(requests: list[SimRequest], cfg: BatcherConfig, cost: CostModel = CostModel(), num_blocks: int = 8192,
-             block_size: int = 16, max_model_len: int = 32768, num_workers: int = 1, check_kv: bool = False,
-             aborts: dict[str, float] | None = None, warm_prefixes: list[list[int]] | None = None,
-             pipelined: bool = False) -> SimResult:
+def simulate(requests: Sequence[SimRequest | TraceSimRequest], cfg: BatcherConfig, cost: CostModel = CostModel(),
+             num_blocks: int = 8192, block_size: int = 16, max_model_len: int = 32768, num_workers: int = 1,
+             check_kv: bool = False, aborts: dict[str, float] | None = None,
+             warm_prefixes: list[list[int]] | None = None, pipelined: bool = False,
+             sim_worker: bool = False) -> SimResult:
     """Run the trace to completion; every request must get exactly one finishing delta (else RuntimeError).
 
     pipelined: keep up to max_inflight_steps (async scheduling) steps per worker, each starting when the previous
     one ends, so the cost model's host gap `h` is hidden (assumed shorter than a step); strict alternation
     (default) pays it before every step. Also shows the policy effect of scheduling one step ahead
     (admissions and stops seen a step later).
+    sim_worker: run every step through a SimWorker (StepInput in, StepOutput out: the sidecar's path, with the
+    worker checking the scheduler's promises; check_kv implies it) rather than in process
+    (Scheduler.schedule_in_process(), run_in_process(), Scheduler.update_in_order()), which is faster and gives
+    the same results.
     """
     scheds = {w: Scheduler(cfg, num_blocks, block_size, max_model_len, warm_prefixes) for w in range(num_workers)}
-    workers = {w: SimWorker(num_blocks, block_size, check_kv) for w in range(num_workers)}
+    workers = ({w: SimWorker(num_blocks, block_size, check_kv) for w in range(num_workers)}
+               if sim_worker or check_kv else None)
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
     res = SimResult(schedulers=list(scheds.values()))
-    arrival_of: dict[str, float] = {}
-    first_at: dict[str, float] = {}
-    near_done_at: dict[str, float] = {}
-    near_done_from: dict[str, float] = {}  # outputs that make a request nearly done (inf once it is)
+    live: dict[str, _Progress] = {}  # unfinished requests (a small dict: touched for every token)
     owner: dict[str, int] = {}
-    # (time, kind, seq, payload): kind 0 = step done, 1 = arrival, 2 = abort; steps first at equal times
-    events: list = []
-    for seq, i in enumerate(order):
-        events.append((requests[i].arrival, 1, seq, i))
-    for seq, (rid, t) in enumerate((aborts or {}).items()):
-        events.append((t, 2, seq, rid))
+    # Events (time, kind, seq, payload), earliest first and steps first at equal times: kind 0 = step done (seq: the
+    # worker), 1 = arrival (seq: its rank in arrival order, payload: the request's index), 2 = abort. Arrivals are
+    # read off `order` one at a time, so the heap only holds the steps in flight and the aborts.
+    events: list = [(t, 2, seq, rid) for seq, (rid, t) in enumerate((aborts or {}).items())]
     heapq.heapify(events)
-    busy: dict[int, deque[StepOutput]] = {w: deque() for w in scheds}  # outputs of the steps in flight
+
+    def arrival(seq: int) -> tuple | None:
+        return (requests[order[seq]].arrival, 1, seq, order[seq]) if seq < len(order) else None
+
+    next_arrival = arrival(0)
+    busy: dict[int, deque] = {w: deque() for w in scheds}  # outputs of the steps in flight (or sampled tokens)
     free_at = dict.fromkeys(scheds, 0.0)  # when the worker is done with the steps it holds
     now = 0.0
 
@@ -185,13 +243,19 @@ def simulate(requests: list[SimRequest], cfg: BatcherConfig, cost: CostModel = C
     output_tokens, first_chunk_cached = res.output_tokens, res.first_chunk_cached
 
     def start(w: int) -> None:
-        sched, worker, outs = scheds[w], workers[w], busy[w]
+        sched, outs = scheds[w], busy[w]
         depth = sched.max_inflight_steps if pipelined else 1
         while len(outs) < depth:
-            step = sched.schedule(now)
-            if step is None:
-                return
-            out, (pf, dec, kv) = worker.execute(step)  # in order: the same state the worker would see
+            if workers is None:
+                scheduled = sched.schedule_in_process(now)
+                if scheduled is None:
+                    return
+                out, (pf, dec, kv) = run_in_process(scheduled)
+            else:
+                step = sched.schedule(now)
+                if step is None:
+                    return
+                out, (pf, dec, kv) = workers[w].execute(step)  # in order: the same state the worker would see
             dt = step_seconds(pf, dec, kv)
             res.steps += 1
             res.prefill_tokens += pf
@@ -206,59 +270,81 @@ def simulate(requests: list[SimRequest], cfg: BatcherConfig, cost: CostModel = C
         for d in deltas:
             rid = d.request_id
             new, reason = d.new_token_ids, d.finish_reason
-            n = output_tokens.get(rid, 0)  # 0: no tokens yet
+            p = live.get(rid)
+            assert p is not None, f"a delta for {rid} after its finish"
+            n = p.outputs
             if new:
                 if not n:
-                    first_at[rid] = now
+                    p.first_at = now
                     if rid not in first_chunk_cached:
                         first_chunk_cached[rid] = d.num_cached_tokens
                 n += len(new)
-                output_tokens[rid] = n
-                if n >= near_done_from[rid]:
-                    near_done_at[rid] = now
-                    near_done_from[rid] = math.inf
+                p.outputs = output_tokens[rid] = n
+                if n >= p.near_done_from:
+                    p.near_done_at = now
+                    p.near_done_from = math.inf
             if reason is not None:
                 if not n and rid not in first_chunk_cached:
                     first_chunk_cached[rid] = d.num_cached_tokens
                 name = FinishReason(reason).name
                 res.finish[name] = res.finish.get(name, 0) + 1
-                assert rid in arrival_of, f"second finish for {rid}"
-                arr = arrival_of.pop(rid)
-                if rid in first_at and reason in (FinishReason.STOP, FinishReason.LENGTH):
-                    res.ttft.append(first_at[rid] - arr)
-                    res.e2e.append(now - arr)
+                del live[rid]
+                if n:
+                    output_tokens[rid] = n
+                if p.first_at is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
+                    res.ttft.append(p.first_at - p.arrival)
+                    res.e2e.append(now - p.arrival)
                     if n > 1:
-                        res.tpot.append((now - first_at[rid]) / (n - 1))
-                    if rid in near_done_at:
-                        res.near_done_to_free.append(now - near_done_at.pop(rid))
+                        res.tpot.append((now - p.first_at) / (n - 1))
+                    if p.near_done_at is not None:
+                        res.near_done_to_free.append(now - p.near_done_at)
 
-    while events:
-        now, kind, seq, payload = heappop(events)
+    def deliver_plain(rids: list[str]) -> None:
+        """deliver() for deltas of one token that neither start nor end their request (update_in_order())."""
+        for rid in rids:
+            p = live[rid]
+            n = p.outputs = p.outputs + 1  # output_tokens[rid] is brought up to date when it finishes
+            if n >= p.near_done_from:
+                p.near_done_at = now
+                p.near_done_from = math.inf
+
+    while next_arrival is not None or events:
+        if next_arrival is not None and (not events or next_arrival < events[0]):
+            now, kind, seq, payload = next_arrival
+            next_arrival = arrival(seq + 1)
+        else:
+            now, kind, seq, payload = heappop(events)
         if kind == 1:
             r = requests[payload]
             rid = f"r{payload}"
             params = r.params or SamplingParams(max_tokens=max(r.output_tokens, 1))
-            msg = AddRequest(request_id=rid, prompt_token_ids=r.prompt_token_ids, params=params, arrival_time=now)
+            msg = AddRequest(request_id=rid, prompt_token_ids=r.prompt(), params=params, arrival_time=now)
             w = pick_worker(scheds, msg.prompt_token_ids) if num_workers > 1 else 0
             owner[rid] = w
-            near_done_from[rid] = params.max_tokens - NEAR_DONE
-            arrival_of[rid] = now
+            live[rid] = _Progress(now, params.max_tokens - NEAR_DONE)
             scheds[w].add_request(msg)
             start(w)
         elif kind == 2:
             w = owner.get(payload)
-            if w is not None and payload in arrival_of:
+            if w is not None and payload in live:
                 deliver(scheds[w].abort_requests([payload]))
                 start(w)
         else:
             w = seq
-            deliver(scheds[w].update(busy[w].popleft(), now))
+            out = busy[w].popleft()
+            if workers is None:
+                deltas, plain = scheds[w].update_in_order(out, now)
+                if deltas:
+                    deliver(deltas)
+                deliver_plain(plain)
+            else:
+                deliver(scheds[w].update(out, now))
             start(w)
-        if not events:  # idle everywhere: anything still unfinished would hang
+        if not events and next_arrival is None:  # idle everywhere: anything still unfinished would hang
             for w in scheds:
                 start(w)
-    if arrival_of:
-        raise RuntimeError(f"{len(arrival_of)} requests never finished, e.g. {next(iter(arrival_of))}")
+    if live:
+        raise RuntimeError(f"{len(live)} requests never finished, e.g. {next(iter(live))}")
     res.duration = now - (requests[order[0]].arrival if requests else 0.0)
     for s in scheds.values():
         st = s.stats()
@@ -299,7 +385,7 @@ def summarize(res: SimResult) -> dict:
 
 
 # ---------------------------------------------------------------------- command line
-def _requests_from_trace(path: str, limit: int | None, speedup: float, block_size: int) -> list[SimRequest]:
+def _requests_from_trace(path: str, limit: int | None, speedup: float, block_size: int) -> list[TraceSimRequest]:
     from loadtest import traces  # the shared trace readers (format by file name/contents)
 
     if path == "synthetic":  # gamma bursts (shape 0.3) of short and >2k prompts, 5 req/s on average
@@ -309,8 +395,7 @@ def _requests_from_trace(path: str, limit: int | None, speedup: float, block_siz
         trace = traces.load_trace(path, limit=limit)
     if limit is not None:
         trace = trace[:limit]
-    return [SimRequest(t.arrival / speedup, traces.synth_token_ids(t, salt=i), max(t.output_tokens, 1))
-            for i, t in enumerate(trace)]
+    return [TraceSimRequest(t.arrival / speedup, t, i) for i, t in enumerate(trace)]
 
 
 def _config(text: str | None) -> BatcherConfig:

@@ -8,8 +8,10 @@ prefix-block ids), sorted by arrival and rebased so the first request arrives at
   - Mooncake JSONL: `timestamp` in ms, `hash_ids` with one id per 512-token prefix block.
   - replay JSONL (`*.replay.jsonl`, also what `save_trace` writes): `timestamp` seconds.
 Generators: Poisson, Gamma bursts (vLLM benchmark_serving semantics), RAG (shared document
-prefixes drawn from a pool with a set hit rate). Pure data: no I/O beyond reading the file,
-and nothing from gateway/, batcher/ or workers/ (used to test any OpenAI-compatible server).
+prefixes drawn from a pool with a set hit rate). Prompts: `synth_token_ids` (random tokens, what the
+load client sends), `compact_token_ids` (the same prefix sharing, cheap: what the simulator replays).
+Pure data: no I/O beyond reading the file, and nothing from gateway/, batcher/ or workers/ (used to
+test any OpenAI-compatible server).
 """
 
 from __future__ import annotations
@@ -191,6 +193,18 @@ def _stream(vocab_size: int, n: int, *key: int | str) -> list[int]:
     return rng.integers(0, vocab_size, size=n).tolist()
 
 
+def _hash_blocks(req: TraceRequest, block_tokens: int, vocab_size: int, seed: int) -> list[int]:
+    """The prompt's leading tokens given by its hash_ids (at most input_tokens of them)."""
+    n = req.input_tokens
+    ids: list[int] = []
+    for h in req.hash_ids:
+        if len(ids) >= n:
+            break
+        # the full block then a cut, so a partial last block is a prefix of the full one
+        ids += _block(vocab_size, block_tokens, seed, h)[: n - len(ids)]
+    return ids
+
+
 def synth_token_ids(req: TraceRequest, block_tokens: int = MOONCAKE_BLOCK_TOKENS, vocab_size: int = 32000,
                     seed: int = 0, *, salt: int = 0) -> list[int]:
     """Deterministic prompt ids of length input_tokens, in [0, vocab_size).
@@ -201,15 +215,43 @@ def synth_token_ids(req: TraceRequest, block_tokens: int = MOONCAKE_BLOCK_TOKENS
     can set to a request index to tell apart otherwise identical rows), so they are unique.
     """
     n = req.input_tokens
-    ids: list[int] = []
-    for h in req.hash_ids:
-        if len(ids) >= n:
-            break
-        # the full block then a cut, so a partial last block is a prefix of the full one
-        ids += _block(vocab_size, block_tokens, seed, h)[: n - len(ids)]
+    ids = _hash_blocks(req, block_tokens, vocab_size, seed)
     if len(ids) < n:
         ids += _stream(vocab_size, n - len(ids), "tail", seed, salt, repr(req.arrival), req.input_tokens,
                        req.output_tokens, req.hash_ids)
+    return ids
+
+
+SALT_DIGITS = 3  # tokens of the unique head of a compact tail: salts below vocab_size ** 3
+
+
+@functools.lru_cache(maxsize=32)  # one per power of two: a prompt takes a prefix of the next size up
+def _filler(vocab_size: int, seed: int, size: int) -> list[int]:
+    return _stream(vocab_size, size, "filler", seed)
+
+
+def compact_token_ids(req: TraceRequest, block_tokens: int = MOONCAKE_BLOCK_TOKENS, vocab_size: int = 32000,
+                      seed: int = 0, *, salt: int) -> list[int]:
+    """`synth_token_ids` for a chained-hash prefix cache (the simulator's): the same sharing, ~50x cheaper.
+
+    The hash_ids blocks are synth_token_ids' own tokens, so shared prefixes are the same tokens with the
+    same block hashes. The rest, unique to the request there, is here a head that spells out `salt`
+    (which must tell the trace's rows apart: the row index) followed by a filler that every request
+    shares, as the same int objects: no per-token work. A prefix cache whose block hash chains in the
+    hash of the block before (vLLM's, batcher/block_manager.py) can match a block only after matching
+    every block before it, so nothing from the unique head on is ever found, as with synth_token_ids'
+    random tail: replaying a trace gives the same hits, and the same results, with either (for cache
+    block sizes that divide block_tokens, so that the head starts a block).
+    """
+    if not 0 <= salt < vocab_size ** SALT_DIGITS:
+        raise ValueError(f"salt {salt} out of range for a {SALT_DIGITS}-token head")
+    n = req.input_tokens
+    ids = _hash_blocks(req, block_tokens, vocab_size, seed)
+    if len(ids) < n:
+        head = [salt // vocab_size ** k % vocab_size for k in range(SALT_DIGITS)]
+        filler = _filler(vocab_size, seed, 1 << max(n, 4096).bit_length())
+        ids += head[: n - len(ids)]
+        ids += filler[: n - len(ids)]
     return ids
 
 

@@ -147,3 +147,22 @@ def test_cli_writes_a_summary(tmp_path):
     assert s["requests"] == 40 and s["finish"] == {"LENGTH": 40} and s["output_tokens"] == 400
     assert {"p50", "p95", "p99"} <= set(s["ttft_ms"]) and s["throughput_tok_s"] > 0
     assert traces is not None
+
+
+@pytest.mark.parametrize("pipelined,workers", [(False, 1), (True, 2)])
+def test_in_process_path_equals_the_sidecar_path(pipelined, workers):
+    """simulate() runs steps in process by default; through SimWorker (StepInput/StepOutput, the worker
+    checking every KV promise) it must give the same trace: tight pool (preemptions), shared prefixes,
+    a warm prefix, aborts."""
+    rng = random.Random(8)
+    system = tokens(42, 64)
+    reqs = [SimRequest(0.003 * i, (system if i % 2 else []) + tokens(i % 9, rng.randrange(20, 200)),
+                       rng.randrange(1, 60)) for i in range(120)]
+    aborts = {f"r{i}": 0.003 * i + 0.02 for i in range(0, 120, 10)}
+    kw = dict(num_blocks=40, num_workers=workers, pipelined=pipelined, aborts=aborts, warm_prefixes=[system])
+    fast = simulate(reqs, cfg(), COST, **kw)
+    checked = simulate(reqs, cfg(), COST, check_kv=True, **kw)
+    assert checked.preemptions > 0 and checked.prefix_hits > 0 and checked.finish.get("ABORT")
+    skip = {"schedulers"}
+    assert {k: v for k, v in vars(fast).items() if k not in skip} == \
+        {k: v for k, v in vars(checked).items() if k not in skip}
