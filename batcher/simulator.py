@@ -143,12 +143,17 @@ class SimWorker:
                 prefill_tokens += n
             if not left:
                 # deterministic, never a stop token: outputs end by length
-                tok = token_fn(rid, toks) if token_fn is not None else (end * 31 + len(rid)) % vocab
+                tok = token_fn(rid, toks) if token_fn is not None else sim_token(end, rid, vocab)
                 toks.append(tok)
                 ids.append(rid)
                 sampled.append([tok])
         return (StepOutput(step=step.step, worker_id=0, request_ids=ids, sampled_token_ids=sampled),
                 (prefill_tokens, decode_seqs, kv_read))
+
+
+def sim_token(num_tokens: int, request_id: str, vocab: int) -> int:
+    """The token a simulated worker samples after num_tokens tokens: deterministic, never a stop token."""
+    return (num_tokens * 31 + len(request_id)) % vocab
 
 
 def run_in_process(scheduled: list, vocab: int = 32000) -> tuple[list[int | None], tuple[int, int, int]]:
@@ -161,8 +166,7 @@ def run_in_process(scheduled: list, vocab: int = 32000) -> tuple[list[int | None
     _, ns, dones, _, _ = zip(*scheduled)
     # Decodes: one token onto computed ones. done == 1 is a one-token prompt: n == 1 but a prefill.
     decode_seqs = ns.count(1) - dones.count(1)
-    tokens = [(done * 31 + len(req.request_id)) % vocab if samples else None  # SimWorker's default token
-              for req, _, done, samples, _ in scheduled]
+    tokens = [sim_token(done, req.request_id, vocab) if samples else None for req, _, done, samples, _ in scheduled]
     return tokens, (sum(ns) - decode_seqs, decode_seqs, sum(dones))
 
 
@@ -273,19 +277,17 @@ def simulate(requests: Sequence[SimRequest | TraceSimRequest], cfg: BatcherConfi
             p = live.get(rid)
             assert p is not None, f"a delta for {rid} after its finish"
             n = p.outputs
+            if (new or reason is not None) and rid not in first_chunk_cached:
+                first_chunk_cached[rid] = d.num_cached_tokens
             if new:
                 if not n:
                     p.first_at = now
-                    if rid not in first_chunk_cached:
-                        first_chunk_cached[rid] = d.num_cached_tokens
                 n += len(new)
-                p.outputs = output_tokens[rid] = n
+                p.outputs = n
                 if n >= p.near_done_from:
                     p.near_done_at = now
                     p.near_done_from = math.inf
             if reason is not None:
-                if not n and rid not in first_chunk_cached:
-                    first_chunk_cached[rid] = d.num_cached_tokens
                 name = FinishReason(reason).name
                 res.finish[name] = res.finish.get(name, 0) + 1
                 del live[rid]
@@ -303,7 +305,7 @@ def simulate(requests: Sequence[SimRequest | TraceSimRequest], cfg: BatcherConfi
         """deliver() for deltas of one token that neither start nor end their request (update_in_order())."""
         for rid in rids:
             p = live[rid]
-            n = p.outputs = p.outputs + 1  # output_tokens[rid] is brought up to date when it finishes
+            n = p.outputs = p.outputs + 1
             if n >= p.near_done_from:
                 p.near_done_at = now
                 p.near_done_from = math.inf
