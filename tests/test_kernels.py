@@ -17,6 +17,7 @@ if not ON_GPU:  # must be set before triton is first imported
 triton = pytest.importorskip("triton")
 
 from workers.kernels.paged_attention import paged_decode, paged_prefill, write_kv  # noqa: E402
+from workers.kv_cache import transpose_v_pages, v_rows  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPE = torch.bfloat16 if ON_GPU else torch.float32
@@ -87,28 +88,34 @@ def test_paged_decode_sliding_window():
         assert rel_err(out, ref) < (1e-2 if ON_GPU else 1e-5)
 
 
-@pytest.mark.parametrize("variant", [{"INT8_QK": False, "INT8_PV": False}, {}, {"INT8_QK": True, "INT8_PV": True}])
-def test_int8_write_then_decode_is_within_int8_rounding(variant):
+@pytest.mark.parametrize("variant,window", [({"INT8_QK": False}, None), ({}, None), ({"INT8_QK": False}, 25),
+                                            ({}, 25)])
+def test_int8_write_then_decode_is_within_int8_rounding(variant, window):
     """variant: K/V dequantised to the q dtype for tl.dot (exact), or the default: q.k^T on int8 tensor
-    cores (q rounded per row), or p.V on int8 tensor cores too (p rounded per row and tile)."""
+    cores (q rounded per row). V pages are written transposed; a window starts mid-page."""
     batch, heads, kv_heads, dim, max_len = 2, 4, 2, 32, 40
     q, kc, vc, bt, lens = make_case(batch, heads, kv_heads, dim, max_len, 7)
     k_scale = (kc.float().abs().amax(dim=(0, 1, 3)) / 127).to(DEVICE)
     v_scale = (vc.float().abs().amax(dim=(0, 1, 3)) / 127).to(DEVICE)
-    kq = torch.zeros(kc.shape, dtype=torch.int8, device=DEVICE)
-    vq = torch.zeros_like(kq)
-    slots = torch.arange(kc.shape[0] * PAGE, device=DEVICE)
-    write_kv(kc.reshape(-1, kv_heads, dim), vc.reshape(-1, kv_heads, dim), kq, vq, slots, k_scale, v_scale)
+    lens = torch.tensor([36, 12], dtype=torch.int32, device=DEVICE)
+    slots = torch.cat([bt[b, p // PAGE].long() * PAGE + p % PAGE  # each context's tokens, nothing past its end
+                       for b, n in enumerate(lens.tolist()) for p in [torch.arange(n, device=DEVICE)]])
+    kq = torch.full(kc.shape, 99, dtype=torch.int8, device=DEVICE)  # stale values past the ends: masked
+    vq = transpose_v_pages(torch.full_like(kq, 99))
+    write_kv(kc.reshape(-1, kv_heads, dim)[slots], vc.reshape(-1, kv_heads, dim)[slots], kq, vq, slots,
+             k_scale, v_scale)
     # the quantised pool equals round-half-away(x / scale)
-    expect = kc.float() / k_scale[None, None, :, None]
-    expect = torch.sign(expect) * torch.floor(expect.abs() + 0.5)
-    assert torch.equal(kq.float(), expect.clamp(-127, 127))
+    for stored, x, scale in ((kq, kc, k_scale), (v_rows(vq), vc, v_scale)):
+        expect = x.float() / scale[None, None, :, None]
+        expect = (torch.sign(expect) * torch.floor(expect.abs() + 0.5)).clamp(-127, 127)
+        at = (slots // PAGE, slots % PAGE)
+        assert torch.equal(stored[at].float(), expect[at])
     out = paged_decode(q, kq, vq, bt, lens, dim ** -0.5, num_parts=2, k_scale=k_scale, v_scale=v_scale,
-                       config=variant)
-    ref_exact = reference_decode(q, kc, vc, bt, lens, dim ** -0.5)
-    ref_quant = reference_decode(q, kq, vq, bt, lens, dim ** -0.5, k_scale, v_scale)
-    # the kernel computes its function exactly, up to the variant's own rounding of q / p
-    exact = variant.get("INT8_QK") is False and variant.get("INT8_PV") is False
+                       config=variant, window=window)
+    ref_exact = reference_decode(q, kc, vc, bt, lens, dim ** -0.5, window=window)
+    ref_quant = reference_decode(q, kq, v_rows(vq), bt, lens, dim ** -0.5, k_scale, v_scale, window=window)
+    # the kernel computes its function exactly, up to the default's own rounding of q
+    exact = variant.get("INT8_QK") is False
     assert rel_err(out, ref_quant) < (2e-2 if not exact else 1e-2 if ON_GPU else 1e-5)
     assert rel_err(out, ref_exact) < 0.03  # and int8 rounding costs little
 
@@ -173,11 +180,12 @@ def test_paged_prefill_matches_reference(window, quant):
         kc, vc, ks, vs = kc.to(torch.int8), vc.clamp(-127, 127).to(torch.int8), ks.to(DEVICE), vs.to(DEVICE)
     else:
         kc, vc = kc.to(DTYPE), vc.to(DTYPE)
+    v_pool = transpose_v_pages(vc) if quant else vc  # int8 pools store V pages transposed
     q = torch.randn(sum(q_lens), heads, dim, generator=g).to(DTYPE)
     qsl = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
     out = torch.full_like(q, float("nan")).to(DEVICE)
     first = 2  # the first two are the step's decodes: not the prefill kernel's rows
-    paged_prefill(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), bt.to(DEVICE), seq_lens.to(DEVICE), qsl.to(DEVICE),
+    paged_prefill(q.to(DEVICE), kc.to(DEVICE), v_pool.to(DEVICE), bt.to(DEVICE), seq_lens.to(DEVICE), qsl.to(DEVICE),
                   first, len(chunks) - first, max(q_lens[first:]), dim ** -0.5, out, ks, vs, window)
     ref = reference_prefill(q, kc, vc, bt, seq_lens, qsl, first, dim ** -0.5, window, ks, vs)
     assert torch.isnan(out[:int(qsl[first])]).all()  # decode rows untouched

@@ -22,7 +22,7 @@ from workers.attention.torch_ref import TorchAttentionBackend
 from workers.calibrate import compare_kv, make_runner, prefill
 from workers.config import WorkerConfig
 from workers.kv_cache import (DYNAMIC_MARGIN, KVCache, bytes_per_block, dequantize, load_kv_scales, quantize_int8,
-                              save_kv_scales)
+                              save_kv_scales, transpose_v_pages, v_rows)
 from workers.runner import ModelRunner
 
 PAGE = 16
@@ -132,7 +132,7 @@ def test_backend_int8_attention_is_exact_on_its_values_and_within_int8_rounding(
         row += m
     exact = reference(q, k, v, seqs, d ** -0.5)
     kq = kc[tables.long()].view(3, 48, hkv, d)  # each sequence's pages, in order
-    vq = vc[tables.long()].view(3, 48, hkv, d)
+    vq = v_rows(vc)[tables.long()].reshape(3, 48, hkv, d)  # V pages are stored transposed
     kd, vd = dequantize(kq, ks, torch.float64), dequantize(vq, vs, torch.float64)
     for b, n in enumerate(lens):  # what was stored is the nearest step: |x - deq| <= scale / 2
         assert ((kd[b, :n] - k[b, :n].double()).abs() <= ks.double()[:, None] / 2 + 1e-7).all()
@@ -156,9 +156,10 @@ def test_torch_quantiser_matches_the_triton_write_kernel_bit_for_bit():
     scale = torch.tensor([0.05, 0.01])
     x[0, 0, :4] = torch.tensor([0.025, -0.025, 0.075, 9.0])  # ties at +-0.5 step, and a clamp
     kc = torch.zeros(4, PAGE, 2, 16, dtype=torch.int8)
-    vc = torch.zeros_like(kc)
+    vc = transpose_v_pages(torch.zeros_like(kc))
     write_kv(x, x, kc, vc, torch.arange(40), scale, scale)
     assert torch.equal(kc.view(-1, 2, 16)[:40], quantize_int8(x, scale))
+    assert torch.equal(v_rows(vc).reshape(-1, 2, 16)[:40], quantize_int8(x, scale))
     assert quantize_int8(x, scale)[0, 0, :4].tolist() == [1, -1, 2, 127]  # half away from zero; clamped
 
 
@@ -176,7 +177,9 @@ def test_dynamic_scales_are_set_once_from_the_first_step_and_not_by_warm_ups(tex
     first_k, first_v = scales.k.clone(), scales.v.clone()
     # the first chunk's largest |K| per head landed at 127 / margin steps
     n = 300
-    stored = r.kv_cache.pool[:, :, :-(-n // PAGE)].flatten(2, 3)[:, :, :n]  # [L, 2, n, Hkv, D]
+    blocks = -(-n // PAGE)
+    stored = torch.stack([torch.stack([k[:blocks], v_rows(v)[:blocks]]) for k, v in r.kv_cache.layer_caches()])
+    stored = stored.flatten(2, 3)[:, :, :n]  # [L, 2, n, Hkv, D]
     peak = stored.abs().amax(dim=(2, 4)).float()
     assert torch.equal(peak, torch.full_like(peak, round(127 / DYNAMIC_MARGIN)))
     prefill(r, [b * 7 % 256 for b in text_ids[300:900]], 256, rid="b", step=4)  # other text: fixed scales

@@ -9,7 +9,9 @@ block ids into slots.
 
 Layout [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]: each layer's
 K and V are contiguous [num_blocks, block_size, Hkv, D] tensors, the layout the Triton
-kernels (workers/kernels/paged_attention.py) read.
+kernels (workers/kernels/paged_attention.py) read. int8 pools store V pages transposed:
+the same bytes viewed as [num_blocks, Hkv, D, block_size] (`transpose_v_pages`), so the
+decode kernel's p.V reads each (page, head)'s keys contiguously (docs/kv_int8.md).
 
 int8: a stored value q stands for q * scale[head] (scale = the dequantisation step, float32,
 one per layer and KV head, for K and V apart). Writes round half away from zero and clamp to
@@ -52,6 +54,17 @@ def quantize_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [..., Hkv, D] -> int8 round-half-away(x / scale[Hkv]) clamped to +-127 (the Triton rule)."""
     y = (x.float() / scale[:, None]).clamp(-127.0, 127.0)
     return (torch.sign(y) * torch.floor(y.abs() + 0.5)).to(torch.int8)
+
+
+def transpose_v_pages(v: torch.Tensor) -> torch.Tensor:
+    """V pages [num_blocks, page, Hkv, D] -> an int8 pool's layout [num_blocks, Hkv, D, page] (a copy)."""
+    return v.permute(0, 2, 3, 1).contiguous()
+
+
+def v_rows(v_cache: torch.Tensor) -> torch.Tensor:
+    """A layer's V as [num_blocks, page, Hkv, D] rows whatever the pool: int8 pools' transposed pages
+    as a strided view (no copy), for indexing by (block, offset)."""
+    return v_cache.permute(0, 3, 1, 2) if v_cache.dtype == torch.int8 else v_cache
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -122,7 +135,12 @@ class KVCache:
         self.scales = KVScales(num_layers, num_kv_heads, device) if dtype == torch.int8 else None
 
     def layer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(layer[0], layer[1]) for layer in self.pool]
+        """Per layer (k [num_blocks, page, Hkv, D], v): v has that shape too, or, in an int8 pool,
+        [num_blocks, Hkv, D, page] (pages transposed; the same memory)."""
+        if self.scales is None:
+            return [(layer[0], layer[1]) for layer in self.pool]
+        return [(layer[0], layer[1].view(layer[1].shape[0], *layer[1].shape[2:], layer[1].shape[1]))
+                for layer in self.pool]
 
     def layer_scales(self) -> list[LayerScales] | None:
         return self.scales.layers if self.scales is not None else None

@@ -6,7 +6,9 @@ against. Must not keep state between steps other than what prepare() builds for 
 Decodes (one query each) are batched into one padded SDPA call; prefill chunks run one
 SDPA call per sequence with a causal mask offset by the chunk's start position, since
 chunks may start mid-prompt. Gather indices and masks are built once per step in
-prepare() and shared by all layers. An int8 pool is quantised on write and dequantised
+prepare() and shared by all layers, as (block, offset) pairs: pages are indexed as
+[num_blocks, page, Hkv, D] rows, which an int8 pool's transposed V pages are too, through a
+strided view (workers.kv_cache.v_rows). An int8 pool is quantised on write and dequantised
 row by row as it is gathered (the step's working set only, the same transient copy the
 float path's gather makes).
 """
@@ -20,7 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from workers.attention.base import AttentionBackend, AttentionMetadata, allowed, key_slots, prefill_chunks
-from workers.kv_cache import LayerScales, dequantize, quantize_int8
+from workers.kv_cache import LayerScales, dequantize, quantize_int8, v_rows
 
 
 # Most gathered key rows one padded decode call may hold: bounds the transient K/V copy
@@ -31,12 +33,20 @@ MAX_DECODE_GATHER = 1 << 16
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+Slots = tuple[torch.Tensor, torch.Tensor]  # (block, offset in the page) of pool slots, same shape
+
+
+def _split(slots: torch.Tensor, block_size: int) -> Slots:
+    return slots // block_size, slots % block_size
+
+
 @dataclass
 class _Plan:
-    # decode groups: (first row, end row, slots [rows, max_len] int64 (0 where masked),
+    writes: Slots  # where this step's new K/V rows go
+    # decode groups: (first row, end row, slots [rows, max_len] (0 where masked),
     # mask [rows, 1, 1, max_len] bool, True = attend)
-    decodes: list[tuple[int, int, torch.Tensor, torch.Tensor]]
-    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (q_start, q_end, slots [L], mask [1, nq, L])
+    decodes: list[tuple[int, int, Slots, torch.Tensor]]
+    prefills: list[tuple[int, int, Slots, torch.Tensor]]  # (q_start, q_end, slots [L], mask [1, nq, L])
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -59,45 +69,45 @@ class TorchAttentionBackend(AttentionBackend):
             k_pos = torch.arange(longest, device=device)
             mask = allowed((lens - 1)[:, None], k_pos[None, :], sliding_window) & (k_pos[None, :] < lens[:, None])
             slots = torch.where(mask, key_slots(meta.block_tables[lo:hi], k_pos, block_size), 0)
-            decodes.append((lo, hi, slots, mask[:, None, None, :]))
+            decodes.append((lo, hi, _split(slots, block_size), mask[:, None, None, :]))
             lo = hi
-        prefills = prefill_chunks(meta, block_size, sliding_window)
-        meta.plan = _Plan(decodes, prefills)
+        prefills = [(q0, q1, _split(slots, block_size), mask)
+                    for q0, q1, slots, mask in prefill_chunks(meta, block_size, sliding_window)]
+        meta.plan = _Plan(_split(meta.slot_mapping, block_size), decodes, prefills)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 kv_scales: LayerScales | None = None) -> torch.Tensor:
         plan: _Plan = meta.plan
-        flat_k = k_cache.view(-1, *k_cache.shape[2:])
-        flat_v = v_cache.view(-1, *v_cache.shape[2:])
+        rows_k, rows_v = k_cache, v_rows(v_cache)  # [num_blocks, page, Hkv, D]
         if kv_scales is not None:  # int8 pool: quantise on write, dequantise each gathered working set
             kv_scales.observe(k, v)
             ks, vs = kv_scales.k, kv_scales.v
-            flat_k.index_copy_(0, meta.slot_mapping, quantize_int8(k, ks))
-            flat_v.index_copy_(0, meta.slot_mapping, quantize_int8(v, vs))
+            rows_k[plan.writes] = quantize_int8(k, ks)
+            rows_v[plan.writes] = quantize_int8(v, vs)
 
-            def read(flat, slots, s):
-                return dequantize(flat[slots], s, q.dtype)
+            def read(rows, slots, s):
+                return dequantize(rows[slots], s, q.dtype)
         else:
-            flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
-            flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
+            rows_k[plan.writes] = k.to(rows_k.dtype)
+            rows_v[plan.writes] = v.to(rows_v.dtype)
             ks = vs = None
 
-            def read(flat, slots, s):
-                return flat[slots].to(q.dtype)
+            def read(rows, slots, s):
+                return rows[slots].to(q.dtype)
         out = torch.empty_like(q)
-        num_kv_heads = flat_k.shape[1]
+        num_kv_heads = rows_k.shape[2]
         group = q.shape[1] // num_kv_heads
         with sdpa_kernel(_SDPA_BACKENDS):
             for lo, hi, slots, mask in plan.decodes:
-                kd = read(flat_k, slots, ks).transpose(1, 2)  # [rows, Hkv, L, D]
-                vd = read(flat_v, slots, vs).transpose(1, 2)
+                kd = read(rows_k, slots, ks).transpose(1, 2)  # [rows, Hkv, L, D]
+                vd = read(rows_v, slots, vs).transpose(1, 2)
                 qd = q[lo:hi].unflatten(1, (num_kv_heads, group))  # [rows, Hkv, G, D]: a KV head's G queries
                 o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
                 out[lo:hi] = o.flatten(1, 2)
             for q_start, q_end, slots, mask in plan.prefills:
-                kp = read(flat_k, slots, ks).transpose(0, 1)  # [Hkv, L, D]
-                vp = read(flat_v, slots, vs).transpose(0, 1)
+                kp = read(rows_k, slots, ks).transpose(0, 1)  # [Hkv, L, D]
+                vp = read(rows_v, slots, vs).transpose(0, 1)
                 nq = q_end - q_start
                 # [nq, Hq, D] -> [Hkv, G*nq, D]: each KV head attends for its G query heads at once
                 qp = q[q_start:q_end].unflatten(1, (num_kv_heads, group)).permute(1, 2, 0, 3).flatten(1, 2)

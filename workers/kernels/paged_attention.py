@@ -8,14 +8,17 @@ Owns two kernels and their launchers; knows nothing of requests or scheduling.
   Long contexts split into `num_parts` partitions (flash-decoding), reduced by a
   second kernel; each sequence splits its own length, so the launch needs no
   host-side lengths and is CUDA-graph safe. int8 pools: q.k^T on int8 tensor cores
-  (q rounded per row; DECODE_CONFIG_INT8).
+  (q rounded per row; DECODE_CONFIG_INT8), whole pages per load.
 - `paged_prefill`: the prefill chunks of a step, all sequences in one launch (varlen:
   packed query rows, each sequence's chunk at its own offset), flash-attention style
   over the same pages: causal from the chunk's start position, so a chunk after a
   cached prefix or an earlier chunk needs no gather and no mask tensor.
 - `write_kv`: scatter new K/V rows into the pool by slot (= block * page + offset),
   quantising to int8 with per-head scales when the pool is int8.
-Pool layout per layer: k/v [num_blocks, page, num_kv_heads, head_dim].
+Pool layout per layer: k [num_blocks, page, num_kv_heads, head_dim]; v the same, except in int8
+pools, whose V pages are stored transposed, v [num_blocks, num_kv_heads, head_dim, page] (as vLLM's
+paged-attention value cache): p.V's B operand wants the tokens contiguous, and int8 has no transposing
+shared-memory load, so the standard layout cost a byte-wise shuffle per V element (workers/kv_cache.py).
 """
 
 from __future__ import annotations
@@ -28,13 +31,41 @@ LOG2E = 1.4426950408889634
 # Launch configs (H200-tuned with `python -m workers.kernel_bench`, docs/perf.md); the interpreter
 # (CPU tests) gets small tiles.
 DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-# int8 pools: q.k^T on int8 tensor cores (q quantised per row), V converted for p.V; 2 warps. 1.3x the
-# bf16 kernel at 128 x 2k, where converting K and V to bf16 for tl.dot ran at 0.87x; p.V on int8 tensor
-# cores too (INT8_PV: p quantised per row and tile) is no faster and doubles the error (docs/kv_int8.md)
-DECODE_CONFIG_INT8 = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 3, "INT8_QK": True, "INT8_PV": False}
+# int8 pools: q.k^T on int8 tensor cores (q quantised per row), page-transposed V converted for p.V,
+# 128-key tiles on 2 warps (docs/kv_int8.md has the sweep). INT8_QK False: K converted too (exact
+# dequantisation, the tests' and the bench's reference; slower than bf16 KV)
+DECODE_CONFIG_INT8 = {"BLOCK_N": 128, "num_warps": 2, "num_stages": 2, "INT8_QK": True}
 PREFILL_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
 PREFILL_CONFIG_CPU = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 MAX_PARTITIONS = 32
+
+
+@triton.jit
+def _load_kv(k_ptr, v_ptr, bt_row_ptr, n0, end, kvh, s_kb, s_kt, s_kh, s_vb, s_vh, s_vd,
+             D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr):
+    """K and V [BLOCK_N, D] of keys n0 .. n0+BLOCK_N-1 (n0 a multiple of PAGE); keys >= end read as 0 or
+    as stale finite values that the caller masks out of q.k^T. bf16/fp32: one row per key, masked per
+    key (a freed block's stale NaN must not reach p.V). int8: whole pages, masked per page (every int8
+    is finite, so p = 0 cancels a stale value): 16-byte loads, and V's transposed pages load as [D, keys]."""
+    offs_d = tl.arange(0, D)
+    if QUANT:
+        offs_b = n0 // PAGE + tl.arange(0, BLOCK_N // PAGE)
+        page_ok = offs_b * PAGE < end
+        blk = tl.load(bt_row_ptr + offs_b, mask=page_ok, other=0).to(tl.int64)
+        offs_p = tl.arange(0, PAGE)
+        k = tl.load(k_ptr + (blk * s_kb + kvh * s_kh)[:, None, None] + (offs_p * s_kt)[None, :, None]
+                    + offs_d[None, None, :], mask=page_ok[:, None, None], other=0)
+        vt = tl.load(v_ptr + (blk * s_vb + kvh * s_vh)[None, :, None] + (offs_d * s_vd)[:, None, None]
+                     + offs_p[None, None, :], mask=page_ok[None, :, None], other=0)
+        return tl.reshape(k, (BLOCK_N, D)), tl.trans(tl.reshape(vt, (D, BLOCK_N)))
+    else:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        block = tl.load(bt_row_ptr + offs_n // PAGE, mask=mask_n, other=0)
+        kv_off = block.to(tl.int64) * s_kb + (offs_n % PAGE) * s_kt + kvh * s_kh
+        k = tl.load(k_ptr + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        v = tl.load(v_ptr + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        return k, v
 
 
 @triton.jit(do_not_specialize=["s_btb"])
@@ -42,10 +73,9 @@ def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, ks_ptr, vs_ptr,
     out_ptr, po_ptr, pm_ptr, pl_ptr,
     sm_scale,
-    s_qb, s_qh, s_kb, s_kt, s_kh, s_btb, s_ob, s_oh,
+    s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vh, s_vd, s_btb, s_ob, s_oh,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_PARTS: tl.constexpr, QUANT: tl.constexpr, WINDOW: tl.constexpr, INT8_QK: tl.constexpr,
-    INT8_PV: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -54,9 +84,11 @@ def _decode_kernel(
     lo = 0
     if WINDOW > 0:  # sliding window: the query (at seq_len - 1) sees the last WINDOW positions
         lo = tl.maximum(seq_len - WINDOW, 0)
-    # Each sequence splits its own span into NUM_PARTS chunks of whole BLOCK_N tiles.
-    part_len = tl.cdiv(tl.cdiv(seq_len - lo, NUM_PARTS), BLOCK_N) * BLOCK_N
-    start = lo + part * part_len
+    # Each sequence splits its own span into NUM_PARTS chunks of whole BLOCK_N tiles, from the tile that
+    # holds lo (tiles start on page boundaries; keys before lo are masked).
+    first = lo // BLOCK_N * BLOCK_N
+    part_len = tl.cdiv(tl.cdiv(seq_len - first, NUM_PARTS), BLOCK_N) * BLOCK_N
+    start = first + part * part_len
     end = tl.minimum(start + part_len, seq_len)
 
     offs_g = tl.arange(0, G_PAD)
@@ -82,10 +114,10 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        block = tl.load(bt_ptr + b * s_btb + offs_n // PAGE, mask=mask_n, other=0)
-        kv_off = block.to(tl.int64) * s_kb + (offs_n % PAGE) * s_kt + kvh * s_kh
-        k = tl.load(k_ptr + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        v = tl.load(v_ptr + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        if WINDOW > 0:
+            mask_n = mask_n & (offs_n >= lo)
+        k, v = _load_kv(k_ptr, v_ptr, bt_ptr + b * s_btb, n0, end, kvh, s_kb, s_kt, s_kh, s_vb, s_vh, s_vd,
+                        D, PAGE, BLOCK_N, QUANT)
         if INT8_QK:
             qk = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * (row_scale * qk_scale)[:, None]
         else:
@@ -94,15 +126,8 @@ def _decode_kernel(
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
-        if INT8_PV:  # p to int8 per (row, tile): steps of the row's tile max / 127; l sums the same p
-            p_scale = tl.maximum(tl.max(p, 1), 1e-30) / 127.0
-            p8 = tl.floor(p / p_scale[:, None] + 0.5)
-            l_i = l_i * alpha + tl.sum(p8, 1) * p_scale
-            pv = tl.dot(p8.to(tl.int8), v, out_dtype=tl.int32).to(tl.float32) * p_scale[:, None]
-        else:
-            l_i = l_i * alpha + tl.sum(p, 1)
-            pv = tl.dot(p.to(out_ptr.dtype.element_ty), v.to(out_ptr.dtype.element_ty))
-        acc = acc * alpha[:, None] + pv
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(out_ptr.dtype.element_ty), v.to(out_ptr.dtype.element_ty))
         m_i = m_new
     if QUANT:
         acc = acc * v_scale
@@ -143,12 +168,19 @@ def num_partitions(batch: int, num_kv_heads: int, max_model_len: int, num_sms: i
     return min(triton.next_power_of_2(want), triton.next_power_of_2(cap), MAX_PARTITIONS)
 
 
+def _v_strides(v_cache: torch.Tensor) -> tuple[int, int, int]:
+    """(block, KV head, dim) strides of an int8 pool's page-transposed V [num_blocks, Hkv, D, page]; the
+    kernels read other pools' V with K's strides."""
+    return v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, sm_scale: float, num_parts: int = 1,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, window: int | None = None,
                  config: dict | None = None) -> torch.Tensor:
-    """q [B, Hq, D]; k/v_cache [num_blocks, page, Hkv, D]; block_tables [B, max_blocks] int32;
+    """q [B, Hq, D]; k_cache [num_blocks, page, Hkv, D], v_cache the same or, int8, [num_blocks, Hkv, D, page];
+    block_tables [B, max_blocks] int32;
     seq_lens [B] int32 (context length incl. the new token, already written). Returns [B, Hq, D].
     config: BLOCK_N / num_warps / num_stages overrides (the kernel bench sweeps them)."""
     batch, num_heads, head_dim = q.shape
@@ -163,16 +195,16 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         pl = torch.empty_like(pm)
     else:
         po = pm = pl = out
-    cfg = {"INT8_QK": False, "INT8_PV": False, **(DECODE_CONFIG_INT8 if quant else DECODE_CONFIG), **(config or {})}
-    int8_qk, int8_pv = cfg.pop("INT8_QK") and quant, cfg.pop("INT8_PV") and quant
+    cfg = {"INT8_QK": False, **(DECODE_CONFIG_INT8 if quant else DECODE_CONFIG), **(config or {})}
+    int8_qk = cfg.pop("INT8_QK") and quant
     dummy = seq_lens
     _decode_kernel[(batch, num_kv_heads, num_parts)](
         q, k_cache, v_cache, block_tables, seq_lens, k_scale if quant else dummy, v_scale if quant else dummy,
         out, po, pm, pl, sm_scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *_v_strides(v_cache),
+        block_tables.stride(0), out.stride(0), out.stride(1),
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=head_dim, PAGE=page, NUM_PARTS=num_parts,
-        QUANT=quant, WINDOW=window or 0, INT8_QK=int8_qk, INT8_PV=int8_pv, **cfg,
+        QUANT=quant, WINDOW=window or 0, INT8_QK=int8_qk, **cfg,
     )
     if num_parts > 1:
         _reduce_kernel[(batch, num_heads)](po, pm, pl, out, out.stride(0), out.stride(1), num_heads,
@@ -182,16 +214,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 @triton.jit
 def _prefill_tile(q, m_i, l_i, acc, n0, hi, q_pos, qk_scale, k_ptr, v_ptr, bt_row_ptr, kvh, s_kb, s_kt, s_kh,
-                  D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-                  WINDOW: tl.constexpr):
+                  s_vb, s_vh, s_vd, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+                  WINDOW: tl.constexpr, QUANT: tl.constexpr):
     """One BLOCK_N tile of keys [n0, n0 + BLOCK_N) into the online softmax; MASK: causal/window/end mask."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D)
     mask_n = offs_n < hi
-    block = tl.load(bt_row_ptr + offs_n // PAGE, mask=mask_n, other=0)
-    kv_off = block.to(tl.int64) * s_kb + (offs_n % PAGE) * s_kt + kvh * s_kh
-    k = tl.load(k_ptr + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0).to(q.dtype)
-    v = tl.load(v_ptr + kv_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0).to(q.dtype)
+    k, v = _load_kv(k_ptr, v_ptr, bt_row_ptr, n0, hi, kvh, s_kb, s_kt, s_kh, s_vb, s_vh, s_vd, D, PAGE, BLOCK_N, QUANT)
+    k, v = k.to(q.dtype), v.to(q.dtype)
     qk = tl.dot(q, tl.trans(k)) * qk_scale
     if MASK:
         ok = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
@@ -212,7 +241,7 @@ def _prefill_tile(q, m_i, l_i, acc, n0, hi, q_pos, qk_scale, k_ptr, v_ptr, bt_ro
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, qsl_ptr, ks_ptr, vs_ptr, out_ptr,
     sm_scale, first_seq,
-    s_qt, s_qh, s_kb, s_kt, s_kh, s_btb, s_ot, s_oh,
+    s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vh, s_vd, s_btb, s_ot, s_oh,
     G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QUANT: tl.constexpr, WINDOW: tl.constexpr,
 ):
@@ -248,10 +277,10 @@ def _prefill_kernel(
         full_end = first_q // BLOCK_N * BLOCK_N
         for n0 in range(0, full_end, BLOCK_N):
             m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, n0, hi, q_pos, qk_scale, k_ptr, v_ptr, bt_row_ptr, kvh,
-                                          s_kb, s_kt, s_kh, D, PAGE, BLOCK_N, False, WINDOW)
+                                          s_kb, s_kt, s_kh, s_vb, s_vh, s_vd, D, PAGE, BLOCK_N, False, WINDOW, QUANT)
     for n0 in range(full_end, hi, BLOCK_N):
         m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, n0, hi, q_pos, qk_scale, k_ptr, v_ptr, bt_row_ptr, kvh,
-                                      s_kb, s_kt, s_kh, D, PAGE, BLOCK_N, True, WINDOW)
+                                      s_kb, s_kt, s_kh, s_vb, s_vh, s_vd, D, PAGE, BLOCK_N, True, WINDOW, QUANT)
     out = acc / l_i[:, None]
     if QUANT:
         out = out * tl.load(vs_ptr + kvh)
@@ -277,8 +306,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         k_scale if quant else seq_lens, v_scale if quant else seq_lens, out, sm_scale, first_seq,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *_v_strides(v_cache),
+        block_tables.stride(0), out.stride(0), out.stride(1),
         G=num_heads // num_kv_heads, D=head_dim, PAGE=page, QUANT=quant, WINDOW=window or 0, **cfg,
     )
     return out
@@ -286,7 +315,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, s_kt, s_kh, s_vt, s_vh,
-                     s_cb, s_ct, s_ch, PAGE: tl.constexpr, D: tl.constexpr, QUANT: tl.constexpr):
+                     s_cb, s_ct, s_ch, s_db, s_dt, s_dh, s_dd, PAGE: tl.constexpr, D: tl.constexpr,
+                     QUANT: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -296,23 +326,26 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, s_k
     k = tl.load(k_ptr + t * s_kt + h * s_kh + offs_d).to(tl.float32)
     v = tl.load(v_ptr + t * s_vt + h * s_vh + offs_d).to(tl.float32)
     dst = (slot // PAGE) * s_cb + (slot % PAGE) * s_ct + h * s_ch + offs_d
+    v_dst = (slot // PAGE) * s_db + (slot % PAGE) * s_dt + h * s_dh + offs_d * s_dd  # int8: transposed pages
     if QUANT:
         k = tl.clamp(k / tl.load(ks_ptr + h), -127.0, 127.0)
         v = tl.clamp(v / tl.load(vs_ptr + h), -127.0, 127.0)
         k = tl.where(k >= 0, tl.floor(k + 0.5), -tl.floor(0.5 - k))  # round half away from zero
         v = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v))
     tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty))
-    tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty))
+    tl.store(vc_ptr + v_dst, v.to(vc_ptr.dtype.element_ty))
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
              k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
-    """k/v [T, Hkv, D] into the pool at slots [T] (int64; -1 = skip)."""
+    """k/v [T, Hkv, D] into the pool at slots [T] (int64; -1 = skip); int8 pools' V pages are transposed."""
     tokens, num_kv_heads, head_dim = k.shape
     quant = k_cache.dtype == torch.int8
+    vb, vh, vd = _v_strides(v_cache)
+    v_dst = (vb, 1, vh, vd) if quant else (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), 1)
     _write_kv_kernel[(tokens, num_kv_heads)](
         k, v, k_cache, v_cache, slots, k_scale if quant else slots, v_scale if quant else slots,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), PAGE=k_cache.shape[1], D=head_dim, QUANT=quant,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_dst, PAGE=k_cache.shape[1], D=head_dim, QUANT=quant,
         num_warps=1,
     )
