@@ -24,7 +24,7 @@ from workers.kv_cache import transpose_v_pages
 
 HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 16
 DECODE_GRID = {"BLOCK_N": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}
-INT8_GRID = {"INT8_QK": [True], "BLOCK_N": [64, 128, 256], "num_warps": [2, 4], "num_stages": [2, 3]}
+INT8_GRID = {"INT8_QK": [True], "BLOCK_N": [64, 128], "num_warps": [1, 2], "num_stages": [2, 3, 4]}
 PARTS_SHAPES = [(1, 1024), (1, 2048), (4, 2048), (8, 1024), (32, 1024), (64, 1024), (32, 2048), (64, 2048),
                 (128, 1024), (128, 2048), (256, 1024)]
 PREFILL_GRID = {"BLOCK_M": [64, 128], "BLOCK_N": [64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}
