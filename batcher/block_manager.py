@@ -12,12 +12,17 @@ recently freed first), then least recently freed (LRU eviction). Pinned blocks
 Must not do I/O or know about scheduling policy. Invariant (`check()`): every
 block is in exactly one of {free lists, referenced}: free + used == total, and
 a free block is on the cached free list iff it has a hash.
+
+Speed (the simulator frees, registers and evicts millions of blocks): the LRU
+list is a queue (`deque`) that blocks join at the back and leave at the front,
+one C list operation per block and no node to allocate as an OrderedDict would.
+A prefix hit that takes a free block out of the middle leaves a stale entry
+there instead, skipped when it reaches the front (`_evict()`).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from itertools import islice
+from collections import deque
 
 from batcher.request import Request
 
@@ -50,14 +55,19 @@ class BlockManager:
         # Free blocks, reused in this order: the uncached ones (a stack: the most recently freed is on top, at
         # the end; block 0 first at start), then the cached ones by age (LRU first, evicted when reused).
         self.free_uncached: list[int] = list(range(num_blocks - 1, -1, -1))
-        self.free_cached: OrderedDict[int, None] = OrderedDict()
+        # The cached ones: a queue, least recently freed first. A prefix hit on a free block leaves its entry
+        # there, stale, rather than cutting it out of the middle; `stale` counts them by block (a block's stale
+        # entries all come before its live one, if it has one: that one is added when it is freed again).
+        self.free_cached: deque[int] = deque()
+        self.stale: dict[int, int] = {}
+        self.num_stale = 0
         self.queries = 0  # tokens looked up in the prefix cache
         self.hits = 0  # of which were found
 
     # ------------------------------------------------------------------ queries
     @property
     def num_free(self) -> int:
-        return len(self.free_uncached) + len(self.free_cached)
+        return len(self.free_uncached) + len(self.free_cached) - self.num_stale
 
     @property
     def num_usable(self) -> int:
@@ -110,8 +120,9 @@ class BlockManager:
         assert not req.block_ids
         for h in req.block_hashes[:num_hit_blocks]:
             bid = self.cached[h]
-            if self.ref[bid] == 0:
-                del self.free_cached[bid]  # a cached block: it has a hash
+            if self.ref[bid] == 0:  # a free cached block: its entry in free_cached goes stale
+                self.stale[bid] = self.stale.get(bid, 0) + 1
+                self.num_stale += 1
             self.ref[bid] += 1
             req.block_ids.append(bid)
         req.num_registered_blocks = num_hit_blocks
@@ -130,9 +141,9 @@ class BlockManager:
         n = self.blocks_needed(req, num_new_tokens)
         if n == 0:
             return True
-        uncached, free_cached = self.free_uncached, self.free_cached
+        uncached = self.free_uncached
         k = len(uncached)
-        if n > k + len(free_cached):
+        if n > k + len(self.free_cached) - self.num_stale:
             return False
         if n <= k:
             taken = uncached[-n:]
@@ -141,20 +152,35 @@ class BlockManager:
         else:  # all the uncached ones, then evict: least recently freed cached blocks are reused for new K/V
             taken = uncached[::-1]
             uncached.clear()
-            cached, hash_of, tokens_of = self.cached, self.hash, self.tokens
-            victims = list(islice(free_cached, n - k))  # LRU first
-            for bid in victims:
-                del free_cached[bid]
-                del cached[hash_of[bid]]
-                hash_of[bid] = NO_HASH
-                tokens_of[bid] = None
-            taken += victims
+            taken += self._evict(n - k)
         ref = self.ref
         for bid in taken:
             ref[bid] = 1
         req.block_ids += taken
-        req.new_block_ids += taken
         return True
+
+    def _evict(self, n: int) -> list[int]:
+        """Take the n least recently freed cached blocks off the free list and out of the prefix cache."""
+        pop, stale = self.free_cached.popleft, self.stale
+        cached, hash_of, tokens_of = self.cached, self.hash, self.tokens
+        victims: list[int] = []
+        for _ in range(n):
+            bid = pop()
+            while bid in stale:  # taken by a prefix hit since it was freed (and maybe back, further on)
+                self._drop_stale(bid)
+                bid = pop()
+            victims.append(bid)
+            del cached[hash_of[bid]]
+            hash_of[bid] = NO_HASH
+            tokens_of[bid] = None
+        return victims
+
+    def _drop_stale(self, bid: int) -> None:
+        """One stale entry of bid has left free_cached."""
+        left = self.stale.pop(bid) - 1
+        if left:
+            self.stale[bid] = left
+        self.num_stale -= 1
 
     def cache_full_blocks(self, req: Request, num_tokens: int | None = None) -> None:
         """Register the request's newly full blocks among its first num_tokens [all computed] in the prefix cache.
@@ -189,7 +215,7 @@ class BlockManager:
         """Drop the request's references; tail blocks first so they are evicted first (vLLM): cached ones join
         the LRU end, uncached ones the top of the stack (so its head block is reused first)."""
         ref, hashes = self.ref, self.hash
-        uncached, cached = self.free_uncached, self.free_cached
+        uncached, lru = self.free_uncached, self.free_cached
         for bid in reversed(req.block_ids):
             r = ref[bid] - 1
             ref[bid] = r
@@ -197,10 +223,22 @@ class BlockManager:
                 if hashes[bid] is NO_HASH:
                     uncached.append(bid)
                 else:
-                    cached[bid] = None  # most recently freed, evicted last
+                    lru.append(bid)  # most recently freed, evicted last
+        if self.num_stale > self.num_blocks:  # hits on free blocks, and few evictions to pass their entries
+            self._compact_lru()
         req.block_ids = []
-        req.new_block_ids = []
         req.num_registered_blocks = 0
+
+    def _compact_lru(self) -> None:
+        """Drop the stale entries of free_cached; the others keep their order."""
+        stale = self.stale
+        keep = deque()
+        for bid in self.free_cached:
+            if bid in stale:
+                self._drop_stale(bid)
+            else:
+                keep.append(bid)
+        self.free_cached = keep
 
     # ------------------------------------------------------------------ warm pool
     def pin(self, block_ids: list[int]) -> None:
@@ -212,7 +250,15 @@ class BlockManager:
     def check(self) -> None:
         """Recount everything (tests): free + used == total, refs consistent, cache index sound."""
         used = sum(1 for r in self.ref if r > 0)
-        free_cached = list(self.free_cached)
+        stale = dict(self.stale)
+        assert sum(stale.values()) == self.num_stale and all(n > 0 for n in stale.values())
+        free_cached = []  # the entries that count: a block's stale ones come first
+        for bid in self.free_cached:
+            if stale.get(bid):
+                stale[bid] -= 1
+            else:
+                free_cached.append(bid)
+        assert not any(stale.values()), "a stale entry counted for a block not in free_cached"
         free = self.free_uncached + free_cached
         assert all(r >= 0 for r in self.ref), "negative refcount"
         assert used + len(free) == self.num_blocks, (used, len(free), self.num_blocks)

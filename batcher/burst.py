@@ -38,10 +38,13 @@ class BurstDetector:
         self.arrivals: deque[float] = deque()
         self.active = False
 
-    def observe(self, now: float, new_arrivals: int, queue_depth: int) -> bool:
+    def arrived(self, now: float, n: int) -> None:
+        """n requests arrived (seen by the schedule() at now)."""
+        self.arrivals.extend([now] * n)
+
+    def observe(self, now: float, queue_depth: int) -> bool:
+        """Is a burst on at now? Sets `active`, which the gate reads."""
         arrivals = self.arrivals
-        for _ in range(new_arrivals):
-            arrivals.append(now)
         horizon = now - self.window
         while arrivals and arrivals[0] < horizon:
             arrivals.popleft()

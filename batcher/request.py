@@ -23,9 +23,9 @@ class Status(enum.IntEnum):
 class Request:
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "params", "arrival_time", "status",
                  "num_computed_tokens", "block_ids", "block_hashes", "num_cached_tokens", "max_len",
-                 "internal", "on_worker", "first_delta_sent", "new_block_ids", "admit_seq", "seen_at",
-                 "gated_since", "num_preemptions", "num_registered_blocks", "num_output_placeholders",
-                 "max_num_tokens", "length_limit")
+                 "internal", "on_worker", "first_delta_sent", "num_sent_blocks", "admit_seq", "seen_at",
+                 "gated_since", "num_preemptions", "epoch", "num_registered_blocks", "num_output_placeholders",
+                 "max_num_tokens", "length_limit", "stop_check_from")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float = 0.0, max_len: int = 1 << 62, internal: bool = False):
@@ -40,20 +40,23 @@ class Request:
         self.block_hashes: list[int] = []  # chained hash of each full block, computed lazily
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.max_len = max_len  # context limit: min(max_model_len, max_active_blocks * block_size)
-        # Derived once for the hot paths: prompt + max_tokens outputs, and the number of tokens at which
-        # generation ends by LENGTH (max_tokens reached, or the context limit).
+        # Derived once for the hot paths: prompt + max_tokens outputs, the number of tokens at which
+        # generation ends by LENGTH (max_tokens reached, or the context limit), and the number from which a
+        # token appended may end it (so it is checked): one below that, or any with stop tokens.
         self.max_num_tokens = self.num_prompt_tokens + params.max_tokens
         self.length_limit = min(self.max_num_tokens, max_len)
+        self.stop_check_from = 0 if params.stop_token_ids else self.length_limit - 1
         # A warm-prefix request: its last token is a sentinel that is never computed, so the
         # worker never samples for it; its full blocks are pinned when the prefill is done.
         self.internal = internal
         self.on_worker = False  # the worker holds state for it (else the next step sends a NewReq)
         self.first_delta_sent = False
-        self.new_block_ids: list[int] = []  # blocks appended since the last StepInput
+        self.num_sent_blocks = 0  # of block_ids, those a StepInput gave the worker (schedule() sends the rest)
         self.admit_seq = 0  # admission order: preemption takes the newest
         self.seen_at: float | None = None  # first schedule() that saw it (the scheduler's clock)
         self.gated_since: float | None = None
         self.num_preemptions = 0
+        self.epoch = 0  # bumped when its steps in flight become void: it is preempted or finished
         self.num_registered_blocks = 0  # leading full blocks already offered to the prefix cache
         # Tokens that steps in flight will sample for it (async scheduling, vLLM's name): the worker already
         # has them when it runs the next step, so the scheduler counts them as known tokens of unknown value.

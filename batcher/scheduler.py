@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import deque
-from typing import Iterable
+from typing import Callable, Iterable
 
 from batcher.block_manager import BlockManager
 from batcher.burst import LongPromptGate
@@ -30,7 +30,7 @@ _WARM_PARAMS = SamplingParams(max_tokens=1)
 
 # What one step in flight does to one request, checked against the request when the step's output comes back:
 # (request, tokens computed in this step, its num_computed_tokens once this step is done, whether the worker samples
-# a token for it in this step, its num_preemptions when scheduled: a preempted request's old steps are void).
+# a token for it in this step, its epoch when scheduled: the step is void for it once it is preempted or finished).
 # A plain tuple: 256 per step.
 Scheduled = tuple[Request, int, int, bool, int]
 
@@ -47,6 +47,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.num_blocks = num_blocks
         self.buckets = parse_buckets(cfg.decode_buckets)
+        self.lanes: list[list[Request]] = [[] for _ in range(len(self.buckets) + 1)]  # _run_order()'s, kept empty
         self.watermark_blocks = int(cfg.watermark * num_blocks)
         self.max_len = max_model_len
         if cfg.max_active_blocks > 0:
@@ -142,39 +143,63 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
     def schedule(self, now: float) -> StepInput | None:
         """The next step, or None: nothing to run, or max_inflight_steps already in flight."""
-        batch = self._next_batch(now)
-        return None if batch is None else self._build_step(batch)
+        step = self._next_step(now)
+        if step is None:
+            return None
+        flight, num_running = step
+        new_reqs, cached_reqs, num_scheduled = [], [], {}
+        for i, (req, n, done, _, _) in enumerate(flight):
+            rid = req.request_id
+            num_scheduled[rid] = n
+            blocks = req.block_ids
+            if i >= num_running:  # admitted in this step: the worker gets its whole state
+                new_reqs.append(NewReq(request_id=rid, prompt_token_ids=req.prompt_token_ids, params=req.params,
+                                       block_ids=list(blocks), num_computed_tokens=done - n,
+                                       output_token_ids=req.output_token_ids))
+                req.num_sent_blocks = len(blocks)
+            elif len(blocks) > req.num_sent_blocks:
+                cached_reqs.append(CachedReq(rid, blocks[req.num_sent_blocks:]))
+                req.num_sent_blocks = len(blocks)
+        finished, self.finished_ids = self.finished_ids, []
+        return StepInput(step=self.step_no, new_reqs=new_reqs, cached_reqs=cached_reqs,
+                         num_scheduled_tokens=num_scheduled, finished_req_ids=finished)
 
-    def _next_batch(self, now: float) -> list[tuple[Request, int]] | None:
-        """What runs in the next step: (request, tokens) in run order (admissions last); None: no step."""
+    def _next_step(self, now: float) -> tuple[list[Scheduled], int] | None:
+        """Decide the next step and commit it (in_flight, and each request's state); returns its requests in run
+        order, admissions last, and how many come before the admissions. None: no step."""
         if len(self.in_flight) >= self.max_inflight_steps:
             return None
-        self.gate.detector.observe(now, self.new_arrivals, len(self.waiting) - self.num_internal)
-        self.new_arrivals = 0
+        if self.new_arrivals:  # stamped with the clock of the first schedule() that sees them
+            self.gate.detector.arrived(now, self.new_arrivals)
+            self.new_arrivals = 0
         budget = self.cfg.max_num_batched_tokens
-        batch: list[tuple[Request, int]] = []
-        budget, active, preempted = self._schedule_running(batch, budget)
+        flight: list[Scheduled] = []
+        budget, active, preempted = self._schedule_running(flight, budget)
+        num_running = len(flight)
         if self.waiting and not preempted:  # admitting while evicting would just thrash
-            self._admit_waiting(now, batch, budget, active)
+            # The gate's burst state, asked for only here (scheduling the running ones left the queue as it was).
+            self.gate.detector.observe(now, len(self.waiting) - self.num_internal)
+            self._admit_waiting(now, flight, budget, active)
         # An empty step carries finished ids to the worker, or error deltas back through update() (a step
         # already in flight brings those back anyway).
-        if not batch and not self.finished_ids and (not self.pending or self.in_flight):
+        if not flight and not self.finished_ids and (not self.pending or self.in_flight):
             return None
         self.step_no += 1
-        return batch
+        self.in_flight.append((self.step_no, flight))
+        return flight, num_running
 
-    def _run_order(self) -> list[tuple[Request, int]]:
-        """(request, tokens left to compute): decodes by bucket (lowest tokens-remaining first), then running
-        prefills; oldest first within each. Left out (they wait for the steps in flight): requests whose
-        in-flight samples already reach max_tokens or the context limit, and warm prefixes whose last chunk is
-        in flight.
+    def _run_order(self) -> tuple[list[Request], list[tuple[Request, int]]]:
+        """The running requests in run order: decodes (one token left to compute) by bucket (lowest
+        tokens-remaining first), then prefills as (request, tokens left to compute); oldest first within each.
+        Left out (they wait for the steps in flight): requests whose in-flight samples already reach max_tokens
+        or the context limit, and warm prefixes whose last chunk is in flight.
 
         Hot path (every step, every running request): no sort, since `running` is in admission order, a stable
         split into one lane per bucket (plus prefills) is the (bucket, admit_seq) order; properties inlined
         (n = len + placeholders; compute_target = n - internal; tokens_remaining = max_num_tokens - n)."""
-        buckets = self.buckets
-        lanes: list[list[tuple[Request, int]]] = [[] for _ in range(len(buckets) + 2)]
-        rest, prefills = lanes[-2], lanes[-1]
+        buckets, lanes = self.buckets, self.lanes
+        rest = lanes[-1]
+        prefills: list[tuple[Request, int]] = []
         top = buckets[-1] if buckets else -1  # above it: the rest lane, no search
         for r in self.running.values():
             ph = r.num_output_placeholders
@@ -184,47 +209,65 @@ class Scheduler:
             left = n - r.internal - r.num_computed_tokens
             if left == 1:
                 remaining = r.max_num_tokens - n
-                (rest if remaining > top else lanes[bisect_left(buckets, remaining)]).append((r, 1))
+                (rest if remaining > top else lanes[bisect_left(buckets, remaining)]).append(r)
             elif left > 0:
                 prefills.append((r, left))
-        order = lanes[0]
-        for lane in lanes[1:]:
+        decodes: list[Request] = []
+        for lane in lanes:
             if lane:
-                order += lane
-        return order
+                decodes += lane
+                lane.clear()
+        return decodes, prefills
 
-    def _schedule_running(self, batch: list, budget: int) -> tuple[int, int, bool]:
+    def _schedule_running(self, flight: list[Scheduled], budget: int) -> tuple[int, int, bool]:
         """Schedule running requests in run order; preempt from the back of that order when blocks run out.
 
         The back is the newest request of the highest-remaining bucket: the one that would hold its blocks
-        longest, while a nearly finished sequence is about to give its blocks back anyway.
+        longest, while a nearly finished sequence is about to give its blocks back anyway. Each request is
+        committed to the step as it gets its place (samples: its tokens are all computed then; warm prefixes
+        never sample): _make_room only takes requests after it in the order.
         """
-        order = self._run_order()
+        decodes, prefills = self._run_order()
         bs = self.block_size
         threshold = self.cfg.long_prefill_threshold
         preemptions_before = self.preemptions
-        active = 0
-        for item in order:  # _make_room only pops items after this one (or this one, and then we stop)
+        for req in decodes:  # one token each
             if budget <= 0:
                 break
-            req, left = item
-            n = left
-            if left > budget:
-                n = budget
-                item = (req, n)
-            if req.num_computed_tokens + n > len(req.block_ids) * bs and not self._make_room(req, n, order):
+            done = req.num_computed_tokens + 1
+            if done > len(req.block_ids) * bs and not self._make_room(req, 1, decodes, prefills):
                 break
-            batch.append(item)
+            req.num_computed_tokens = done
+            samples = not req.internal
+            if samples:  # next step it decodes the token sampled now: the worker has it by then
+                req.num_output_placeholders += 1
+            flight.append((req, 1, done, samples, req.epoch))
+            budget -= 1
+        active = len(flight) if threshold >= 1 else 0  # scheduled with at most threshold tokens left to compute
+        # Then prefills. None if the loop above stopped: the budget is spent, or _make_room took them all.
+        for req, left in prefills:
+            if budget <= 0:
+                break
+            n = left if left <= budget else budget
+            done = req.num_computed_tokens + n
+            if done > len(req.block_ids) * bs and not self._make_room(req, n, decodes, prefills):
+                break
+            req.num_computed_tokens = done
+            samples = n == left and not req.internal
+            if samples:
+                req.num_output_placeholders += 1
+            flight.append((req, n, done, samples, req.epoch))
             budget -= n
             if left <= threshold:
                 active += 1
         return budget, active, self.preemptions != preemptions_before
 
-    def _make_room(self, req: Request, n: int, order: list[tuple[Request, int]]) -> bool:
-        """Blocks for n more tokens of req, preempting from the back of order; False if req lost its place."""
+    def _make_room(self, req: Request, n: int, decodes: list[Request], prefills: list[tuple[Request, int]]) -> bool:
+        """Blocks for n more tokens of req, preempting from the back of the run order (decodes, then prefills);
+        False if req lost its place."""
         while not self.bm.allocate(req, n):
-            victim = order.pop()[0]
-            if victim is req and not order:
+            victim = prefills.pop()[0] if prefills else decodes.pop()
+            if victim is req and not decodes and not prefills:
                 if len(self.running) > 1:  # others hold blocks but wait on steps in flight: they end soon
                     return False
                 self._finish(req)  # alone, and the whole pool still can't hold it
@@ -236,7 +279,7 @@ class Scheduler:
                 return False
         return True
 
-    def _admit_waiting(self, now: float, batch: list, budget: int, active: int) -> None:
+    def _admit_waiting(self, now: float, flight: list[Scheduled], budget: int, active: int) -> None:
         held: list[Request] = []
         waiting = self.waiting
         bm = self.bm
@@ -259,7 +302,8 @@ class Scheduler:
                 break  # first come, first served: later (smaller) prompts don't jump a big one for memory
             hit_tokens = bm.acquire_prefix(req, hit_blocks)
             req.num_computed_tokens = hit_tokens
-            n = min(req.compute_target - hit_tokens, budget)
+            left = req.compute_target - hit_tokens
+            n = min(left, budget)
             if not bm.allocate(req, n):  # possible only when nothing runs and the pool is nearly all pinned
                 bm.free_blocks(req)
                 req.num_computed_tokens = 0
@@ -271,47 +315,17 @@ class Scheduler:
             self.admit_counter += 1
             req.admit_seq = self.admit_counter
             self.running[req.request_id] = req
-            batch.append((req, n))
+            req.on_worker = True  # once this step is sent (a NewReq: see schedule())
+            # Committed, as in _schedule_running().
+            req.num_computed_tokens = done = hit_tokens + n
+            samples = n == left and not req.internal
+            if samples:
+                req.num_output_placeholders += 1
+            flight.append((req, n, done, samples, req.epoch))
             budget -= n
-            if req.compute_target - hit_tokens <= self.cfg.long_prefill_threshold:
+            if left <= self.cfg.long_prefill_threshold:
                 active += 1
         waiting.extendleft(reversed(held))
-
-    def _build_step(self, batch: list[tuple[Request, int]], messages: bool = True) -> StepInput | None:
-        """Commit the batch as the next step in flight; returns its StepInput (None without messages: see
-        schedule_in_process())."""
-        new_reqs, cached_reqs, num_scheduled = [], [], {}
-        flight: list[Scheduled] = []
-        for req, n in batch:
-            if messages:
-                rid = req.request_id
-                num_scheduled[rid] = n
-            if not req.on_worker:
-                if messages:
-                    new_reqs.append(NewReq(request_id=rid, prompt_token_ids=req.prompt_token_ids,
-                                           params=req.params, block_ids=list(req.block_ids),
-                                           num_computed_tokens=req.num_computed_tokens,
-                                           output_token_ids=req.output_token_ids))
-                req.on_worker = True
-                if req.new_block_ids:  # the NewReq has them all
-                    req.new_block_ids = []
-            elif req.new_block_ids:
-                if messages:
-                    cached_reqs.append(CachedReq(rid, req.new_block_ids))
-                req.new_block_ids = []
-            done = req.num_computed_tokens + n
-            req.num_computed_tokens = done
-            # Reaches the end of its tokens (compute_target, inlined; warm prefixes never sample).
-            samples = not req.internal and done == len(req.token_ids) + req.num_output_placeholders
-            if samples:  # next step it decodes the token sampled now: the worker has it by then
-                req.num_output_placeholders += 1
-            flight.append((req, n, done, samples, req.num_preemptions))
-        self.in_flight.append((self.step_no, flight))
-        finished, self.finished_ids = self.finished_ids, []
-        if not messages:
-            return None
-        return StepInput(step=self.step_no, new_reqs=new_reqs, cached_reqs=cached_reqs,
-                         num_scheduled_tokens=num_scheduled, finished_req_ids=finished)
 
     # ------------------------------------------------------------------ step output
     def update(self, out: StepOutput, now: float) -> list[TokenDelta]:
@@ -323,10 +337,9 @@ class Scheduler:
         bs = self.block_size
         bm = self.bm
         caching = bm.enable_prefix_caching
-        running = Status.RUNNING
         sampling: dict[str, Request] = {}
         for req, _, done, samples, epoch in self.in_flight.popleft()[1]:
-            if req.status is not running or req.num_preemptions != epoch:
+            if req.epoch != epoch:
                 continue  # finished, aborted or preempted since it was scheduled: its share of the step is void
             if caching and done // bs > req.num_registered_blocks:  # this K/V is cached now: offer its full blocks
                 bm.cache_full_blocks(req, done)
@@ -365,30 +378,27 @@ class Scheduler:
         same decisions and state changes, but no StepInput is built. Returns the step as the scheduler keeps it:
         (request, tokens, its num_computed_tokens once done, whether the worker samples for it, epoch) in schedule
         order; the outputs go back through update_in_order()."""
-        batch = self._next_batch(now)
-        if batch is None:
+        step = self._next_step(now)
+        if step is None:
             return None
-        self._build_step(batch, messages=False)
-        return self.in_flight[-1][1]
+        self.finished_ids = []  # the worker in this process needs no word of them
+        return step[0]
 
-    def update_in_order(self, tokens: list[int | None], now: float) -> tuple[list[TokenDelta], list[str]]:
-        """update() for a worker in this process that samples like the contract says and hands the tokens over
-        in schedule order: tokens[i] is what the i-th request of the oldest step in flight got (ignored if it
-        samples none in that step). The same state changes as update() with a StepOutput listing them in that
-        order (a real worker's order differs), in one pass and without one. Returns the deltas update() would,
-        less the plain ones (one token, no finish, not the request's first), whose request ids come in the
-        second list instead."""
+    def update_in_order(self, sample: Callable[[int, str], int], now: float) -> tuple[list[TokenDelta], list[str]]:
+        """update() for a worker in this process that samples like the contract says, deterministically: the
+        token a request gets in the oldest step in flight is sample(its num_computed_tokens after the step, its
+        id), asked for in schedule order. The same state changes as update() with a StepOutput listing those
+        tokens in that order (a real worker's order differs), in one pass and without one. Returns the deltas
+        update() would, less the plain ones (one token, no finish, not the request's first), whose request ids
+        come in the second list instead."""
         flight = self.in_flight.popleft()[1]
-        if len(tokens) != len(flight):
-            raise ValueError(f"{len(tokens)} tokens for a step of {len(flight)} requests")
         deltas, self.pending = self.pending, []
         plain: list[str] = []
         bs = self.block_size
         bm = self.bm
         caching = bm.enable_prefix_caching
-        running = Status.RUNNING
-        for (req, _, done, samples, epoch), token in zip(flight, tokens):
-            if req.status is not running or req.num_preemptions != epoch:
+        for req, _, done, samples, epoch in flight:
+            if req.epoch != epoch:
                 continue  # void, see update()
             if caching and done // bs > req.num_registered_blocks:
                 bm.cache_full_blocks(req, done)
@@ -397,14 +407,17 @@ class Scheduler:
                     self._finish_warm(req)
                 continue
             req.num_output_placeholders -= 1
-            if req.params.stop_token_ids or len(req.token_ids) + 1 >= req.length_limit:
+            rid = req.request_id
+            token = sample(done, rid)
+            toks = req.token_ids
+            if len(toks) >= req.stop_check_from:
                 delta = self._append_tokens(req, [token])  # it may stop here
             else:  # hot path: no stop possible
-                req.token_ids.append(token)
+                toks.append(token)
                 if req.first_delta_sent:
-                    plain.append(req.request_id)
+                    plain.append(rid)
                     continue
-                delta = TokenDelta(req.request_id, [token])
+                delta = TokenDelta(rid, [token])
             if not req.first_delta_sent:
                 delta.num_cached_tokens = req.num_cached_tokens
                 req.first_delta_sent = True
@@ -436,6 +449,7 @@ class Scheduler:
         self.requests.pop(req.request_id, None)
         self.bm.free_blocks(req)
         req.status = Status.FINISHED
+        req.epoch += 1
         if req.on_worker:
             self.finished_ids.append(req.request_id)
             req.on_worker = False
@@ -454,6 +468,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0  # tokens sampled for it by steps in flight are dropped (epoch changes)
         req.num_preemptions += 1
+        req.epoch += 1
         if req.on_worker:
             self.finished_ids.append(req.request_id)
             req.on_worker = False

@@ -151,23 +151,22 @@ class SimWorker:
                 (prefill_tokens, decode_seqs, kv_read))
 
 
-def sim_token(num_tokens: int, request_id: str, vocab: int) -> int:
+def sim_token(num_tokens: int, request_id: str, vocab: int = 32000) -> int:
     """The token a simulated worker samples after num_tokens tokens: deterministic, never a stop token."""
     return (num_tokens * 31 + len(request_id)) % vocab
 
 
-def run_in_process(scheduled: list, vocab: int = 32000) -> tuple[list[int | None], tuple[int, int, int]]:
-    """What SimWorker.execute() samples and computes for a step, read off the scheduler's own record of it
-    (Scheduler.schedule_in_process()) instead of a worker's state: simulate()'s fast path. Returns the token
-    sampled for each scheduled request (None where it samples none), for Scheduler.update_in_order(), and the
-    cost model's inputs."""
-    if not scheduled:
-        return [], (0, 0, 0)
-    _, ns, dones, _, _ = zip(*scheduled)
-    # Decodes: one token onto computed ones. done == 1 is a one-token prompt: n == 1 but a prefill.
-    decode_seqs = ns.count(1) - dones.count(1)
-    tokens = [sim_token(done, req.request_id, vocab) if samples else None for req, _, done, samples, _ in scheduled]
-    return tokens, (sum(ns) - decode_seqs, decode_seqs, sum(dones))
+def run_in_process(scheduled: list) -> tuple[int, int, int]:
+    """What SimWorker.execute() computes for a step, read off the scheduler's own record of it
+    (Scheduler.schedule_in_process()) instead of a worker's state: simulate()'s fast path. Returns the cost
+    model's inputs; the tokens it samples are sim_token()'s, asked for by Scheduler.update_in_order()."""
+    tokens = decode_seqs = kv_read = 0
+    for _, n, done, _, _ in scheduled:
+        tokens += n
+        kv_read += done
+        if n == 1 and done != 1:  # a decode: one token onto computed ones (done == 1: a one-token prompt)
+            decode_seqs += 1
+    return tokens - decode_seqs, decode_seqs, kv_read
 
 
 @dataclass(slots=True)
@@ -237,7 +236,7 @@ def simulate(requests: Sequence[SimRequest | TraceSimRequest], cfg: BatcherConfi
         return (requests[order[seq]].arrival, 1, seq, order[seq]) if seq < len(order) else None
 
     next_arrival = arrival(0)
-    busy: dict[int, deque] = {w: deque() for w in scheds}  # outputs of the steps in flight (or sampled tokens)
+    busy: dict[int, deque] = {w: deque() for w in scheds}  # outputs of the steps in flight (None: in process)
     free_at = dict.fromkeys(scheds, 0.0)  # when the worker is done with the steps it holds
     now = 0.0
 
@@ -254,7 +253,8 @@ def simulate(requests: Sequence[SimRequest | TraceSimRequest], cfg: BatcherConfi
                 scheduled = sched.schedule_in_process(now)
                 if scheduled is None:
                     return
-                out, (pf, dec, kv) = run_in_process(scheduled)
+                out = None  # update_in_order() samples the tokens
+                pf, dec, kv = run_in_process(scheduled)
             else:
                 step = sched.schedule(now)
                 if step is None:
@@ -267,8 +267,8 @@ def simulate(requests: Sequence[SimRequest | TraceSimRequest], cfg: BatcherConfi
             bm = sched.bm
             res.block_seconds += (bm.num_blocks - bm.num_free) * dt
             outs.append(out)
-            free_at[w] = max(now, free_at[w]) + dt + host_gap
-            heappush(events, (free_at[w], 0, w, None))
+            free_at[w] = done_at = max(now, free_at[w]) + dt + host_gap
+            heappush(events, (done_at, 0, w, None))
 
     def deliver(deltas) -> None:
         for d in deltas:
@@ -335,7 +335,7 @@ def simulate(requests: Sequence[SimRequest | TraceSimRequest], cfg: BatcherConfi
             w = seq
             out = busy[w].popleft()
             if workers is None:
-                deltas, plain = scheds[w].update_in_order(out, now)
+                deltas, plain = scheds[w].update_in_order(sim_token, now)
                 if deltas:
                     deliver(deltas)
                 deliver_plain(plain)

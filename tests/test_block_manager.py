@@ -169,3 +169,31 @@ def test_free_blocks_are_reused_in_the_documented_order():
         live.append(r)
         bm.check()
     assert bm.num_free == len(model)
+
+
+def test_prefix_hits_on_free_blocks_leave_stale_lru_entries_that_are_skipped_and_compacted():
+    """A hit on a free cached block leaves its LRU entry behind, stale: eviction skips it and takes the block at
+    its new place (freed again: most recently used); many of them (hits, no eviction) are compacted away."""
+    bm = BlockManager(8, BS)
+    a = req(range(8), "a")  # 2 full blocks, cached
+    prefill(bm, a)
+    head = a.block_ids
+    bm.free_blocks(a)
+    b = req(range(100, 108), "b")  # 2 more cached blocks, freed after a's
+    prefill(bm, b)
+    b_blocks = b.block_ids
+    bm.free_blocks(b)
+    for i in range(3 * bm.num_blocks):  # hit a's blocks and free them again: 2 stale entries each time
+        r = req(list(range(8)) + [i], f"h{i}")
+        assert prefill(bm, r) == 8 and r.block_ids[:2] == head
+        bm.free_blocks(r)
+        bm.check()
+        assert len(bm.free_cached) <= 3 * bm.num_blocks  # compacted now and then
+    # LRU order now: 4 uncached blocks, b's 2 blocks (tail first), a's 2 blocks (freed last).
+    x = req(range(200, 224), "x")
+    assert bm.allocate(x, 24) and x.block_ids[4:] == b_blocks[::-1]
+    assert bm.lookup(req(list(range(8)) + [1], "again")) == 2  # a's blocks survived
+    y = req(range(300, 304), "y")
+    assert bm.allocate(y, 4) and y.block_ids == head[::-1][:1]
+    assert bm.lookup(req(list(range(8)) + [1], "again2")) == 1
+    bm.check()

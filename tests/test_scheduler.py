@@ -213,7 +213,8 @@ def test_bucketing_orders_decodes_and_protects_nearly_done_sequences():
     d.step()
     st = d.step()
     assert list(st.num_scheduled_tokens) == ["short-left", "mid-left", "long-left"]
-    assert s._run_order()[-1][0].request_id == "long-left"  # the first preemption victim
+    decodes, prefills = s._run_order()
+    assert not prefills and decodes[-1].request_id == "long-left"  # the first preemption victim
     d.run()
 
 
@@ -305,7 +306,8 @@ def test_run_order_is_bucket_then_admission_order_under_churn():
             add(s, f"r{i}", rng.randrange(1, 70), base=rng.choice([0, 900, rng.randrange(2000)]),
                 max_tokens=rng.randrange(1, 60), stop_token_ids=(7,) if rng.random() < 0.3 else ())
         while len(flight) < s.max_inflight_steps:
-            assert s._run_order() == by_sorting(s)
+            decodes, prefills = s._run_order()
+            assert [(r, 1) for r in decodes] + prefills == by_sorting(s)
             n_checked += len(s.running)
             st = s.schedule(now)
             if st is None:
