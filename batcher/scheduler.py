@@ -252,15 +252,21 @@ class Scheduler:
             done = req.num_computed_tokens + n
             if done > len(req.block_ids) * bs and not self._make_room(req, n, decodes, prefills):
                 break
-            req.num_computed_tokens = done
-            samples = n == left and not req.internal
-            if samples:
-                req.num_output_placeholders += 1
-            flight.append((req, n, done, samples, req.epoch))
+            self._commit_chunk(flight, req, n, left)
             budget -= n
             if left <= threshold:
                 active += 1
         return budget, active, self.preemptions != preemptions_before
+
+    @staticmethod
+    def _commit_chunk(flight: list[Scheduled], req: Request, n: int, left: int) -> None:
+        """Put n of the `left` tokens req has to compute into the step (the decode loop above inlines the
+        n == left == 1 case): it samples once they are all computed, warm prefixes never."""
+        req.num_computed_tokens = done = req.num_computed_tokens + n
+        samples = n == left and not req.internal
+        if samples:  # next step it decodes the token sampled now: the worker has it by then
+            req.num_output_placeholders += 1
+        flight.append((req, n, done, samples, req.epoch))
 
     def _make_room(self, req: Request, n: int, decodes: list[Request], prefills: list[tuple[Request, int]]) -> bool:
         """Blocks for n more tokens of req, preempting from the back of the run order (decodes, then prefills);
@@ -316,12 +322,7 @@ class Scheduler:
             req.admit_seq = self.admit_counter
             self.running[req.request_id] = req
             req.on_worker = True  # once this step is sent (a NewReq: see schedule())
-            # Committed, as in _schedule_running().
-            req.num_computed_tokens = done = hit_tokens + n
-            samples = n == left and not req.internal
-            if samples:
-                req.num_output_placeholders += 1
-            flight.append((req, n, done, samples, req.epoch))
+            self._commit_chunk(flight, req, n, left)
             budget -= n
             if left <= self.cfg.long_prefill_threshold:
                 active += 1

@@ -303,13 +303,11 @@ class ModelRunner:
     def _run(self, scheduled: dict[str, int], pending: dict[str, int] | None):
         """The forward of one step -> (the requests that sample, a function returning their logits).
         pending: request id -> row of the in-flight step's device tokens holding its input token."""
-        src = prev = None
-        if pending:
-            src = np.array([pending.get(rid, -1) for rid in scheduled], dtype=np.int64)
-            prev = self._in_flight.sampled.tokens
+        prev = self._in_flight.sampled.tokens if pending else None
         if self.graphs is not None and len(scheduled) <= self.graphs.sizes[-1] and self._scales_ready() and all(
                 n == 1 and self.requests[rid].num_computed_tokens + 1 >= len(self.requests[rid].token_ids)
                 for rid, n in scheduled.items()):
+            src = np.array([pending.get(rid, -1) for rid in scheduled], dtype=np.int64) if pending else None
             return self._run_decode_graph([self.requests[rid] for rid in scheduled], src, prev)
         # Decodes (one token) first, longest context first: the attention backend batches them
         # into padded calls, and neighbours of similar length waste little padding.
