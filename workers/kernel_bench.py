@@ -24,7 +24,7 @@ from workers.kv_cache import transpose_v_pages
 
 HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 16
 DECODE_GRID = {"BLOCK_N": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}
-INT8_GRID = {"INT8_QK": [True], "BLOCK_N": [64, 128], "num_warps": [1, 2], "num_stages": [2, 3, 4]}
+INT8_GRID = {"INT8_PV": [True, False], "BLOCK_N": [32, 64, 128], "num_warps": [1, 2], "num_stages": [2, 3]}
 PARTS_SHAPES = [(1, 1024), (1, 2048), (4, 2048), (8, 1024), (32, 1024), (64, 1024), (32, 2048), (64, 2048),
                 (128, 1024), (128, 2048), (256, 1024)]
 PREFILL_GRID = {"BLOCK_M": [64, 128], "BLOCK_N": [64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}
@@ -69,7 +69,7 @@ def pages(num_seqs: int, ctx: int, kv_dtype: torch.dtype):
 
 def bench_decode(batch: int, ctx: int, kv_dtype: torch.dtype, config: dict | None, parts: int | None = None) -> dict:
     """Also reports the output's max error relative to the exact-dequantisation path's (int8: K/V converted
-    to bf16 for tl.dot; the int8 tensor-core default also rounds q)."""
+    to bf16 for tl.dot; the int8 tensor-core default also rounds q, and p to two int8 digits)."""
     torch.manual_seed(batch * ctx)
     k, v, bt, (ks, vs) = pages(batch, ctx, kv_dtype)
     q = torch.randn(batch, HEADS, DIM, dtype=torch.bfloat16, device="cuda")
@@ -80,7 +80,7 @@ def bench_decode(batch: int, ctx: int, kv_dtype: torch.dtype, config: dict | Non
                                    out=out, config=cfg)
     ms = time_ms(lambda: run(config))
     got = out.float().clone()
-    ref = run({"INT8_QK": False}).float()
+    ref = run({"INT8_QK": False, "INT8_PV": False}).float()
     err = ((got - ref).abs().max() / ref.abs().max()).item()
     nbytes = 2 * batch * ctx * KV_HEADS * DIM * k.element_size()
     return {"batch": batch, "ctx": ctx, "kv": str(kv_dtype).split(".")[-1], "parts": parts, "config": config,

@@ -7,8 +7,8 @@ Owns two kernels and their launchers; knows nothing of requests or scheduling.
   16 that tl.dot needs; decode is bandwidth-bound, the padding costs no bytes).
   Long contexts split into `num_parts` partitions (flash-decoding), reduced by a
   second kernel; each sequence splits its own length, so the launch needs no
-  host-side lengths and is CUDA-graph safe. int8 pools: q.k^T on int8 tensor cores
-  (q rounded per row; DECODE_CONFIG_INT8), whole pages per load.
+  host-side lengths and is CUDA-graph safe. int8 pools: q.k^T and p.V on int8 tensor
+  cores (q rounded per row, p in two int8 digits; DECODE_CONFIG_INT8), whole pages per load.
 - `paged_prefill`: the prefill chunks of a step, all sequences in one launch (varlen:
   packed query rows, each sequence's chunk at its own offset), flash-attention style
   over the same pages: causal from the chunk's start position, so a chunk after a
@@ -31,11 +31,12 @@ LOG2E = 1.4426950408889634
 # Launch configs (H200-tuned with `python -m workers.kernel_bench`, docs/perf.md); the interpreter
 # (CPU tests) gets small tiles.
 DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-# int8 pools: q.k^T on int8 tensor cores (q quantised per row), page-transposed V converted for p.V,
-# 128-key tiles on 2 warps: 134 us at 128 x 2k, 4.0 TB/s of int8 (1-warp 64-key tiles tie; 4 warps pay
-# cross-warp softmax reductions: docs/kv_int8.md). INT8_QK False: K converted too (exact dequantisation,
-# the tests' and the bench's reference; slower than bf16 KV)
-DECODE_CONFIG_INT8 = {"BLOCK_N": 128, "num_warps": 2, "num_stages": 3, "INT8_QK": True}
+# int8 pools: q.k^T and p.V on int8 tensor cores (q quantised per row, p split into two int8 digits, so
+# neither K nor V is converted), 64-key tiles on 1 warp: 128 us at 128 x 2k, 4.2 TB/s of int8 (128-key
+# tiles on 2 warps: 131 us; 4 warps pay cross-warp softmax reductions: docs/kv_int8.md). INT8_PV False:
+# V converted to bf16 for p.V (133 us); INT8_QK False too: exact dequantisation, the tests' and the
+# bench's reference (slower than bf16 KV)
+DECODE_CONFIG_INT8 = {"BLOCK_N": 64, "num_warps": 1, "num_stages": 2, "INT8_QK": True, "INT8_PV": True}
 PREFILL_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
 PREFILL_CONFIG_CPU = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 MAX_PARTITIONS = 32
@@ -69,6 +70,45 @@ def _load_kv(k_ptr, v_ptr, bt_row_ptr, n0, end, kvh, s_kb, s_kt, s_kh, s_vb, s_v
         return k, v
 
 
+@triton.jit
+def _decode_tile(q, q_scale, m_i, l_i, acc, n0, lo, end, k_ptr, v_ptr, bt_row_ptr, kvh, s_kb, s_kt, s_kh, s_vb,
+                 s_vh, s_vd, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
+                 INT8_QK: tl.constexpr, INT8_PV: tl.constexpr, MASK: tl.constexpr, WINDOW: tl.constexpr,
+                 DT: tl.constexpr):
+    """Keys [n0, n0 + BLOCK_N) into the online softmax (exp2 domain: the logits are s * q_scale, q_scale
+    > 0 per row, so the max is taken before scaling and the scale folds into exp2's argument).
+    MASK: the tile holds keys >= end (or, WINDOW, < lo). INT8_PV: acc is in units of 1 / (127 * 254).
+    DT: the output dtype, p.V's operand type otherwise."""
+    k, v = _load_kv(k_ptr, v_ptr, bt_row_ptr, n0, end, kvh, s_kb, s_kt, s_kh, s_vb, s_vh, s_vd, D, PAGE, BLOCK_N,
+                    QUANT)
+    if INT8_QK:
+        s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
+    else:
+        s = tl.dot(q, tl.trans(k.to(q.dtype)))
+    if MASK:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        ok = offs_n < end
+        if WINDOW > 0:
+            ok = ok & (offs_n >= lo)
+        s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * q_scale)  # every tile holds a key >= lo: never -inf
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s * q_scale[:, None] - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if INT8_PV:  # p.V on int8 tensor cores, p in two int8 digits: p * 127 = hi + lo / 254 (to 1.6e-5)
+        # rounding by adding 1.5 * 2**23: the float's bits are then 0x4B400000 + the rounded integer, so
+        # its low byte is the integer's, and lo's is that of round(p * 127 * 254) - 254 * hi
+        t = (p * 127.0 + 12582912.0).to(tl.int32, bitcast=True)
+        u = (p * 32258.0 + 12582912.0).to(tl.int32, bitcast=True)
+        p_hi = t.to(tl.int8)
+        p_lo = (u - t * 254).to(tl.int8)
+        pv = tl.dot(p_hi, v, out_dtype=tl.int32) * 254 + tl.dot(p_lo, v, out_dtype=tl.int32)
+        acc = acc * alpha[:, None] + pv.to(tl.float32)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(DT), v.to(DT))
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["s_btb"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, ks_ptr, vs_ptr,
@@ -77,6 +117,7 @@ def _decode_kernel(
     s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vh, s_vd, s_btb, s_ob, s_oh,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_PARTS: tl.constexpr, QUANT: tl.constexpr, WINDOW: tl.constexpr, INT8_QK: tl.constexpr,
+    INT8_PV: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -97,41 +138,32 @@ def _decode_kernel(
     mask_g = offs_g < G
     heads = kvh * G + offs_g
     q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + offs_d[None, :], mask=mask_g[:, None], other=0.0)
-    qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
-    row_scale = tl.full([G_PAD], 1.0, tl.float32)
+    q_scale = tl.full([G_PAD], sm_scale * 1.4426950408889634, tl.float32)  # exp2 domain
     if QUANT:
-        k_scale = tl.load(ks_ptr + kvh)
-        v_scale = tl.load(vs_ptr + kvh)
-        qk_scale = qk_scale * k_scale
+        q_scale = q_scale * tl.load(ks_ptr + kvh)
         if INT8_QK:  # q to int8 per row (dynamic absmax): q.k^T on int8 tensor cores, no K conversion
             qf = q.to(tl.float32)
             row_scale = tl.maximum(tl.max(tl.abs(qf), 1), 1e-20) / 127.0
             qf = qf / row_scale[:, None]
             q = tl.where(qf >= 0, tl.floor(qf + 0.5), -tl.floor(0.5 - qf)).to(tl.int8)
+            q_scale = q_scale * row_scale
 
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        if WINDOW > 0:
-            mask_n = mask_n & (offs_n >= lo)
-        k, v = _load_kv(k_ptr, v_ptr, bt_ptr + b * s_btb, n0, end, kvh, s_kb, s_kt, s_kh, s_vb, s_vh, s_vd,
-                        D, PAGE, BLOCK_N, QUANT)
-        if INT8_QK:
-            qk = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * (row_scale * qk_scale)[:, None]
-        else:
-            qk = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(out_ptr.dtype.element_ty), v.to(out_ptr.dtype.element_ty))
-        m_i = m_new
+    bt_row_ptr = bt_ptr + b * s_btb
+    # whole tiles need no key mask; the last, partial one (or, with a window, every one) does
+    full_end = start if WINDOW > 0 else start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(start, full_end, BLOCK_N):
+        m_i, l_i, acc = _decode_tile(q, q_scale, m_i, l_i, acc, n0, lo, end, k_ptr, v_ptr, bt_row_ptr, kvh, s_kb,
+                                     s_kt, s_kh, s_vb, s_vh, s_vd, D, PAGE, BLOCK_N, QUANT, INT8_QK, INT8_PV,
+                                     False, WINDOW, out_ptr.dtype.element_ty)
+    for n0 in range(full_end, end, BLOCK_N):
+        m_i, l_i, acc = _decode_tile(q, q_scale, m_i, l_i, acc, n0, lo, end, k_ptr, v_ptr, bt_row_ptr, kvh, s_kb,
+                                     s_kt, s_kh, s_vb, s_vh, s_vd, D, PAGE, BLOCK_N, QUANT, INT8_QK, INT8_PV,
+                                     True, WINDOW, out_ptr.dtype.element_ty)
     if QUANT:
-        acc = acc * v_scale
+        acc = acc * (tl.load(vs_ptr + kvh) / (127.0 * 254.0) if INT8_PV else tl.load(vs_ptr + kvh))
 
     if NUM_PARTS == 1:
         out = acc / l_i[:, None]
@@ -196,8 +228,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         pl = torch.empty_like(pm)
     else:
         po = pm = pl = out
-    cfg = {"INT8_QK": False, **(DECODE_CONFIG_INT8 if quant else DECODE_CONFIG), **(config or {})}
+    cfg = {"INT8_QK": False, "INT8_PV": False, **(DECODE_CONFIG_INT8 if quant else DECODE_CONFIG), **(config or {})}
     int8_qk = cfg.pop("INT8_QK") and quant
+    int8_pv = cfg.pop("INT8_PV") and quant
     dummy = seq_lens
     _decode_kernel[(batch, num_kv_heads, num_parts)](
         q, k_cache, v_cache, block_tables, seq_lens, k_scale if quant else dummy, v_scale if quant else dummy,
@@ -205,7 +238,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *_v_strides(v_cache),
         block_tables.stride(0), out.stride(0), out.stride(1),
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=head_dim, PAGE=page, NUM_PARTS=num_parts,
-        QUANT=quant, WINDOW=window or 0, INT8_QK=int8_qk, **cfg,
+        QUANT=quant, WINDOW=window or 0, INT8_QK=int8_qk, INT8_PV=int8_pv, **cfg,
     )
     if num_parts > 1:
         _reduce_kernel[(batch, num_heads)](po, pm, pl, out, out.stride(0), out.stride(1), num_heads,
