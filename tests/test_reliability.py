@@ -144,7 +144,7 @@ async def test_a_silent_worker_is_lost_after_worker_timeout(tmp_path):
         t0 = time.monotonic()
         (end,) = (await side.deltas_until_finished({"a"}))["a"]
         assert end.finish_reason == P.FinishReason.ERROR and "silent" in end.error
-        assert 0.5 <= time.monotonic() - t0 < 2.0
+        assert 0.5 <= time.monotonic() - t0 < 5.0  # a bound generous enough for a loaded CI machine
         await wk.send(P.encode(P.Heartbeat(worker_id=0)))  # it comes back: told to register again
         while isinstance(msg := await recv(wk, WK), P.StepInput):  # the second step it had queued
             pass
