@@ -217,8 +217,9 @@ class Batcher:
                 else:
                     kicked.add(wid)
             deltas = kept
-        log.error("worker %d lost (%s): %d requests, %d requeued, %d failed", worker_id, why, n,
-                  n - len(deltas), len(deltas))
+        # an error when requests were on it; a warning otherwise (e.g. workers stopping first at shutdown)
+        log.log(logging.ERROR if n else logging.WARNING, "worker %d lost (%s): %d requests, %d requeued, %d failed",
+                worker_id, why, n, n - len(deltas), len(deltas))
         await self.emit(deltas)
         for wid in kicked:
             await self.kick(wid)
