@@ -357,7 +357,7 @@ class Scheduler:
             if req is None:
                 continue
             tokens = sampled[i]
-            if req.params.stop_token_ids or len(req.token_ids) + len(tokens) >= req.length_limit:
+            if len(req.token_ids) + len(tokens) > req.stop_check_from:
                 delta = self._append_tokens(req, tokens)  # it may stop here
             else:  # hot path: no stop possible
                 req.token_ids += tokens
