@@ -1,1 +1,1 @@
-"""The batching sidecar: scheduling, the KV block table, dispatch to workers. Never imports torch."""
+"""The batcher: scheduling, the KV block table, dispatch to workers. Never imports torch."""

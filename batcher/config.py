@@ -1,4 +1,4 @@
-"""The sidecar's one typed config object (flags and LANESERVE_* env vars via laneserve.config)."""
+"""The batcher's one typed config object (flags and LANESERVE_* env vars via laneserve.config)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from laneserve.config import flag
 @dataclass
 class BatcherConfig:
     batcher_address: str = field(default="ipc:///tmp/laneserve/batcher.sock",
-                                 metadata=flag("ZeroMQ address the sidecar binds for gateways"))
+                                 metadata=flag("ZeroMQ address the batcher binds for gateways"))
     worker_address: str = field(default="ipc:///tmp/laneserve/workers.sock",
-                                metadata=flag("ZeroMQ address the sidecar binds for workers"))
+                                metadata=flag("ZeroMQ address the batcher binds for workers"))
     # scheduling policy (batcher/scheduler.py)
     max_num_batched_tokens: int = field(default=2048, metadata=flag("token budget of one step"))
     max_num_seqs: int = field(default=256, metadata=flag("most sequences in one step"))
@@ -24,7 +24,7 @@ class BatcherConfig:
                                                                   "by prompts (chained token hash)"))
     warm_prefix: str = field(default="", metadata=flag(
         "JSON/JSONL file of token-id lists (RAG system prompts) prefilled at start and pinned in every worker's "
-        "prefix cache; the sidecar has no tokenizer, so token ids, not text"))
+        "prefix cache; the batcher has no tokenizer, so token ids, not text"))
     watermark: float = field(default=0.01, metadata=flag(
         "admit a new request only if this fraction of the KV pool stays free after its prompt's blocks"))
     max_active_blocks: int = field(default=0, metadata=flag(
@@ -44,7 +44,7 @@ class BatcherConfig:
     affinity_max_load_gap: int = field(default=64, metadata=flag(
         "prefix affinity yields to least-load when the prefix holder has this many more unfinished requests"))
     async_scheduling: bool = field(default=True, metadata=flag(
-        "schedule step N+1 while the worker runs step N (2 steps in flight per worker), hiding the sidecar's "
+        "schedule step N+1 while the worker runs step N (2 steps in flight per worker), hiding the batcher's "
         "update/schedule and the socket round trip from the GPU"))
     # reliability (docs/reliability.md)
     on_worker_loss: str = field(default="fail", metadata=flag(
@@ -57,7 +57,7 @@ class BatcherConfig:
         "requests waiting for admission per worker; over it new requests are rejected as retryable "
         "(the gateway answers 429 + Retry-After); 0 = no cap"))
     curve_server_secret_key: str = field(default="", metadata=flag(
-        "tcp across hosts: the sidecar's CURVE certificate (zmq.auth secret file); its clients need the public "
+        "tcp across hosts: the batcher's CURVE certificate (zmq.auth secret file); its clients need the public "
         "file. '' = no encryption or authentication (ipc:// or loopback only)"))
     curve_client_keys_dir: str = field(default="", metadata=flag(
         "with CURVE: directory of the public certificates of the gateways and workers allowed to connect "
@@ -67,7 +67,7 @@ class BatcherConfig:
 def load_warm_prefixes(path: str) -> list[list[int]]:
     """Token-id lists from a JSON file (a list of lists, or {"prefixes": [...]}) or JSONL (one list per line).
 
-    Lines/items may also be objects with a "token_ids" key. The only file read of the sidecar's policy code,
+    Lines/items may also be objects with a "token_ids" key. The only file read of the batcher's policy code,
     done once when a Scheduler is built.
     """
     import json

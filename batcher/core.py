@@ -1,17 +1,17 @@
-"""The sidecar's asyncio loop: the only place where transport meets scheduling.
+"""The batcher's asyncio loop: the only place where transport meets scheduling.
 
 inputs (gateway ROUTER, worker ROUTER) -> Scheduler.schedule() -> StepInput to the
 worker -> StepOutput -> Scheduler.update() -> TokenBatch to each gateway.
 One Scheduler per worker, each owning that worker's KV block pool; batcher.router
 picks the worker for a new request. With --async-scheduling each worker has up to
 two steps in flight: the next one waits in the worker's socket while it runs the
-current one, so the sidecar's work and the round trip are off the GPU's path.
+current one, so the batcher's work and the round trip are off the GPU's path.
 
 Reliability (docs/reliability.md): a worker is lost when its connection closes (socket
 monitor, matched to the worker by the connection's fd) or it is silent for --worker-timeout;
 its requests then fail (ERROR delta) or, with --on-worker-loss requeue, are recomputed once on
 another live worker from the original AddRequest plus the tokens already streamed. A worker the
-sidecar does not know (after a sidecar restart) is told to Reannounce. Every frame from a peer
+batcher does not know (after a batcher restart) is told to Reannounce. Every frame from a peer
 is decoded against the receiving socket's Union and range-checked before it is acted on; new
 requests beyond --max-waiting-requests per worker are Rejected as retryable.
 Must not import torch.
@@ -33,8 +33,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
-from batcher import protocol as P
-from batcher import transport
+from laneserve.wire import protocol as P
+from laneserve.wire import transport
 from batcher.config import BatcherConfig
 from batcher.router import pick_worker
 from batcher.scheduler import Scheduler
@@ -136,7 +136,7 @@ class Batcher:
     # ------------------------------------------------------------------ worker side
     async def worker_ready(self, ident: bytes, msg: P.WorkerReady) -> None:
         if msg.protocol_version != P.PROTOCOL_VERSION:
-            log.error("worker %d speaks protocol %d, sidecar %d: ignored", msg.worker_id, msg.protocol_version,
+            log.error("worker %d speaks protocol %d, batcher %d: ignored", msg.worker_id, msg.protocol_version,
                       P.PROTOCOL_VERSION)
             return
         if not (1 <= msg.num_blocks <= MAX_BLOCKS and 1 <= msg.block_size <= MAX_BLOCK_SIZE
@@ -155,7 +155,7 @@ class Batcher:
         slot = self.workers.get(msg.worker_id)
         if slot is None or slot.identity != ident:
             log.warning("step output from unknown worker %d dropped", msg.worker_id)
-            await self.reannounce(ident, "step output from a worker the sidecar does not know")
+            await self.reannounce(ident, "step output from a worker the batcher does not know")
             return
         slot.last_seen = time.monotonic()
         if msg.step in slot.stale:  # scheduled before a fail_all(): its requests are gone
@@ -185,8 +185,8 @@ class Batcher:
         slot = self.workers.get(msg.worker_id)
         if slot is not None and slot.identity == ident:
             slot.last_seen = time.monotonic()
-        else:  # the sidecar restarted, or declared this worker lost: it must register again
-            await self.reannounce(ident, "heartbeat from a worker the sidecar does not know")
+        else:  # the batcher restarted, or declared this worker lost: it must register again
+            await self.reannounce(ident, "heartbeat from a worker the batcher does not know")
 
     async def reannounce(self, ident: bytes, why: str) -> None:
         now = time.monotonic()
@@ -315,7 +315,7 @@ class Batcher:
                 self.fd_of[ident] = frame.get(zmq.SRCFD)
             try:
                 await handlers[type(msg)](ident, msg)
-            except Exception:  # a bug in one message's handling must not take the sidecar down
+            except Exception:  # a bug in one message's handling must not take the batcher down
                 log.exception("error handling %s from %s", type(msg).__name__, peer)
 
     async def _watch_disconnects(self) -> None:

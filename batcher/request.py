@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 
-from batcher.protocol import SamplingParams
+from laneserve.wire.protocol import SamplingParams
 
 
 class Status(enum.IntEnum):

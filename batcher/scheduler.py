@@ -19,7 +19,7 @@ from typing import Callable, Iterable
 from batcher.block_manager import BlockManager
 from batcher.burst import LongPromptGate
 from batcher.config import BatcherConfig, load_warm_prefixes
-from batcher.protocol import (AddRequest, CachedReq, EngineStats, FinishReason, NewReq, SamplingParams, StepInput,
+from laneserve.wire.protocol import (AddRequest, CachedReq, EngineStats, FinishReason, NewReq, SamplingParams, StepInput,
                               StepOutput, TokenDelta)
 from batcher.request import Request, Status, blocks_for
 
@@ -77,7 +77,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ intake
     def reject_reason(self, msg: AddRequest) -> str | None:
-        """Why this request can never run here (None: it can). The sidecar answers such a request
+        """Why this request can never run here (None: it can). The batcher answers such a request
         with Rejected before add_request; add_request still guards with an ERROR delta."""
         n = len(msg.prompt_token_ids)
         why = None

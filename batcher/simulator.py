@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from batcher.config import BatcherConfig
-from batcher.protocol import AddRequest, FinishReason, SamplingParams, StepInput, StepOutput
+from laneserve.wire.protocol import AddRequest, FinishReason, SamplingParams, StepInput, StepOutput
 from batcher.router import pick_worker
 from batcher.scheduler import Scheduler
 
@@ -214,7 +214,7 @@ def simulate(requests: Sequence[SimRequest | TraceSimRequest], cfg: BatcherConfi
     one ends, so the cost model's host gap `h` is hidden (assumed shorter than a step); strict alternation
     (default) pays it before every step. Also shows the policy effect of scheduling one step ahead
     (admissions and stops seen a step later).
-    sim_worker: run every step through a SimWorker (StepInput in, StepOutput out: the sidecar's path, with the
+    sim_worker: run every step through a SimWorker (StepInput in, StepOutput out: the batcher's path, with the
     worker checking the scheduler's promises; check_kv implies it) rather than in process
     (Scheduler.schedule_in_process(), run_in_process(), Scheduler.update_in_order()), which is faster and gives
     the same results.

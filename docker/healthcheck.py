@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Container healthchecks for Compose: `http URL` (the gateway's /health) and `zmq ADDRESS` (the sidecar).
+"""Container healthchecks for Compose: `http URL` (the gateway's /health) and `zmq ADDRESS` (the batcher).
 
-The zmq check speaks the real protocol: it connects a DEALER to the sidecar's gateway socket, sends
-`Ping(nonce)` and waits for the matching `Pong`, so "healthy" means the sidecar's event loop answers,
+The zmq check speaks the real protocol: it connects a DEALER to the batcher's gateway socket, sends
+`Ping(nonce)` and waits for the matching `Pong`, so "healthy" means the batcher's event loop answers,
 not merely that a port is open. Exit status 0 = healthy, 1 = not. Stdlib + what the image already has
-(pyzmq, msgspec, batcher.protocol); never imports torch. Copied into the images as
+(pyzmq, msgspec, laneserve.wire.protocol); never imports torch. Copied into the images as
 /usr/local/bin/laneserve-healthcheck (a `laneserve ping` sub-command would make this file unnecessary).
 
     laneserve-healthcheck http http://127.0.0.1:8000/health
@@ -34,8 +34,8 @@ def check_http(url: str, timeout: float) -> str | None:
 def check_zmq(address: str, timeout: float, min_workers: int) -> str | None:
     import zmq
 
-    from batcher import protocol as P
-    from batcher import transport
+    from laneserve.wire import protocol as P
+    from laneserve.wire import transport
 
     ctx = zmq.Context()
     try:
@@ -46,7 +46,7 @@ def check_zmq(address: str, timeout: float, min_workers: int) -> str | None:
         deadline_ms = int(timeout * 1000)
         # Replies for other nonces cannot arrive (fresh socket identity), but skip anything else defensively.
         while sock.poll(deadline_ms):
-            msg = transport.try_decode(decoder, sock.recv(), "sidecar")
+            msg = transport.try_decode(decoder, sock.recv(), "batcher")
             if isinstance(msg, P.Pong) and msg.nonce == nonce:
                 if msg.protocol_version != P.PROTOCOL_VERSION:
                     return f"protocol version {msg.protocol_version}, this image speaks {P.PROTOCOL_VERSION}"
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="kind", required=True)
     http = sub.add_parser("http", help="GET URL, healthy on 200")
     http.add_argument("url")
-    zmq_ = sub.add_parser("zmq", help="Ping the sidecar, healthy on a matching Pong")
+    zmq_ = sub.add_parser("zmq", help="Ping the batcher, healthy on a matching Pong")
     zmq_.add_argument("address")
     zmq_.add_argument("--min-workers", type=int, default=0, help="also require this many registered workers")
     for p in (http, zmq_):

@@ -3,7 +3,7 @@
 Owns the middlewares (OpenAI error JSON for every failure, API-key check) and the lifecycle:
 the BatcherClient starts with the app; on SIGINT/SIGTERM the gateway stops accepting
 connections, lets in-flight requests finish up to --drain-timeout, then closes.
-Must not import torch, workers.*, or batcher.* other than batcher.protocol.
+Must not import torch, workers.*, or batcher.* other than laneserve.wire.protocol.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 
 from aiohttp import web
 
-from batcher.protocol import EngineStats
+from laneserve.wire.protocol import EngineStats
 from gateway.client import BatcherClient
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError

@@ -1,10 +1,10 @@
 """Gateway benchmark: SSE tokens/s one gateway process streams, and the TTFT it adds.
 
-Runs three processes: a real gateway (gateway.app.run), an instant sidecar that speaks the real
+Runs three processes: a real gateway (gateway.app.run), an instant batcher that speaks the real
 protocol on a ROUTER socket and answers every step at once (one token per running request per
 step, no model), and this process as the HTTP client. With a zero-cost engine, all the time seen by
 the client is the gateway's (plus the client's own parsing): tokens/s measures the gateway's SSE
-path; TTFT at concurrency 1 is the latency the gateway adds over the sidecar.
+path; TTFT at concurrency 1 is the latency the gateway adds over the batcher.
 
     python -m gateway.bench --streams 64 --tokens 256 --ttft-requests 200
 """
@@ -21,10 +21,10 @@ import time
 
 import zmq
 
-from batcher import protocol as P
+from laneserve.wire import protocol as P
 
 
-def instant_sidecar(address: str, ready) -> None:
+def instant_batcher(address: str, ready) -> None:
     """Every loop: one token for each running request, in one TokenBatch; Pong at once."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     address = f"ipc://{run_dir}/batcher.sock"
     spawn = mp.get_context("spawn")
     ready = spawn.Event()
-    procs = [spawn.Process(target=instant_sidecar, args=(address, ready), daemon=True)]
+    procs = [spawn.Process(target=instant_batcher, args=(address, ready), daemon=True)]
     procs[0].start()
     ready.wait(30)
     procs.append(spawn.Process(target=gateway_process, args=(address, port), daemon=True))

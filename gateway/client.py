@@ -1,13 +1,13 @@
-"""BatcherClient: the gateway's one DEALER socket to the sidecar and its one reader task.
+"""BatcherClient: the gateway's one DEALER socket to the batcher and its one reader task.
 
 Sends AddRequest / AbortRequests / Ping frames; the reader decodes TokenBatch / Rejected / Pong
 and routes every delta to the asyncio.Queue registered for its request id (several ids of one
 HTTP request, n > 1 or many prompts, share one queue). A request's queue is dropped when its
 finishing delta (or a Rejected) passes, or when the handler releases it; later deltas for it are
 ignored. Liveness (docs/reliability.md): the socket monitor says at once when the connection to the
-sidecar closes (its process died) — in-flight requests then fail (503 / an error chunk) and new ones
+batcher closes (its process died) — in-flight requests then fail (503 / an error chunk) and new ones
 get 503 until the connection is back (ZeroMQ reconnects by itself); a Ping every PING_S keeps
-workers_alive fresh and catches a sidecar that is connected but silent (--sidecar-lost-after).
+workers_alive fresh and catches a batcher that is connected but silent (--batcher-lost-after).
 Must not import torch or batcher internals.
 """
 
@@ -19,22 +19,21 @@ import logging
 import time
 from dataclasses import dataclass
 
-import msgspec
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
-from batcher import protocol as P
+from laneserve.wire import protocol as P
+from laneserve.wire import transport
 from gateway.config import GatewayConfig
-from laneserve.curve import set_curve_client
 
 log = logging.getLogger("laneserve.gateway")
-PING_S = 0.5  # liveness ping period (shorter when --sidecar-timeout is under a second)
+PING_S = 0.5  # liveness ping period (shorter when --batcher-timeout is under a second)
 
 
 @dataclass
-class SidecarLost:
-    """Put in a request's queue when the sidecar stopped answering with the request in flight."""
+class BatcherLost:
+    """Put in a request's queue when the batcher stopped answering with the request in flight."""
 
     reason: str
 
@@ -43,26 +42,18 @@ class BatcherClient:
     def __init__(self, cfg: GatewayConfig):
         self.cfg = cfg
         self.ctx = zmq.asyncio.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        # Unbounded: admission is capped by max_queued_requests; a dropped frame would lose a request.
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
-        # ZMTP heartbeats (libzmq's I/O thread): a sidecar host that vanished is a disconnect in seconds.
-        self.sock.setsockopt(zmq.HEARTBEAT_IVL, 500)
-        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
-        if cfg.curve_server_public_key:
-            set_curve_client(self.sock, cfg.curve_server_public_key, cfg.curve_client_secret_key)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-        self.connected = False  # a ZMTP session with the sidecar is up (from the monitor)
-        self.sock.connect(cfg.batcher_address)
+        # The monitor says when a ZMTP session with the batcher is up, and when it closes.
+        self.sock, self.monitor = transport.connect_monitored(
+            self.ctx, zmq.DEALER, cfg.batcher_address, zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED,
+            curve_server_public_key=cfg.curve_server_public_key, curve_client_secret_key=cfg.curve_client_secret_key)
+        self.connected = False  # a ZMTP session with the batcher is up (from the monitor)
         self.decoder = P.decoder(P.BatcherToGateway)
         self.queues: dict[str, asyncio.Queue] = {}
         self.pings: dict[int, asyncio.Future] = {}
         self.nonces = itertools.count(1)
         self.stats = P.EngineStats()
         self.workers_alive = 0
-        self.last_rx = 0.0  # monotonic time of the last frame from the sidecar
+        self.last_rx = 0.0  # monotonic time of the last frame from the batcher
         self.handlers = {P.TokenBatch: self._on_batch, P.Rejected: self._on_rejected, P.Pong: self._on_pong}
         self._tasks: list[asyncio.Task] = []
 
@@ -83,7 +74,7 @@ class BatcherClient:
 
     # ------------------------------------------------------------------ sending
     def _send(self, msg) -> None:
-        # NOBLOCK with HWM 0 never waits: the frame is queued even before the sidecar connects.
+        # NOBLOCK with HWM 0 never waits: the frame is queued even before the batcher connects.
         # It must go through the asyncio socket, not a sync shadow: a send can swallow the fd's
         # edge-triggered read event, and only pyzmq's own send re-arms the waiting reader.
         fut = self.sock.send(P.encode(msg), flags=zmq.NOBLOCK)
@@ -91,7 +82,7 @@ class BatcherClient:
             raise fut.exception()
 
     def submit(self, requests: list[P.AddRequest]) -> asyncio.Queue:
-        """Send the requests; their deltas (and Rejected / SidecarLost) arrive on the returned queue."""
+        """Send the requests; their deltas (and Rejected / BatcherLost) arrive on the returned queue."""
         q: asyncio.Queue = asyncio.Queue()
         for r in requests:
             self.queues[r.request_id] = q
@@ -100,7 +91,7 @@ class BatcherClient:
         return q
 
     def abort(self, request_ids: list[str]) -> None:
-        """Cancel requests in the sidecar (their KV blocks are freed) and stop routing their deltas."""
+        """Cancel requests in the batcher (their KV blocks are freed) and stop routing their deltas."""
         if not request_ids:
             return
         self.release(request_ids)
@@ -118,25 +109,25 @@ class BatcherClient:
         return len(self.queues)
 
     async def ping(self, timeout: float | None = None) -> P.Pong | None:
-        """A live round trip to the sidecar (answered outside its request queue); None on timeout."""
-        if not self.connected:  # no session: the frame would only queue up for a later sidecar
+        """A live round trip to the batcher (answered outside its request queue); None on timeout."""
+        if not self.connected:  # no session: the frame would only queue up for a later batcher
             return None
         nonce = next(self.nonces)
         fut = asyncio.get_running_loop().create_future()
         self.pings[nonce] = fut
         try:
             self._send(P.Ping(nonce=nonce))
-            return await asyncio.wait_for(fut, self.cfg.sidecar_timeout if timeout is None else timeout)
+            return await asyncio.wait_for(fut, self.cfg.batcher_timeout if timeout is None else timeout)
         except (asyncio.TimeoutError, zmq.ZMQError):
             return None
         finally:
             self.pings.pop(nonce, None)
 
     async def alive(self) -> bool:
-        """True if the sidecar answered recently or answers a ping now (admission check)."""
+        """True if the batcher answered recently or answers a ping now (admission check)."""
         if not self.connected:
             return False
-        if time.monotonic() - self.last_rx < self.cfg.sidecar_timeout:
+        if time.monotonic() - self.last_rx < self.cfg.batcher_timeout:
             return self.workers_alive > 0
         pong = await self.ping()
         return pong is not None and pong.workers_alive > 0
@@ -146,15 +137,13 @@ class BatcherClient:
         while True:
             frame = await self.sock.recv()
             self.last_rx = time.monotonic()
-            try:
-                msg = self.decoder.decode(frame)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                log.error("dropped malformed frame from the sidecar (%d bytes): %s", len(frame), exc)
+            msg = transport.try_decode(self.decoder, frame, "the batcher")
+            if msg is None:
                 continue
             try:
                 self.handlers[type(msg)](msg)
             except Exception:  # one bad message must not stop every request's stream
-                log.exception("error handling %s from the sidecar", type(msg).__name__)
+                log.exception("error handling %s from the batcher", type(msg).__name__)
 
     def _on_batch(self, batch: P.TokenBatch) -> None:
         queues = self.queues
@@ -175,7 +164,7 @@ class BatcherClient:
         self.stats = pong.stats
         self.workers_alive = pong.workers_alive
         if pong.protocol_version != P.PROTOCOL_VERSION:
-            log.error("sidecar speaks protocol %d, gateway %d", pong.protocol_version, P.PROTOCOL_VERSION)
+            log.error("batcher speaks protocol %d, gateway %d", pong.protocol_version, P.PROTOCOL_VERSION)
             self.workers_alive = 0
         fut = self.pings.pop(pong.nonce, None)
         if fut is not None and not fut.done():
@@ -187,20 +176,20 @@ class BatcherClient:
             event = await recv_monitor_message(self.monitor)
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 if not self.connected:
-                    log.info("connected to the batcher sidecar at %s", self.cfg.batcher_address)
+                    log.info("connected to the batcher at %s", self.cfg.batcher_address)
                 self.connected = True
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self.connected = False
                 self.workers_alive = 0
-                log.error("the batcher sidecar at %s went away", self.cfg.batcher_address)
+                log.error("the batcher at %s went away", self.cfg.batcher_address)
                 if self.queues:
-                    self.fail_all("the batcher sidecar went away")
+                    self.fail_all("the batcher went away")
 
     async def _watchdog(self) -> None:
         """Ping every PING_S (fresh workers_alive for admission); fail in-flight requests when the
-        sidecar is connected but went silent, instead of leaving them hanging."""
-        limit = self.cfg.sidecar_lost_after
-        period = max(0.05, min(PING_S, self.cfg.sidecar_timeout / 2))
+        batcher is connected but went silent, instead of leaving them hanging."""
+        limit = self.cfg.batcher_lost_after
+        period = max(0.05, min(PING_S, self.cfg.batcher_timeout / 2))
         while True:
             await asyncio.sleep(period)  # a timer tick, not synchronisation
             if self.connected:
@@ -210,11 +199,11 @@ class BatcherClient:
                     pass
             silent = time.monotonic() - self.last_rx
             if limit > 0 and self.queues and silent > limit:
-                self.fail_all(f"the batcher sidecar did not answer for {silent:.1f}s")
+                self.fail_all(f"the batcher did not answer for {silent:.1f}s")
 
     def fail_all(self, reason: str) -> None:
         log.error("%s: failing %d in-flight requests", reason, len(self.queues))
-        lost = SidecarLost(reason)
+        lost = BatcherLost(reason)
         for q in {id(q): q for q in self.queues.values()}.values():  # a queue may serve several ids
             q.put_nowait(lost)
         self.queues.clear()

@@ -12,7 +12,7 @@ class GatewayConfig:
     host: str = field(default="127.0.0.1", metadata=flag("HTTP bind address"))
     port: int = field(default=8000, metadata=flag("HTTP port"))
     batcher_address: str = field(default="ipc:///tmp/laneserve/batcher.sock",
-                                 metadata=flag("ZeroMQ address of the sidecar"))
+                                 metadata=flag("ZeroMQ address of the batcher"))
     model: str = field(default="tiny", metadata=flag("'tiny' (embedded random model) or an HF checkpoint dir"))
     served_model_name: str = field(default="", metadata=flag("model id in the API; default 'tiny' or the dir's name"))
     max_model_len: int = field(default=0, metadata=flag("context length; 0 = the model's"))
@@ -23,15 +23,15 @@ class GatewayConfig:
         "sequences this gateway keeps in flight at once; over it new requests get 429 + Retry-After (0 = no cap)"))
     request_timeout: float = field(default=600.0, metadata=flag(
         "seconds a request may run before it is aborted (504, or an error chunk in a stream); 0 = no limit"))
-    sidecar_timeout: float = field(default=3.0, metadata=flag(
-        "seconds to wait for the sidecar's Pong (health, admission after idle); no answer = 503"))
-    sidecar_lost_after: float = field(default=10.0, metadata=flag(
-        "with requests in flight and no frame from the sidecar for this long, they fail with 503"))
+    batcher_timeout: float = field(default=3.0, metadata=flag(
+        "seconds to wait for the batcher's Pong (health, admission after idle); no answer = 503"))
+    batcher_lost_after: float = field(default=10.0, metadata=flag(
+        "with requests in flight and no frame from the batcher for this long, they fail with 503"))
     retry_after: float = field(default=1.0, metadata=flag("Retry-After seconds sent with 429 and 503"))
     drain_timeout: float = field(default=8.0, metadata=flag(
         "on SIGTERM/SIGINT: stop accepting, then wait this long for in-flight requests before closing "
         "(keep it under the launcher's --shutdown-timeout, which then kills the gateway)"))
     curve_server_public_key: str = field(default="", metadata=flag(
-        "tcp across hosts: the sidecar's public CURVE certificate (zmq.auth file); set = connect with CURVE"))
+        "tcp across hosts: the batcher's public CURVE certificate (zmq.auth file); set = connect with CURVE"))
     curve_client_secret_key: str = field(default="", metadata=flag(
         "with CURVE: this client's certificate (zmq.auth secret file); '' = a fresh key pair per start"))

@@ -1,5 +1,5 @@
 """Prometheus metrics of one gateway: request latencies and token counts it measures itself, plus
-the engine's state from the sidecar's latest Pong (EngineStats). Names follow vLLM's with the
+the engine's state from the batcher's latest Pong (EngineStats). Names follow vLLM's with the
 prefix `laneserve:`. One CollectorRegistry per app, so several apps can live in one process.
 """
 
@@ -10,7 +10,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from batcher.protocol import EngineStats
+from laneserve.wire.protocol import EngineStats
 
 P = "laneserve:"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -19,7 +19,7 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 
 
 
 class EngineCollector:
-    """Exposes the latest EngineStats at scrape time (counters are the sidecar's running totals)."""
+    """Exposes the latest EngineStats at scrape time (counters are the batcher's running totals)."""
 
     def __init__(self, stats: Callable[[], tuple[EngineStats, int]]):
         self.stats = stats
@@ -37,7 +37,7 @@ class EngineCollector:
              used / s.kv_blocks_total if s.kv_blocks_total else 0.0),
             ("prefix_cache_hit_rate", "Prefix cache hits / queries (prompt tokens), since start.",
              s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0),
-            ("workers_alive", "Workers the sidecar counts as ready.", workers),
+            ("workers_alive", "Workers the batcher counts as ready.", workers),
         ]
         for name, doc, value in gauges:
             g = GaugeMetricFamily(P + name, doc)
@@ -66,7 +66,7 @@ class Metrics:
         self.e2e = Histogram(P + "e2e_request_latency_seconds", "End-to-end request latency.",
                              buckets=LATENCY_BUCKETS, registry=r)
         self.queue = Histogram(P + "request_queue_time_seconds", "Gateway arrival to the request being handed to "
-                               "the sidecar (validation, tokenization, admission).", buckets=LATENCY_BUCKETS,
+                               "the batcher (validation, tokenization, admission).", buckets=LATENCY_BUCKETS,
                                registry=r)
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed.", registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens.", registry=r)

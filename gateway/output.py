@@ -1,13 +1,13 @@
 """One choice's output state and its OpenAI JSON shapes (completion and chat, streamed or not).
 
-Choice.feed() turns the sidecar's TokenDeltas into text (via detokenizer.TextStream), finish
+Choice.feed() turns the batcher's TokenDeltas into text (via detokenizer.TextStream), finish
 reasons and logprobs; CompletionShape / ChatShape render choices and chunks exactly as the
 OpenAI API (and vLLM) do. Pure: no sockets, no aiohttp.
 """
 
 from __future__ import annotations
 
-from batcher.protocol import FinishReason, TokenDelta
+from laneserve.wire.protocol import FinishReason, TokenDelta
 from gateway.detokenizer import TextStream
 from gateway.tokenizer import ModelTokenizer
 
@@ -35,7 +35,7 @@ class Choice:
         self.want_logprobs = want_logprobs
         self.lp_tokens: list[int] = []
         self.lp_entries: list = []
-        self.needs_abort = False  # a stop string ended it before the sidecar did
+        self.needs_abort = False  # a stop string ended it before the batcher did
         self.first_token_at: float | None = None
         self.num_cached = 0
 

@@ -1,9 +1,9 @@
-"""The OpenAI-compatible handlers: validate, tokenize, submit to the sidecar, answer (JSON or SSE).
+"""The OpenAI-compatible handlers: validate, tokenize, submit to the batcher, answer (JSON or SSE).
 
 One HTTP request becomes prompts x n AddRequests (ids `<base>-<choice index>`) whose deltas share
 one queue; the answer merges them by choice index. Whatever way a request ends (finish, stop
 string, client disconnect, timeout, error), the `finally` of `_generate` aborts what is still
-running in the sidecar, so its KV blocks are freed. Must not import torch or batcher internals.
+running in the batcher, so its KV blocks are freed. Must not import torch or batcher internals.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import uuid
 import msgspec
 from aiohttp import web
 
-from batcher.protocol import AddRequest, Rejected
+from laneserve.wire.protocol import AddRequest, Rejected
 from gateway import schemas as S
-from gateway.client import BatcherClient, SidecarLost
+from gateway.client import BatcherClient, BatcherLost
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError, bad_request
 from gateway.metrics import Metrics
@@ -67,13 +67,13 @@ class Api:
             raise ApiError(503, "the gateway is shutting down", retry_after=self.cfg.retry_after)
         pong = await self.client.ping()
         if pong is None:
-            raise ApiError(503, "the batcher sidecar did not answer", retry_after=self.cfg.retry_after)
+            raise ApiError(503, "the batcher did not answer", retry_after=self.cfg.retry_after)
         if pong.workers_alive < 1:
             raise ApiError(503, "no model worker is ready", retry_after=self.cfg.retry_after)
         return json_response({"status": "ok", "workers_alive": pong.workers_alive})
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        await self.client.ping()  # refresh the engine gauges; stale values if the sidecar is silent
+        await self.client.ping()  # refresh the engine gauges; stale values if the batcher is silent
         return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
 
     async def tokenize(self, request: web.Request) -> web.Response:
@@ -167,7 +167,7 @@ class Api:
                 adds.append(AddRequest(request_id=ch.request_id, prompt_token_ids=ids, params=params,
                                        arrival_time=now, priority=req.priority or 0))
         if not await self.client.alive():
-            raise ApiError(503, "the batcher sidecar is not answering or has no ready worker; retry later.",
+            raise ApiError(503, "the batcher is not answering or has no ready worker; retry later.",
                            retry_after=self.cfg.retry_after)
         self.metrics.queue.observe(time.monotonic() - arrival)
         by_id = {ch.request_id: ch for ch in choices}
@@ -192,7 +192,7 @@ class Api:
             self.in_flight -= num_seqs
             self.active -= 1
             self.metrics.in_flight.dec()
-            # Disconnect, timeout, stop string, error: whatever still runs in the sidecar is aborted.
+            # Disconnect, timeout, stop string, error: whatever still runs in the batcher is aborted.
             to_abort = [ch.request_id for ch in choices if ch.request_id in unfinished or ch.needs_abort]
             self.client.abort(to_abort)
             self.client.release(by_id)
@@ -220,7 +220,7 @@ class _Run:
                 raise ApiError(429, f"the engine cannot take the request now: {item.reason}",
                                retry_after=self.api.cfg.retry_after)
             raise bad_request(f"the engine rejected the request: {item.reason}")
-        if isinstance(item, SidecarLost):
+        if isinstance(item, BatcherLost):
             raise ApiError(503, item.reason, retry_after=self.api.cfg.retry_after)
         return self.by_id[item.request_id]
 

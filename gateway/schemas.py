@@ -1,7 +1,7 @@
 """Request validation: OpenAI/vLLM request bodies as msgspec Structs, then ranges -> SamplingParams.
 
 Decoding is strict about types (wrong type -> 400 naming the field) and ignores unknown fields,
-as OpenAI does. Every check a request can fail happens here, at the edge, so the sidecar and
+as OpenAI does. Every check a request can fail happens here, at the edge, so the batcher and
 workers can trust what they get. No I/O.
 """
 
@@ -12,7 +12,7 @@ import re
 
 import msgspec
 
-from batcher.protocol import SamplingParams
+from laneserve.wire.protocol import SamplingParams
 from gateway.errors import ApiError, bad_request
 from gateway.tokenizer import ModelTokenizer
 

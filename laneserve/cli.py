@@ -3,7 +3,7 @@
 Component sub-commands build their config from flags and LANESERVE_* env vars and
 run that one component (what Compose runs); `serve` starts them all. Tool
 sub-commands hand their argv to the tool's own main(). Imports stay lazy so the
-gateway and the sidecar never load torch.
+gateway and the batcher never load torch.
 """
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default=os.environ.get("LANESERVE_LOG_LEVEL", "INFO"),
                         help="DEBUG | INFO | WARNING | ERROR [env LANESERVE_LOG_LEVEL]")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run gateway, sidecar and workers (one per GPU, or one CPU worker)")
+    serve = sub.add_parser("serve", help="run gateway, batcher and workers (one per GPU, or one CPU worker)")
     for cls in (LauncherConfig, gateway_cfg, batcher_cfg, worker_cfg):
         add_arguments(serve, cls, skip=("worker_id",))
     for name, cls, text in (("gateway", gateway_cfg, "run the HTTP gateway"),
-                            ("batcher", batcher_cfg, "run the batching sidecar"),
+                            ("batcher", batcher_cfg, "run the batcher"),
                             ("worker", worker_cfg, "run one model worker")):
         add_arguments(sub.add_parser(name, help=text), cls)
     for name, (_, text) in TOOLS.items():

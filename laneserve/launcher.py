@@ -1,12 +1,12 @@
-"""`laneserve serve`: start sidecar, workers and gateway as child processes and supervise them.
+"""`laneserve serve`: start batcher, workers and gateway as child processes and supervise them.
 
 Owns process lifetime only: private ipc:// socket directory, readiness (the
 gateway's /health answering 200), SIGINT/SIGTERM forwarding, and a clean
 shutdown that leaves no child process or socket file behind.
 
 Recovery (docs/reliability.md): once the stack has been ready, a dead worker or
-sidecar is restarted (the sidecar notices a lost worker and fails or requeues its
-requests; workers re-register with a restarted sidecar; the gateway reconnects), up
+batcher is restarted (the batcher notices a lost worker and fails or requeues its
+requests; workers re-register with a restarted batcher; the gateway reconnects), up
 to --max-restarts per child within RESTART_WINDOW_S. A child that dies before the
 stack was first ready (a startup error), a dead gateway (it holds the clients'
 connections: restarting it behind their back would hide the failure), or a child
@@ -41,7 +41,7 @@ class LauncherConfig:
     startup_timeout: float = field(default=600.0, metadata=flag("seconds to wait for the stack to become healthy"))
     shutdown_timeout: float = field(default=10.0, metadata=flag("seconds each child gets to exit before SIGKILL"))
     max_restarts: int = field(default=5, metadata=flag(
-        "restarts of a dead worker or sidecar within a minute before the stack goes down; 0 = a dead child "
+        "restarts of a dead worker or batcher within a minute before the stack goes down; 0 = a dead child "
         "always takes the stack down"))
 
 

@@ -1,6 +1,6 @@
-"""Test helpers for the worker: tiny HF checkpoints and a minimal sidecar that drives ModelRunner.
+"""Test helpers for the worker: tiny HF checkpoints and a minimal batcher that drives ModelRunner.
 
-`Sim` plays the sidecar's part as docs/architecture.md defines it (block allocation, chunked
+`Sim` plays the batcher's part as docs/architecture.md defines it (block allocation, chunked
 prefill within a token budget, NewReq/CachedReq diffs, finished ids) without importing the
 real scheduler, so the runner is tested against the contract alone.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batcher import protocol as P
+from laneserve.wire import protocol as P
 
 ARCHS = ("llama", "mistral", "qwen2")
 BLOCK = 16
@@ -85,7 +85,7 @@ class _Req:
 
 
 class Sim:
-    """Minimal sidecar: FIFO, per-step token budget, optional per-request chunk size."""
+    """Minimal batcher: FIFO, per-step token budget, optional per-request chunk size."""
 
     def __init__(self, runner, budget: int = 1 << 30):
         self.runner = runner
@@ -125,7 +125,7 @@ class Sim:
             budget -= n
         step = P.StepInput(step=self.step_no, new_reqs=new_reqs, cached_reqs=cached, num_scheduled_tokens=sched,
                            finished_req_ids=self.finished_ids)
-        # round-trip through the wire format, as the real sidecar's frames do
+        # round-trip through the wire format, as the real batcher's frames do
         step = P.decoder(P.BatcherToWorker).decode(P.encode(step))
         out = self.runner.execute(step)
         assert out.error is None and out.step == self.step_no

@@ -1,5 +1,5 @@
 """Every error status of the gateway, over raw HTTP, as OpenAI error JSON; plus auth, limits, timeouts,
-the sidecar being absent, and graceful drain on shutdown."""
+the batcher being absent, and graceful drain on shutdown."""
 
 from __future__ import annotations
 
@@ -140,8 +140,8 @@ async def test_request_timeout_is_504_or_an_error_event_in_a_stream(guarded):
             pass
 
 
-async def test_no_sidecar_is_503_with_retry_after(tmp_path):
-    cfg = GatewayConfig(batcher_address=f"ipc://{tmp_path}/nobody.sock", sidecar_timeout=0.2, retry_after=2)
+async def test_no_batcher_is_503_with_retry_after(tmp_path):
+    cfg = GatewayConfig(batcher_address=f"ipc://{tmp_path}/nobody.sock", batcher_timeout=0.2, retry_after=2)
     async with TestClient(TestServer(create_app(cfg))) as c:
         resp = await c.post("/v1/completions", json={"prompt": "x"})
         assert resp.status == 503 and resp.headers["Retry-After"] == "2"

@@ -14,7 +14,7 @@ from collections import deque
 import pytest
 
 from batcher.config import BatcherConfig
-from batcher.protocol import AddRequest, FinishReason, SamplingParams, StepOutput
+from laneserve.wire.protocol import AddRequest, FinishReason, SamplingParams, StepOutput
 from batcher.scheduler import Scheduler
 from batcher.simulator import CostModel, SimRequest, simulate
 from tests.test_scheduler import Driver, add
@@ -320,7 +320,7 @@ def test_pipelined_simulation_with_a_tiny_pool_aborts_and_a_warm_prefix(seed):
 
 
 def test_pipelining_hides_the_host_gap_in_the_simulator():
-    # 64 steady decodes of 200 tokens; GPU step ~8 ms, 0.8 ms of sidecar + transport between steps.
+    # 64 steady decodes of 200 tokens; GPU step ~8 ms, 0.8 ms of batcher + transport between steps.
     reqs = [SimRequest(0.0, tokens(i, 100), 200) for i in range(64)]
     cost = CostModel(a=8.0, b=0.0, c=0.0, d=0.0, h=0.8)
     tpot = {}
@@ -389,15 +389,15 @@ async def test_stack_greedy_outputs_match_with_and_without_async_scheduling_and_
     assert not any("failing its requests" in line for line in stack.lines + off.lines + overlapped.lines)
 
 
-async def test_sidecar_keeps_two_steps_at_the_worker_and_checks_their_order(tmp_path):
+async def test_batcher_keeps_two_steps_at_the_worker_and_checks_their_order(tmp_path):
     """The real Batcher on real sockets; the test plays the gateway and a worker (the stand-in SimWorker)."""
     import asyncio
 
     import zmq
     import zmq.asyncio
 
-    from batcher import protocol as P
-    from batcher import transport
+    from laneserve.wire import protocol as P
+    from laneserve.wire import transport
     from batcher.core import Batcher
     from batcher.simulator import SimWorker
 
@@ -421,7 +421,7 @@ async def test_sidecar_keeps_two_steps_at_the_worker_and_checks_their_order(tmp_
     try:
         await wk.send(P.encode(P.WorkerReady(worker_id=0, num_blocks=64, block_size=BS, max_model_len=1024,
                                              protocol_version=P.PROTOCOL_VERSION)))
-        while not batcher.workers:  # the handshake is handled on the sidecar's loop; ask until it is in
+        while not batcher.workers:  # the handshake is handled on the batcher's loop; ask until it is in
             await gw.send(P.encode(P.Ping(nonce=1)))
             await recv(gw, to_gateway)
         worker = SimWorker(64, BS)
@@ -435,7 +435,7 @@ async def test_sidecar_keeps_two_steps_at_the_worker_and_checks_their_order(tmp_
         while got < 2:  # one TokenBatch per update
             got += sum(len(d.new_token_ids) for d in await deltas(1))
         third, fourth = await recv(wk, steps_in), await recv(wk, steps_in)
-        await wk.send(P.encode(worker.execute(fourth)[0]))  # out of order: the sidecar fails the worker's requests
+        await wk.send(P.encode(worker.execute(fourth)[0]))  # out of order: the batcher fails the worker's requests
         (err,) = [d for d in await deltas(1) if d.finish_reason is not None]
         assert err.request_id == "a" and err.finish_reason == P.FinishReason.ERROR and "expected 3" in err.error
         await wk.send(P.encode(worker.execute(third)[0]))  # a step cut off by the failure: dropped quietly

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from batcher.block_manager import BlockManager, chain_hashes
-from batcher.protocol import SamplingParams
+from laneserve.wire.protocol import SamplingParams
 from batcher.request import Request
 
 BS = 4

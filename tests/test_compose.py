@@ -1,4 +1,4 @@
-"""The Compose deployment, checked statically (there is no Docker engine in CI) plus one real sidecar probe.
+"""The Compose deployment, checked statically (there is no Docker engine in CI) plus one real batcher probe.
 
 - every compose file validates against the vendored Compose-spec JSON schema;
 - every LANESERVE_* variable a service sets is one its `laneserve` command reads;
@@ -6,7 +6,7 @@
   same configuration as the tests' `laneserve serve --device cpu`;
 - GPU workers, addresses, ports, healthchecks and depends_on agree with each other;
 - the gateway image's dependency list is torch-free and covers what gateway/ and batcher/ import;
-- docs/deploy.md's env-var table is current; the sidecar healthcheck works against a real sidecar.
+- docs/deploy.md's env-var table is current; the batcher healthcheck works against a real batcher.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from batcher.config import BatcherConfig
-from batcher.transport import check_address
+from laneserve.wire.transport import check_address
 from gateway.config import GatewayConfig
 from laneserve.cli import build_parser
 from laneserve.config import env_vars, from_args
@@ -42,7 +42,7 @@ DOCKER = REPO / "docker"
 SCHEMA = json.loads((DOCKER / "compose-spec.schema.json").read_text())
 COMPOSE_FILES = ["compose.yaml", "compose.multihost.yaml", "compose.gpu-host.yaml"]
 # What a user exports before `docker compose up` (the variables the files require or document).
-SHELL_ENV = {"SIDECAR_HOST": "10.0.0.5", "HOST_INDEX": "1"}
+SHELL_ENV = {"BATCHER_HOST": "10.0.0.5", "HOST_INDEX": "1"}
 CONFIGS = {"gateway": GatewayConfig, "batcher": BatcherConfig, "worker": WorkerConfig}
 ADDRESS_FIELDS = {"batcher_address", "worker_address"}
 
@@ -144,7 +144,7 @@ def test_schema_rejects_what_compose_rejects():
     """The vendored schema is strict (else the test above proves nothing)."""
     doc = load("compose.yaml")
     doc["services"]["worker-0"]["deploy"]["resources"]["reservations"]["devices"][0]["gpu_ids"] = ["0"]
-    doc["services"]["gateway"]["depends_on"]["sidecar"]["condition"] = "healthy"
+    doc["services"]["gateway"]["depends_on"]["batcher"]["condition"] = "healthy"
     doc["services"]["gateway"]["environment"]["LANESERVE_PORT"] = True
     bad = {tuple(e.absolute_path)[:3] for e in jsonschema.Draft201909Validator(SCHEMA).iter_errors(doc)}
     assert {("services", "worker-0", "deploy"), ("services", "gateway", "depends_on"),
@@ -176,25 +176,25 @@ def test_service_commands_parse_and_addresses_connect(name):
             assert address.startswith("tcp://"), f"{svc_name}: {field}={address}: containers need tcp://"
             host = urlparse(address).hostname
             if command == "batcher":
-                assert host == "0.0.0.0", f"the sidecar binds every interface, got {address}"
+                assert host == "0.0.0.0", f"the batcher binds every interface, got {address}"
             else:
-                assert host in ("sidecar", SHELL_ENV["SIDECAR_HOST"]), f"{svc_name} connects to {address}"
+                assert host in ("batcher", SHELL_ENV["BATCHER_HOST"]), f"{svc_name} connects to {address}"
         if command == "gateway":
             assert cfg.host == "0.0.0.0" and str(cfg.port) in svc["expose"]
 
 
-def test_sidecar_binds_the_ports_its_clients_connect_to():
+def test_batcher_binds_the_ports_its_clients_connect_to():
     compose = load("compose.yaml")["services"]
-    _, sidecar = build_config(["batcher"], environment(compose["sidecar"]))
-    ports = {f: urlparse(getattr(sidecar, f)).port for f in ADDRESS_FIELDS}
+    _, batcher = build_config(["batcher"], environment(compose["batcher"]))
+    ports = {f: urlparse(getattr(batcher, f)).port for f in ADDRESS_FIELDS}
     for name in COMPOSE_FILES:
         for svc_name, svc, argv in laneserve_services(name):
             _, cfg = build_config(argv, environment(svc))
             for field in ADDRESS_FIELDS & {f.name for f in dataclasses.fields(cfg)}:
                 assert urlparse(getattr(cfg, field)).port == ports[field], f"{name}: {svc_name}.{field}"
-    published = load("compose.multihost.yaml")["services"]["sidecar"]["ports"]
+    published = load("compose.multihost.yaml")["services"]["batcher"]["ports"]
     assert sorted(int(p.rsplit(":", 2)[-1]) for p in published) == sorted(ports.values())
-    assert sorted(compose["sidecar"]["expose"]) == sorted(str(p) for p in ports.values())
+    assert sorted(compose["batcher"]["expose"]) == sorted(str(p) for p in ports.values())
 
 
 def test_cpu_profile_runs_the_same_configuration_as_the_tests():
@@ -203,7 +203,7 @@ def test_cpu_profile_runs_the_same_configuration_as_the_tests():
     serve = build_parser().parse_args(["serve", "--device", "cpu"])
     compose = load("compose.yaml", env={})["services"]
     cpu = {n for n, s in compose.items() if "cpu" in s.get("profiles", [])}
-    assert cpu == {"lb", "gateway", "sidecar", "worker-cpu"}
+    assert cpu == {"lb", "gateway", "batcher", "worker-cpu"}
     seen = set()
     for svc_name, svc, argv in laneserve_services("compose.yaml"):
         if svc_name not in cpu:
@@ -272,8 +272,8 @@ def test_healthchecks_probe_the_configured_endpoints():
     assert test[:2] == ["CMD", "laneserve-healthcheck"]
     args = parser.parse_args(test[2:])
     assert args.kind == "http" and urlparse(args.url).port == gw.port and urlparse(args.url).path == "/health"
-    _, bc = build_config(["batcher"], environment(compose["sidecar"]))
-    test = compose["sidecar"]["healthcheck"]["test"]
+    _, bc = build_config(["batcher"], environment(compose["batcher"]))
+    test = compose["batcher"]["healthcheck"]["test"]
     args = parser.parse_args(test[2:])
     assert args.kind == "zmq" and urlparse(args.address).port == urlparse(bc.batcher_address).port
     check_address(args.address)
@@ -300,7 +300,7 @@ def test_timeouts_fit_the_gateway_config():
     assert int(body) * 2**20 >= gw.max_body_bytes  # the gateway's 413 is the one users see
 
 
-def test_sidecar_healthcheck_against_a_real_sidecar():
+def test_batcher_healthcheck_against_a_real_batcher():
     front, back = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     proc = subprocess.Popen([sys.executable, "-m", "laneserve.cli", "--log-level", "WARNING", "batcher",
                              "--batcher-address", front, "--worker-address", back], cwd=REPO)
@@ -337,7 +337,7 @@ def _third_party_imports(package: Path) -> set[str]:
     return found - first_party - set(sys.stdlib_module_names) - {"__future__"}
 
 
-def test_gateway_image_is_torch_free_and_has_what_gateway_and_sidecar_import():
+def test_gateway_image_is_torch_free_and_has_what_gateway_and_batcher_import():
     reqs = requirements.runtime_requirements(str(REPO / "pyproject.toml"), ["torch"])
     names = {requirements.requirement_name(r) for r in reqs}
     declared = {requirements.requirement_name(d)
@@ -355,7 +355,7 @@ def test_gateway_image_is_torch_free_and_has_what_gateway_and_sidecar_import():
         assert "pip install --no-deps ." in text and "requirements.py --exclude torch" in text
 
 
-def test_gateway_and_sidecar_start_without_torch():
+def test_gateway_and_batcher_start_without_torch():
     """What the slim image runs (CLI parsing, configs, the healthcheck) must not import torch."""
     code = (
         "import sys, importlib.abc\n"

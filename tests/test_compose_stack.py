@@ -23,7 +23,7 @@ STARTUP_S = 120.0
 
 
 def _rewire(env: dict[str, str], ports: dict[int, int]) -> dict[str, str]:
-    """Compose addresses -> loopback: tcp://sidecar:5555 and tcp://0.0.0.0:5555 -> tcp://127.0.0.1:<free>."""
+    """Compose addresses -> loopback: tcp://batcher:5555 and tcp://0.0.0.0:5555 -> tcp://127.0.0.1:<free>."""
     out = {}
     for key, value in env.items():
         if value.startswith("tcp://"):
@@ -69,8 +69,8 @@ async def test_cpu_profile_stack_serves_a_request(tmp_path):
         return proc
 
     try:
-        sidecar = start("sidecar")
-        _wait_healthy(services["sidecar"], sidecar, ports, "sidecar")
+        batcher = start("batcher")
+        _wait_healthy(services["batcher"], batcher, ports, "batcher")
         start("worker-cpu")
         gateway = start("gateway")
         _wait_healthy(services["gateway"], gateway, ports, "gateway")

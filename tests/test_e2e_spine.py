@@ -90,7 +90,7 @@ def test_ctrl_c_leaves_no_process_or_socket_behind(make_stack):
 
 
 def test_a_dead_worker_is_restarted_and_a_dead_gateway_takes_the_stack_down(make_stack):
-    """Issue 9 replaced issue 2's "any dead child stops the stack": a worker is restarted (the sidecar
+    """Issue 9 replaced issue 2's "any dead child stops the stack": a worker is restarted (the batcher
     and gateway keep running), a gateway is not (docs/reliability.md)."""
     import time
     import urllib.error
@@ -116,7 +116,7 @@ def test_a_dead_worker_is_restarted_and_a_dead_gateway_takes_the_stack_down(make
     wait_for(lambda: health() == 503, "503 while no worker is up", 5)
     wait_for(lambda: health() == 200, "healthy again")
     assert any("worker 0 exited with code -9; restarting it" in line for line in st.lines), st.lines[-10:]
-    assert all(alive(pid) for pid in others)  # sidecar and gateway were not restarted
+    assert all(alive(pid) for pid in others)  # batcher and gateway were not restarted
     body = json.dumps({"prompt": "again", "max_tokens": 4, "ignore_eos": True}).encode()
     req = urllib.request.Request(st.url("/v1/completions"), body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as resp:

@@ -1,5 +1,5 @@
 """Issue 9 on the real stack (`laneserve serve`, tiny model, CPU): bad input over HTTP, and a bounded soak of
-mixed traffic with random client disconnects through one worker SIGKILL and one sidecar SIGKILL (both
+mixed traffic with random client disconnects through one worker SIGKILL and one batcher SIGKILL (both
 restarted by the launcher), asserting that nothing is lost: exactly one terminal outcome per request, no KV
 block leaked, RSS stable, no zombie. The figures it prints are the ones in docs/reliability.md."""
 
@@ -172,7 +172,7 @@ async def _wait(cond, what: str, timeout: float) -> float:
     return time.monotonic() - t0
 
 
-def test_soak_through_a_worker_kill_and_a_sidecar_restart_loses_nothing(make_stack):
+def test_soak_through_a_worker_kill_and_a_batcher_restart_loses_nothing(make_stack):
     st = make_stack("--max-restarts", "3", "--max-queued-requests", "64")
     launcher = st.proc.pid
 
@@ -232,7 +232,7 @@ def test_soak_through_a_worker_kill_and_a_sidecar_restart_loses_nothing(make_sta
     warm, faulty, steady, before, after, figures = asyncio.run(main())
     lost = {k: v for t in (warm, faulty, steady) for k, v in t.outcomes.items() if k.startswith("LOST")}
     print(f"\nsoak: {warm.requests + faulty.requests + steady.requests} requests, faults injected: 1 worker "
-          f"SIGKILL + 1 sidecar SIGKILL; fault-phase outcomes {dict(faulty.outcomes)}; lost {sum(lost.values())}; "
+          f"SIGKILL + 1 batcher SIGKILL; fault-phase outcomes {dict(faulty.outcomes)}; lost {sum(lost.values())}; "
           f"{ {k: round(v, 2) for k, v in figures.items()} }; RSS KiB before {before} after {after}")
     assert lost == {}
     assert faulty.outcomes["error event"] + faulty.outcomes["http 500"] + faulty.outcomes["http 503"] >= 1

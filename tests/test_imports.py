@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # package -> (forbidden top-level modules, allowed exceptions)
 RULES = {
-    "gateway": ({"torch", "workers", "batcher"}, {"batcher.protocol"}),
+    "gateway": ({"torch", "workers", "batcher"}, {"laneserve.wire.protocol"}),
     "batcher": ({"torch", "workers", "gateway"}, set()),
     "loadtest": ({"torch", "workers", "batcher", "gateway"}, set()),
     "laneserve": ({"torch"}, set()),
@@ -24,7 +24,7 @@ def imports_of(path: Path) -> list[str]:
         if isinstance(node, ast.Import):
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            # `from batcher import protocol` counts as batcher.protocol, not as all of batcher
+            # `from laneserve.wire import protocol` counts as laneserve.wire.protocol, not as all of batcher
             names += [f"{node.module}.{a.name}" for a in node.names]
     return names
 

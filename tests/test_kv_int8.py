@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from batcher import protocol as P
+from laneserve.wire import protocol as P
 from tests.helpers_models import DEVICE, Sim, greedy
 from workers.attention.base import AttentionMetadata
 from workers.attention.torch_ref import TorchAttentionBackend

@@ -1,4 +1,4 @@
-"""Issue 9 at the socket level: the real sidecar (batcher.core.Batcher) on real ZeroMQ sockets, the test
+"""Issue 9 at the socket level: the real batcher (batcher.core.Batcher) on real ZeroMQ sockets, the test
 playing gateways, workers (batcher.simulator.SimWorker executes the steps) and rogue peers. No model, so
 fast; tests/test_faults.py runs the whole stack."""
 
@@ -17,12 +17,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from batcher import protocol as P
-from batcher import transport
+from laneserve.wire import protocol as P
+from laneserve.wire import transport
 from batcher.config import BatcherConfig
 from batcher.core import Batcher
 from batcher.simulator import SimWorker
-from gateway.client import BatcherClient, SidecarLost
+from gateway.client import BatcherClient, BatcherLost
 from gateway.config import GatewayConfig
 
 BS = 16
@@ -35,7 +35,7 @@ async def recv(sock, dec, timeout: float = 5.0):
 
 
 class Side:
-    """A running sidecar plus helpers to talk to it as a gateway and as workers."""
+    """A running batcher plus helpers to talk to it as a gateway and as workers."""
 
     def __init__(self, batcher: Batcher, ctx: zmq.asyncio.Context):
         self.b, self.ctx = batcher, ctx
@@ -43,7 +43,7 @@ class Side:
 
     async def roundtrip(self) -> P.Pong:
         """A Ping answered: every frame sent before it on any socket the loop reads first has been seen
-        (the sidecar handles a socket's frames in order; the loop is single-threaded)."""
+        (the batcher handles a socket's frames in order; the loop is single-threaded)."""
         await self.gw.send(P.encode(P.Ping(nonce=7)))
         while True:
             msg = await recv(self.gw, GW)
@@ -56,7 +56,7 @@ class Side:
             await wk.send(P.encode(P.WorkerReady(worker_id=wid, num_blocks=num_blocks, block_size=BS,
                                                  max_model_len=1024, protocol_version=P.PROTOCOL_VERSION,
                                                  vocab_size=320)))
-            while wid not in self.b.workers:  # the handshake is handled on the sidecar's loop
+            while wid not in self.b.workers:  # the handshake is handled on the batcher's loop
                 await self.roundtrip()
         return wk
 
@@ -82,7 +82,7 @@ class Side:
 
 
 @contextlib.asynccontextmanager
-async def sidecar(tmp_path, **overrides):
+async def batcher(tmp_path, **overrides):
     cfg = BatcherConfig(batcher_address=f"ipc://{tmp_path}/b.sock", worker_address=f"ipc://{tmp_path}/w.sock",
                         **overrides)
     batcher = Batcher(cfg)
@@ -110,7 +110,7 @@ async def serve_steps(wk, worker: SimWorker, stop: asyncio.Event, wid: int = 0) 
 
 # ---------------------------------------------------------------------------------------------- worker loss
 async def test_a_worker_whose_connection_closes_is_lost_at_once_and_a_new_one_serves(tmp_path):
-    async with sidecar(tmp_path) as side:
+    async with batcher(tmp_path) as side:
         wk = await side.worker(0)
         await side.add("a", max_tokens=50)
         step = await recv(wk, WK)
@@ -137,7 +137,7 @@ async def test_a_worker_whose_connection_closes_is_lost_at_once_and_a_new_one_se
 
 
 async def test_a_silent_worker_is_lost_after_worker_timeout(tmp_path):
-    async with sidecar(tmp_path, worker_timeout=0.5) as side:
+    async with batcher(tmp_path, worker_timeout=0.5) as side:
         wk = await side.worker(0)
         await side.add("a", max_tokens=50)
         await recv(wk, WK)  # it takes the step and never answers (stuck, connection still up)
@@ -152,7 +152,7 @@ async def test_a_silent_worker_is_lost_after_worker_timeout(tmp_path):
 
 
 async def test_requeue_recomputes_a_lost_workers_requests_on_another_worker(tmp_path):
-    async with sidecar(tmp_path, on_worker_loss="requeue") as side:
+    async with batcher(tmp_path, on_worker_loss="requeue") as side:
         wa = await side.worker(0)
         wb = await side.worker(1)
         await side.add("r", prompt=[7] * 20, max_tokens=12)
@@ -179,7 +179,7 @@ async def test_requeue_recomputes_a_lost_workers_requests_on_another_worker(tmp_
 
 
 async def test_requeue_without_another_live_worker_fails(tmp_path):
-    async with sidecar(tmp_path, on_worker_loss="requeue") as side:
+    async with batcher(tmp_path, on_worker_loss="requeue") as side:
         wk = await side.worker(0)
         await side.add("a", max_tokens=50)
         await recv(wk, WK)
@@ -188,9 +188,9 @@ async def test_requeue_without_another_live_worker_fails(tmp_path):
         assert end.finish_reason == P.FinishReason.ERROR
 
 
-async def test_a_worker_unknown_to_a_restarted_sidecar_is_told_to_reannounce(tmp_path):
-    async with sidecar(tmp_path) as side:
-        wk = await side.worker(0, ready=False)  # registered with a sidecar that died: this one never heard of it
+async def test_a_worker_unknown_to_a_restarted_batcher_is_told_to_reannounce(tmp_path):
+    async with batcher(tmp_path) as side:
+        wk = await side.worker(0, ready=False)  # registered with a batcher that died: this one never heard of it
         await wk.send(P.encode(P.StepOutput(step=3, worker_id=0)))
         await wk.send(P.encode(P.Heartbeat(worker_id=0)))
         msg = await recv(wk, WK)
@@ -201,7 +201,7 @@ async def test_a_worker_unknown_to_a_restarted_sidecar_is_told_to_reannounce(tmp
 
 # ---------------------------------------------------------------------------------------------- overload
 async def test_waiting_requests_over_the_cap_are_rejected_as_retryable(tmp_path):
-    async with sidecar(tmp_path, max_waiting_requests=2) as side:
+    async with batcher(tmp_path, max_waiting_requests=2) as side:
         wk = await side.worker(0)
         for rid in "abcd":
             await side.add(rid, max_tokens=50)
@@ -243,9 +243,9 @@ def _bad_but_well_typed() -> list[bytes]:
     return frames
 
 
-async def test_rogue_frames_on_both_sockets_are_dropped_and_the_sidecar_still_serves(tmp_path, caplog):
+async def test_rogue_frames_on_both_sockets_are_dropped_and_the_batcher_still_serves(tmp_path, caplog):
     caplog.set_level(logging.WARNING)
-    async with sidecar(tmp_path) as side:
+    async with batcher(tmp_path) as side:
         wk = await side.worker(0)
         rogue_front = side.ctx.socket(zmq.DEALER)
         rogue_front.connect(side.b.cfg.batcher_address)
@@ -256,7 +256,7 @@ async def test_rogue_frames_on_both_sockets_are_dropped_and_the_sidecar_still_se
                 await sock.send(frame)
             await sock.send_multipart([b"junk", b"in", b"three frames"])
             await sock.send_multipart([P.encode(P.Ping(nonce=1)), P.encode(P.Ping(nonce=2))])
-        # the sidecar's answers to the rogue front: Rejected for every bad AddRequest, never a step
+        # the batcher's answers to the rogue front: Rejected for every bad AddRequest, never a step
         rejected = set()
         while len(rejected) < 11:
             msg = await recv(rogue_front, GW)
@@ -278,12 +278,12 @@ async def test_rogue_frames_on_both_sockets_are_dropped_and_the_sidecar_still_se
     assert "dropped malformed frame" in caplog.text and "3-frame message" in caplog.text
 
 
-async def test_the_gateway_client_drops_junk_from_its_sidecar_and_fails_in_flight_when_it_goes(tmp_path):
-    """The gateway's side: a fake sidecar (a raw ROUTER) answers junk, then a real Pong, then goes away."""
+async def test_the_gateway_client_drops_junk_from_its_batcher_and_fails_in_flight_when_it_goes(tmp_path):
+    """The gateway's side: a fake batcher (a raw ROUTER) answers junk, then a real Pong, then goes away."""
     address = f"ipc://{tmp_path}/fake.sock"
     ctx = zmq.asyncio.Context()
     fake = transport.bind(ctx, zmq.ROUTER, address)
-    client = BatcherClient(GatewayConfig(batcher_address=address, sidecar_timeout=2.0))
+    client = BatcherClient(GatewayConfig(batcher_address=address, batcher_timeout=2.0))
     client.start()
     try:
         deadline = time.monotonic() + 5
@@ -307,9 +307,9 @@ async def test_the_gateway_client_drops_junk_from_its_sidecar_and_fails_in_fligh
                                                                                           5))[1]), P.AddRequest):
             pass
         t0 = time.monotonic()
-        fake.close()  # the sidecar dies: the in-flight request ends at once, new ones see it dead
+        fake.close()  # the batcher dies: the in-flight request ends at once, new ones see it dead
         item = await asyncio.wait_for(q.get(), 5)
-        assert isinstance(item, SidecarLost) and time.monotonic() - t0 < 1.0
+        assert isinstance(item, BatcherLost) and time.monotonic() - t0 < 1.0
         assert not await client.alive() and await client.ping() is None
     finally:
         await client.close()

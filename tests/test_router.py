@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from batcher.config import BatcherConfig
-from batcher.protocol import AddRequest, SamplingParams
+from laneserve.wire.protocol import AddRequest, SamplingParams
 from batcher.router import pick_worker
 from batcher.scheduler import Scheduler
 from batcher.simulator import CostModel, SimRequest, SimWorker, simulate

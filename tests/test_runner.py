@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batcher import protocol as P
+from laneserve.wire import protocol as P
 from tests.helpers_models import DEVICE, Sim, greedy, random_prompt
 from workers.config import WorkerConfig
 from workers.model.tiny import TINY_CONFIG
@@ -113,7 +113,7 @@ def test_bfloat16_on_cpu_runs():
 
 
 def _pipelined(runner: ModelRunner) -> tuple[list[P.StepOutput], list[int]]:
-    """Steps as the async sidecar sends them: each submitted before the previous step's output is read.
+    """Steps as the async batcher sends them: each submitted before the previous step's output is read.
     Decode-only steps (some reading a token still in flight), a finish, a seeded + penalised request,
     logprobs, then a mixed step (a new prompt beside the decodes) that must wait for the host tokens.
     Returns the outputs and, after each submit, how many outputs were ready."""

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from batcher.protocol import SamplingParams
+from laneserve.wire.protocol import SamplingParams
 from workers.sampling import (SampleRow, apply_penalties, min_p_mask, sample, seed_for, top_k_top_p_mask)
 
 

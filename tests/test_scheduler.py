@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from batcher.config import BatcherConfig
-from batcher.protocol import AddRequest, FinishReason, SamplingParams, StepOutput
+from laneserve.wire.protocol import AddRequest, FinishReason, SamplingParams, StepOutput
 from batcher.scheduler import Scheduler
 from batcher.simulator import SimWorker
 

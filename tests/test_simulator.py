@@ -150,7 +150,7 @@ def test_cli_writes_a_summary(tmp_path):
 
 
 @pytest.mark.parametrize("pipelined,workers", [(False, 1), (True, 2)])
-def test_in_process_path_equals_the_sidecar_path(pipelined, workers):
+def test_in_process_path_equals_the_batcher_path(pipelined, workers):
     """simulate() runs steps in process by default; through SimWorker (StepInput/StepOutput, the worker
     checking every KV promise) it must give the same trace: tight pool (preemptions), shared prefixes,
     a warm prefix, aborts."""

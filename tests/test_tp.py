@@ -1,7 +1,7 @@
 """Tensor parallelism on CPU with gloo (issue 11): TP=2 gives the same greedy tokens as TP=1.
 
 In process: this test process is rank 0 (workers.parallel.TPGroup starts rank 1 as a spawned
-child that runs its follower loop) and the Sim sidecar drives rank 0's ModelRunner, forwarding
+child that runs its follower loop) and the Sim batcher drives rank 0's ModelRunner, forwarding
 each StepInput as workers/main.py does. Over HTTP: the real stack with --tensor-parallel-size 2
 against the TP=1 stack. Plus the start-up error when the heads don't divide.
 """
@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from batcher import protocol as P
+from laneserve.wire import protocol as P
 from tests.helpers_models import DEVICE, Sim, greedy, hf_greedy, make_checkpoint, random_prompt
 from tests.stack import alive, cmdline, descendants
 from workers.config import WorkerConfig

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from batcher import protocol as P
+from laneserve.wire import protocol as P
 
 MISTRAL_7B = {
     "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 4096,
@@ -92,7 +92,7 @@ def measure_copy_bandwidth(nbytes: int = 4 << 30) -> float:
 
 # ---------------------------------------------------------------------------------------------- engine
 class EngineDriver:
-    """Drives ModelRunner.submit with StepInputs as the sidecar and worker loop would (decode-only steady
+    """Drives ModelRunner.submit with StepInputs as the batcher and worker loop would (decode-only steady
     state)."""
 
     def __init__(self, runner, context: int, seed: int = 0):

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from batcher import protocol as P
+from laneserve.wire import protocol as P
 
 METHODS = ("absmax", "percentile")
 

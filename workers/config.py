@@ -10,7 +10,7 @@ from laneserve.config import flag
 @dataclass
 class WorkerConfig:
     worker_address: str = field(default="ipc:///tmp/laneserve/workers.sock",
-                                metadata=flag("ZeroMQ address of the sidecar's worker socket"))
+                                metadata=flag("ZeroMQ address of the batcher's worker socket"))
     worker_id: int = field(default=0, metadata=flag("this worker's id (one per GPU)"))
     model: str = field(default="tiny", metadata=flag("'tiny' (embedded random model) or an HF checkpoint dir"))
     device: str = field(default="auto", metadata=flag("auto | cpu | cuda | cuda:N"))
@@ -39,10 +39,10 @@ class WorkerConfig:
     num_threads: int = field(default=0, metadata=flag("CPU: torch intra-op threads; 0 = torch's default"))
     tensor_parallel_size: int = field(default=1, metadata=flag(
         "ranks (GPUs) per worker: this process is rank 0 and starts ranks 1..T-1; heads and MLP are split "
-        "over them (NCCL on CUDA, gloo on CPU; docs/tensor_parallel.md). The sidecar sees one worker"))
+        "over them (NCCL on CUDA, gloo on CPU; docs/tensor_parallel.md). The batcher sees one worker"))
     dist_init_address: str = field(default="", metadata=flag(
         "rendezvous of the tensor-parallel group, e.g. tcp://127.0.0.1:29500; empty = a free local port"))
     curve_server_public_key: str = field(default="", metadata=flag(
-        "tcp across hosts: the sidecar's public CURVE certificate (zmq.auth file); set = connect with CURVE"))
+        "tcp across hosts: the batcher's public CURVE certificate (zmq.auth file); set = connect with CURVE"))
     curve_client_secret_key: str = field(default="", metadata=flag(
         "with CURVE: this client's certificate (zmq.auth secret file); '' = a fresh key pair per start"))

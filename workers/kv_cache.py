@@ -4,7 +4,7 @@ Owns the pool's layout and its sizing (a byte budget on CPU, a share of free GPU
 after a warm-up on CUDA), and for int8 pools the per-(layer, KV head) scales: where they
 come from (a calibration file, or the dynamic fallback), the scales file format, and the
 quantise / dequantise rules the torch code shares with the Triton kernels. Must not know
-requests: which blocks a request uses is the sidecar's business; the runner only turns
+requests: which blocks a request uses is the batcher's business; the runner only turns
 block ids into slots.
 
 Layout [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]: each layer's

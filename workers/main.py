@@ -1,12 +1,12 @@
-"""The worker process: one per GPU. Connects to the sidecar, announces itself, runs steps.
+"""The worker process: one per GPU. Connects to the batcher, announces itself, runs steps.
 
 Owns the socket loop only; the model, KV pool and sampling live in workers.runner.
 Blocking and single-threaded on purpose, the GPU is the bottleneck. With overlapped steps
 (ModelRunner.submit; --overlap-steps) at most one step is in flight: when the next StepInput is
 already queued it is launched before the one in flight is collected and reported.
-Liveness (docs/reliability.md): a Heartbeat every HEARTBEAT_S while idle; a sidecar that does
+Liveness (docs/reliability.md): a Heartbeat every HEARTBEAT_S while idle; a batcher that does
 not know this worker (it restarted) answers with Reannounce, and the worker then forgets every
-request and registers again with WorkerReady. ZeroMQ reconnects to a restarted sidecar by itself.
+request and registers again with WorkerReady. ZeroMQ reconnects to a restarted batcher by itself.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import traceback
 
 import zmq
 
-from batcher import protocol as P
-from batcher import transport
+from laneserve.wire import protocol as P
+from laneserve.wire import transport
 from workers.config import WorkerConfig
 
 log = logging.getLogger("laneserve.worker")
@@ -54,15 +54,15 @@ def run(cfg: WorkerConfig) -> None:
             if not sock.poll(int(HEARTBEAT_S * 1000)):
                 sock.send(P.encode(P.Heartbeat(worker_id=cfg.worker_id)))
                 continue
-            msg = transport.try_decode(decoder, sock.recv(), "sidecar")
+            msg = transport.try_decode(decoder, sock.recv(), "batcher")
             if msg is None:
                 continue
             if tp is not None:
                 tp.send(msg)  # the other ranks run every step too (workers/parallel.py)
             if isinstance(msg, P.Shutdown):
                 break
-            if isinstance(msg, P.Reannounce):  # a new sidecar: none of our requests exist there
-                log.warning("worker %d re-registering with the sidecar: %s", cfg.worker_id, msg.reason)
+            if isinstance(msg, P.Reannounce):  # a new batcher: none of our requests exist there
+                log.warning("worker %d re-registering with the batcher: %s", cfg.worker_id, msg.reason)
                 runner.reset()
                 sock.send(ready)
                 continue
@@ -77,7 +77,7 @@ def run(cfg: WorkerConfig) -> None:
 
 def submit(runner, step: P.StepInput, worker_id: int) -> list[P.StepOutput]:
     """Start one step; returns the outputs that are ready (in step order: the step that was in flight,
-    then, without overlap, this one). An exception fails the steps it cut short (the sidecar fails
+    then, without overlap, this one). An exception fails the steps it cut short (the batcher fails
     their requests), not the worker."""
     try:
         runner.submit(step)

@@ -1,12 +1,12 @@
 """Tensor parallelism: the process group, rank helpers, the collectives, and the follower ranks.
 
 Owns how a TP group of T processes comes up and stays in step (docs/tensor_parallel.md).
-Rank 0 is the worker process the sidecar knows: it starts ranks 1..T-1 as child processes
-(`TPGroup`), forwards every sidecar message to them over a pipe before acting on it, and all
+Rank 0 is the worker process the batcher knows: it starts ranks 1..T-1 as child processes
+(`TPGroup`), forwards every batcher message to them over a pipe before acting on it, and all
 ranks run the same ModelRunner steps on identical request state. The collectives live here:
 the all-reduce of a row-parallel output (CUDA-graph capturable on NCCL), the broadcast of rank
 0's sampled tokens, the MIN of the KV pool size. Must not know the model's math (what is
-sharded is workers/model/llama.py's business) or the sidecar's socket (workers/main.py).
+sharded is workers/model/llama.py's business) or the batcher's socket (workers/main.py).
 
 Failure model: a step that fails the same way on every rank (bad input, a sampling error that
 rank 0 signals through the token broadcast) fails only that step, on every rank. A rank that
@@ -30,7 +30,7 @@ from multiprocessing.connection import wait as wait_for_any
 import torch
 import torch.distributed as dist
 
-from batcher import protocol as P
+from laneserve.wire import protocol as P
 
 log = logging.getLogger("laneserve.worker")
 
@@ -108,7 +108,7 @@ def _free_tcp_address() -> str:
 class TPGroup:
     """Rank 0's handle on ranks 1..T-1: starts them, joins the process group, forwards messages.
 
-    Construct before ModelRunner(cfg) (which needs the group); send() every sidecar message
+    Construct before ModelRunner(cfg) (which needs the group); send() every batcher message
     before acting on it; close() at exit.
     """
 
@@ -159,7 +159,7 @@ class TPGroup:
         os._exit(1)
 
     def send(self, msg) -> None:
-        """Forward one sidecar message (StepInput, Reannounce, Shutdown) to every other rank."""
+        """Forward one batcher message (StepInput, Reannounce, Shutdown) to every other rank."""
         for rank, proc in enumerate(self.procs, 1):
             if not proc.is_alive():
                 raise RuntimeError(f"tensor-parallel rank {rank} exited with code {proc.exitcode}")

@@ -1,7 +1,7 @@
 """ModelRunner: per-request state from StepInput diffs, input preparation, one forward, sampling.
 
 Owns the worker's view of its requests (token ids, block ids, num_computed_tokens) and the
-step loop body of docs/architecture.md ("ModelRunner"). Trusts the sidecar's StepInput (it
+step loop body of docs/architecture.md ("ModelRunner"). Trusts the batcher's StepInput (it
 is validated at decode); errors propagate to the worker loop, which fails the step and
 calls reset(). Must not do I/O or asyncio: workers/main.py owns the socket.
 
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from batcher import protocol as P
+from laneserve.wire import protocol as P
 from workers.attention import AttentionMetadata, get_backend
 from workers.config import WorkerConfig
 from workers.cuda_graphs import DecodeGraphs
@@ -173,7 +173,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ step
     def reset(self) -> None:
-        """Forget every request and any step in flight (after a failed step the sidecar fails them all)."""
+        """Forget every request and any step in flight (after a failed step the batcher fails them all)."""
         self.requests.clear()
         self._in_flight = None
         self._outbox.clear()

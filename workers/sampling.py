@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batcher.protocol import SamplingParams, TokenLogprobs
+from laneserve.wire.protocol import SamplingParams, TokenLogprobs
 
 GREEDY_EPS = 1e-5
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio odd constant: spreads (seed, index) over the 63-bit space

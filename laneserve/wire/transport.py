@@ -1,9 +1,9 @@
-"""ZeroMQ socket factory: addresses, bind/connect, high-water marks, linger, heartbeats, CURVE;
-typed send/recv; the disconnect monitor.
+"""ZeroMQ socket factory for all three processes: addresses, bind/connect, high-water marks, linger,
+heartbeats, CURVE, the connection monitor; frame decoding that drops malformed frames.
 
 Must not know about scheduling: it moves encoded protocol frames, nothing else.
 Security (docs/reliability.md): ipc:// or loopback tcp by default; binding tcp on another
-interface without CURVE logs a warning. With CURVE the sidecar is the server (its secret
+interface without CURVE logs a warning. With CURVE the batcher is the server (its secret
 certificate), gateways and workers are clients (the server's public certificate, their own
 key pair); an optional directory of client public certificates restricts who may connect.
 """
@@ -19,10 +19,10 @@ import msgspec
 import zmq
 import zmq.auth
 
-from batcher import protocol
-from laneserve.curve import set_curve_client
-
 log = logging.getLogger(__name__)
+HEARTBEAT_IVL_MS = 500
+HEARTBEAT_TIMEOUT_MS = 3000
+MAX_FRAME_BYTES = 64 << 20  # far above any real frame (a 128k-token prompt is ~400 kB of msgpack)
 
 
 def ipc_path(address: str) -> str | None:
@@ -88,6 +88,14 @@ def bind(ctx: zmq.Context, kind: int, address: str, curve_secret_key: str = "") 
 
 def connect(ctx: zmq.Context, kind: int, address: str, identity: bytes | None = None,
             curve_server_public_key: str = "", curve_client_secret_key: str = "") -> zmq.Socket:
+    return connect_monitored(ctx, kind, address, 0, identity, curve_server_public_key, curve_client_secret_key)[0]
+
+
+def connect_monitored(ctx: zmq.Context, kind: int, address: str, monitor_events: int, identity: bytes | None = None,
+                      curve_server_public_key: str = "", curve_client_secret_key: str = ""
+                      ) -> tuple[zmq.Socket, zmq.Socket | None]:
+    """connect(), plus the socket's monitor (a PAIR socket) for monitor_events, started before connecting so
+    no handshake is missed; None when monitor_events is 0."""
     check_address(address)
     sock = ctx.socket(kind)
     _tune(sock)
@@ -95,8 +103,21 @@ def connect(ctx: zmq.Context, kind: int, address: str, identity: bytes | None = 
         sock.setsockopt(zmq.IDENTITY, identity)
     if curve_server_public_key:
         set_curve_client(sock, curve_server_public_key, curve_client_secret_key)
+    monitor = sock.get_monitor_socket(monitor_events) if monitor_events else None
     sock.connect(address)
-    return sock
+    return sock, monitor
+
+
+def set_curve_client(sock: zmq.Socket, server_public_key: str, client_secret_key: str = "") -> None:
+    """Connect with CURVE: the server's public certificate; our own key pair (fresh if none given)."""
+    sock.curve_serverkey = zmq.auth.load_certificate(server_public_key)[0]
+    if client_secret_key:
+        public, secret = zmq.auth.load_certificate(client_secret_key)
+        if secret is None:
+            raise SystemExit(f"{client_secret_key}: not a secret certificate (zmq.auth .key_secret file)")
+    else:
+        public, secret = zmq.curve_keypair()
+    sock.curve_publickey, sock.curve_secretkey = public, secret
 
 
 def _tune(sock: zmq.Socket) -> None:
@@ -111,11 +132,6 @@ def _tune(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
 
 
-HEARTBEAT_IVL_MS = 500
-MAX_FRAME_BYTES = 64 << 20  # far above any real frame (a 128k-token prompt is ~400 kB of msgpack)
-HEARTBEAT_TIMEOUT_MS = 3000
-
-
 def try_decode(dec: msgspec.msgpack.Decoder, frame: bytes, peer: str):
     """Decode one frame, or log and return None: a malformed frame is never executed."""
     try:
@@ -124,5 +140,3 @@ def try_decode(dec: msgspec.msgpack.Decoder, frame: bytes, peer: str):
         log.error("dropped malformed frame from %s (%d bytes): %s", peer, len(frame), exc)
         return None
 
-
-encode = protocol.encode

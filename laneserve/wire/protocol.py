@@ -1,6 +1,6 @@
 """Every message that crosses a process boundary, and nothing else.
 
-Owns the msgspec Structs spoken between gateway, batcher sidecar and workers,
+Owns the msgspec Structs spoken between gateway, batcher and workers,
 their msgpack encoders/decoders and PROTOCOL_VERSION. Must import nothing but
 msgspec and the standard library: gateway, batcher and workers all depend on it.
 
@@ -153,7 +153,7 @@ class Shutdown(Msg):
 
 
 class Reannounce(Msg):
-    """The sidecar does not know the worker that sent a Heartbeat/StepOutput (it restarted, or it
+    """The batcher does not know the worker that sent a Heartbeat/StepOutput (it restarted, or it
     declared the worker lost): the worker drops all request state and sends WorkerReady again."""
 
     reason: str = ""
@@ -167,7 +167,7 @@ class WorkerReady(Msg):
     max_model_len: int
     protocol_version: int
     model: str = ""
-    vocab_size: int = 0  # 0 = unknown; else the sidecar rejects token ids outside [0, vocab_size)
+    vocab_size: int = 0  # 0 = unknown; else the batcher rejects token ids outside [0, vocab_size)
 
 
 class StepOutput(Msg):
