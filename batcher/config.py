@@ -4,22 +4,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from laneserve.config import flag
+from laneserve.config import flag, shared
 
 
 @dataclass
 class BatcherConfig:
-    batcher_address: str = field(default="ipc:///tmp/laneserve/batcher.sock",
-                                 metadata=flag("ZeroMQ address the batcher binds for gateways"))
-    worker_address: str = field(default="ipc:///tmp/laneserve/workers.sock",
-                                metadata=flag("ZeroMQ address the batcher binds for workers"))
+    batcher_address: str = shared("batcher_address")
+    worker_address: str = shared("worker_address")
     # scheduling policy (batcher/scheduler.py)
-    max_num_batched_tokens: int = field(default=2048, metadata=flag("token budget of one step"))
-    max_num_seqs: int = field(default=256, metadata=flag("most sequences in one step"))
+    max_num_batched_tokens: int = shared("max_num_batched_tokens")
+    max_num_seqs: int = shared("max_num_seqs")
     decode_buckets: str = field(default="8,16,32", metadata=flag(
         "decode buckets by tokens remaining (max_tokens - generated), comma-separated upper bounds; a last "
-        "'rest' bucket is implied; '' = one bucket. Decodes run lowest bucket first, are grouped by bucket in "
-        "the step, and preemption takes the newest request of the highest bucket first"))
+        "'rest' bucket is implied; '' = one bucket. A priority: when the step's budget or seat cap runs out the "
+        "lowest buckets decode first, and preemption takes the newest request of the highest bucket first"))
     enable_prefix_caching: bool = field(default=True, metadata=flag("reuse the K/V of full 16-token blocks shared "
                                                                   "by prompts (chained token hash)"))
     warm_prefix: str = field(default="", metadata=flag(

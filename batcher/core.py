@@ -25,7 +25,6 @@ import math
 import os
 import signal
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import msgspec
@@ -33,26 +32,24 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
+from laneserve.sampling import check_sampling
 from laneserve.wire import protocol as P
 from laneserve.wire import transport
 from batcher.config import BatcherConfig
 from batcher.router import pick_worker
-from batcher.scheduler import Scheduler
+from batcher.scheduler import Scheduler, StepFailed, StepOrderError
 
 log = logging.getLogger("laneserve.batcher")
 TICK_S = 0.25  # period of the silent-worker check
 REANNOUNCE_EVERY_S = 1.0  # at most one Reannounce per unknown peer identity per second
 MAX_BLOCKS, MAX_BLOCK_SIZE, MAX_LEN = 1 << 24, 1024, 1 << 24  # sanity bounds on a WorkerReady
-MAX_LOGPROBS = 20
 
 
 @dataclass
 class WorkerSlot:
     worker_id: int
     identity: bytes
-    scheduler: Scheduler
-    in_flight: deque[int] = field(default_factory=deque)  # step numbers sent, oldest first
-    stale: set[int] = field(default_factory=set)  # steps in flight when fail_all() ran: their outputs are dropped
+    scheduler: Scheduler  # also the judge of each StepOutput's place in the order of the steps in flight
     last_seen: float = field(default_factory=time.monotonic)
     vocab_size: int = 0  # 0 = unknown (token ids are not range-checked)
 
@@ -158,28 +155,21 @@ class Batcher:
             await self.reannounce(ident, "step output from a worker the batcher does not know")
             return
         slot.last_seen = time.monotonic()
-        if msg.step in slot.stale:  # scheduled before a fail_all(): its requests are gone
-            slot.stale.discard(msg.step)
-            return
-        if not slot.in_flight or msg.step != slot.in_flight[0]:
-            expected = slot.in_flight[0] if slot.in_flight else None
-            log.error("worker %d returned step %d, expected %s: failing its requests", msg.worker_id, msg.step,
-                      expected)
-            await self.fail_worker(slot, f"worker {msg.worker_id} returned step {msg.step}, expected {expected}")
-            return
-        slot.in_flight.popleft()
-        if msg.error is not None:
+        # The worker's K/V state is unknown after a failed step or one out of order: all its requests fail (the
+        # outputs of its other steps in flight are then void: update() drops them).
+        try:
+            deltas = slot.scheduler.update(msg, time.monotonic())
+        except StepFailed as exc:
             log.error("worker %d failed step %d: %s", msg.worker_id, msg.step, msg.error)
-            await self.fail_worker(slot, f"worker error: {msg.error.splitlines()[-1]}")
+            await self.emit(slot.scheduler.fail_all(str(exc)))
             return
-        await self.emit(slot.scheduler.update(msg, time.monotonic()))
-        await self.kick(msg.worker_id)
-
-    async def fail_worker(self, slot: WorkerSlot, error: str) -> None:
-        """ERROR for all of the worker's requests; outputs of the steps it still has queued are dropped."""
-        slot.stale.update(slot.in_flight)
-        slot.in_flight.clear()
-        await self.emit(slot.scheduler.fail_all(error))
+        except StepOrderError as exc:
+            log.error("%s: failing its requests", exc)
+            await self.emit(slot.scheduler.fail_all(str(exc)))
+            return
+        if deltas is not None:  # None: a void step's output, nothing changed
+            await self.emit(deltas)
+            await self.kick(msg.worker_id)
 
     async def heartbeat(self, ident: bytes, msg: P.Heartbeat) -> None:
         slot = self.workers.get(msg.worker_id)
@@ -255,12 +245,11 @@ class Batcher:
         """
         while True:
             slot = self.workers.get(worker_id)  # re-read: a send may yield to a handler that replaced the worker
-            if slot is None or len(slot.in_flight) >= slot.scheduler.max_inflight_steps:
+            if slot is None:
                 return
-            step = slot.scheduler.schedule(time.monotonic())
+            step = slot.scheduler.schedule(time.monotonic())  # None also when max_inflight_steps are in flight
             if step is None:
                 return
-            slot.in_flight.append(step.step)
             try:  # sends queue in order on the socket, so concurrent kicks keep the step order
                 await self.back.send_multipart([slot.identity, P.encode(step)])
             except zmq.ZMQError as exc:  # the worker's socket is gone (ROUTER_MANDATORY)
@@ -387,28 +376,15 @@ class Batcher:
 
 
 def invalid_request(msg: P.AddRequest, vocab_size: int) -> str | None:
-    """Range checks on a request from a peer (the gateway checked them, a rogue peer did not):
-    values that would fail or stall a worker's step, and with it every request in that step."""
-    ids, p = msg.prompt_token_ids, msg.params
+    """Checks on a request from a peer (the gateway made them, a rogue peer did not): values that would fail or
+    stall a worker's step, and with it every request in that step."""
+    ids = msg.prompt_token_ids
     if not 0 < len(msg.request_id) <= 256:
         return "request id must have 1 to 256 characters"
     if ids and (min(ids) < 0 or (vocab_size and max(ids) >= vocab_size)):
         return f"prompt token ids must be in [0, {vocab_size or 'vocab size'})"
-    if p.stop_token_ids and (min(p.stop_token_ids) < 0 or (vocab_size and max(p.stop_token_ids) >= vocab_size)):
-        return "stop token ids out of the vocabulary"
-    checks = (
-        (p.max_tokens >= 1, "max_tokens must be at least 1"),
-        (p.min_tokens >= 0, "min_tokens must be >= 0"),
-        (0.0 <= p.temperature <= 1e6, "temperature must be in [0, 1e6]"),  # NaN fails every comparison
-        (0.0 < p.top_p <= 1.0, "top_p must be in (0, 1]"),
-        (p.top_k >= -1, "top_k must be >= -1"),
-        (0.0 <= p.min_p <= 1.0, "min_p must be in [0, 1]"),
-        (0.0 < p.repetition_penalty <= 1e3, "repetition_penalty must be in (0, 1e3]"),
-        (-2.0 <= p.presence_penalty <= 2.0 and -2.0 <= p.frequency_penalty <= 2.0, "penalties must be in [-2, 2]"),
-        (p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]"),
-        (p.seed is None or -(2**63) <= p.seed < 2**63, "seed must fit in 64 bits"),
-    )
-    return next((why for ok, why in checks if not ok), None)
+    bad = check_sampling(msgspec.structs.asdict(msg.params), vocab_size)
+    return None if bad is None else bad[1]
 
 
 def run(cfg: BatcherConfig) -> None:

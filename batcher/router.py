@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Mapping
 
-from batcher.block_manager import chain_hashes
-
 if TYPE_CHECKING:
     from batcher.scheduler import Scheduler
 
@@ -35,7 +33,7 @@ def pick_worker(schedulers: Mapping[int, "Scheduler"], prompt_token_ids: list[in
             continue
         bs = s.block_size
         if bs not in hashes_by_bs:
-            hashes_by_bs[bs] = chain_hashes(prompt_token_ids, bs, end=(len(prompt_token_ids) - 1) // bs)
+            hashes_by_bs[bs] = s.bm.chain_hashes(prompt_token_ids, (len(prompt_token_ids) - 1) // bs, [])
         n = s.bm.num_cached_blocks(hashes_by_bs[bs], prompt_token_ids) * bs
         if n > best_blocks or (n == best_blocks and n > 0 and loads[wid] < loads[best]):
             best, best_blocks = wid, n

@@ -3,11 +3,13 @@
 Owns the waiting queue and the running set of one worker, its KV block pool
 (batcher/block_manager.py) and the policies: token budget and sequence cap,
 decodes first then chunked prefill, decode buckets, burst gating
-(batcher/burst.py), watermark admission, preemption by recompute, stop checks.
-Pure: no I/O (except reading the --warm-prefix file once at construction), no
-asyncio, time is passed in. Async scheduling: up to `max_inflight_steps` steps
-may be scheduled before their outputs come back; `update()` takes the outputs of
-the oldest. Policy choices are explained in docs/scheduling.md.
+(batcher/burst.py), watermark admission, preemption by recompute, stop checks,
+and the order of the steps in flight: async scheduling schedules up to
+`max_inflight_steps` steps before their outputs come back; `update()` takes the
+oldest one's (it raises StepOrderError on any other, and drops the outputs of
+the steps that `fail_all()` made void). Pure: no I/O (except reading the
+--warm-prefix file once at construction), no asyncio, time is passed in. Must
+not know about sockets or the simulator. Policy choices: docs/scheduling.md.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import deque
 from typing import Callable, Iterable
+
+import msgspec
 
 from batcher.block_manager import BlockManager
 from batcher.burst import LongPromptGate
@@ -28,11 +32,29 @@ MAX_INFLIGHT_STEPS = 2  # with --async-scheduling: the worker runs one step whil
 _WARM_PARAMS = SamplingParams(max_tokens=1)
 
 
-# What one step in flight does to one request, checked against the request when the step's output comes back:
-# (request, tokens computed in this step, its num_computed_tokens once this step is done, whether the worker samples
-# a token for it in this step, its epoch when scheduled: the step is void for it once it is preempted or finished).
-# A plain tuple: 256 per step.
-Scheduled = tuple[Request, int, int, bool, int]
+class Scheduled(msgspec.Struct, frozen=True, gc=False):
+    """What one step in flight does to one request, checked against the request when the step's output comes back.
+
+    Up to 256 per step, built and read in the hot paths: a msgspec Struct is built in C and its fields read like
+    slots, a little dearer than a plain tuple, while a NamedTuple (a tuple subclass built by a Python __new__,
+    unpacked through the iterator protocol) made schedule() + update() of 256 decodes ~11% slower. gc=False: it
+    refers to a Request, which never refers back, so it is never part of a reference cycle."""
+
+    req: Request
+    num_tokens: int  # tokens computed in this step
+    done: int  # its num_computed_tokens once this step is done
+    samples: bool  # whether the worker samples a token for it in this step
+    epoch: int  # its epoch when scheduled: the step is void for it once it is preempted or finished
+
+
+class StepOrderError(ValueError):
+    """update() got the output of another step than the oldest in flight (nor a void one): the order is broken,
+    the worker's K/V state unknown, so the caller fails all its requests (fail_all(str(exc)))."""
+
+
+class StepFailed(Exception):
+    """The worker failed the step (StepOutput.error): update() consumed it without applying it. The worker's K/V
+    state is unknown, so the caller fails all its requests (fail_all(str(exc)))."""
 
 
 def parse_buckets(spec: str) -> list[int]:
@@ -56,7 +78,8 @@ class Scheduler:
             warm_prefixes = load_warm_prefixes(cfg.warm_prefix) if cfg.warm_prefix else []
         self.warm_prefixes = warm_prefixes
         self.max_inflight_steps = MAX_INFLIGHT_STEPS if cfg.async_scheduling else 1
-        self.step_no = 0  # counters survive fail_all()
+        self.step_no = 0  # these survive fail_all()
+        self.void: set[int] = set()  # steps that were in flight at a fail_all(): update() drops their outputs
         self.admit_counter = 0
         self.preemptions = 0
         self.gated_prefills = 0
@@ -130,11 +153,13 @@ class Scheduler:
         return deltas
 
     def fail_all(self, error: str) -> list[TokenDelta]:
+        """ERROR deltas for every request held, and a fresh state; the steps in flight become void."""
         deltas = self.pending
         deltas += [TokenDelta(rid, [], FinishReason.ERROR, error=error)
                    for rid, r in self.requests.items() if not r.internal]
         on_worker = [rid for rid, r in self.requests.items() if r.on_worker] + self.finished_ids
         queries, hits = self.bm.queries, self.bm.hits
+        self.void.update(step for step, _ in self.in_flight)
         self._reset()
         self.bm.queries, self.bm.hits = queries, hits  # the worker's K/V can't be trusted any more: the prefix cache goes too
         self.finished_ids = on_worker
@@ -148,13 +173,14 @@ class Scheduler:
             return None
         flight, num_running = step
         new_reqs, cached_reqs, num_scheduled = [], [], {}
-        for i, (req, n, done, _, _) in enumerate(flight):
+        for i, rec in enumerate(flight):
+            req = rec.req
             rid = req.request_id
-            num_scheduled[rid] = n
+            num_scheduled[rid] = rec.num_tokens
             blocks = req.block_ids
             if i >= num_running:  # admitted in this step: the worker gets its whole state
                 new_reqs.append(NewReq(request_id=rid, prompt_token_ids=req.prompt_token_ids, params=req.params,
-                                       block_ids=list(blocks), num_computed_tokens=done - n,
+                                       block_ids=list(blocks), num_computed_tokens=rec.done - rec.num_tokens,
                                        output_token_ids=req.output_token_ids))
                 req.num_sent_blocks = len(blocks)
             elif len(blocks) > req.num_sent_blocks:
@@ -196,19 +222,20 @@ class Scheduler:
 
         Hot path (every step, every running request): no sort, since `running` is in admission order, a stable
         split into one lane per bucket (plus prefills) is the (bucket, admit_seq) order; properties inlined
-        (n = len + placeholders; compute_target = n - internal; tokens_remaining = max_num_tokens - n)."""
+        (compute_target = len + placeholders - internal; tokens_remaining = max_num_tokens - len - placeholders),
+        differences of the big numbers first: a small result is a cached int, a big one is allocated."""
         buckets, lanes = self.buckets, self.lanes
         rest = lanes[-1]
         prefills: list[tuple[Request, int]] = []
         top = buckets[-1] if buckets else -1  # above it: the rest lane, no search
         for r in self.running.values():
             ph = r.num_output_placeholders
-            n = len(r.token_ids) + ph
-            if ph and n >= r.length_limit:
+            known = len(r.token_ids)
+            if ph and known + ph >= r.length_limit:
                 continue
-            left = n - r.internal - r.num_computed_tokens
+            left = known - r.num_computed_tokens + ph - r.internal
             if left == 1:
-                remaining = r.max_num_tokens - n
+                remaining = r.max_num_tokens - known - ph
                 (rest if remaining > top else lanes[bisect_left(buckets, remaining)]).append(r)
             elif left > 0:
                 prefills.append((r, left))
@@ -241,7 +268,7 @@ class Scheduler:
             samples = not req.internal
             if samples:  # next step it decodes the token sampled now: the worker has it by then
                 req.num_output_placeholders += 1
-            flight.append((req, 1, done, samples, req.epoch))
+            flight.append(Scheduled(req, 1, done, samples, req.epoch))
             budget -= 1
         active = len(flight) if threshold >= 1 else 0  # scheduled with at most threshold tokens left to compute
         # Then prefills. None if the loop above stopped: the budget is spent, or _make_room took them all.
@@ -266,7 +293,7 @@ class Scheduler:
         samples = n == left and not req.internal
         if samples:  # next step it decodes the token sampled now: the worker has it by then
             req.num_output_placeholders += 1
-        flight.append((req, n, done, samples, req.epoch))
+        flight.append(Scheduled(req, n, done, samples, req.epoch))
 
     def _make_room(self, req: Request, n: int, decodes: list[Request], prefills: list[tuple[Request, int]]) -> bool:
         """Blocks for n more tokens of req, preempting from the back of the run order (decodes, then prefills);
@@ -329,101 +356,87 @@ class Scheduler:
         waiting.extendleft(reversed(held))
 
     # ------------------------------------------------------------------ step output
-    def update(self, out: StepOutput, now: float) -> list[TokenDelta]:
-        """Apply the output of the oldest step in flight (ValueError if out is another step's)."""
-        if not self.in_flight or out.step != self.in_flight[0][0]:
-            raise ValueError(f"output of step {out.step}, but the oldest step in flight is "
-                             f"{self.in_flight[0][0] if self.in_flight else None}")
-        deltas, self.pending = self.pending, []
-        bs = self.block_size
-        bm = self.bm
-        caching = bm.enable_prefix_caching
-        sampling: dict[str, Request] = {}
-        for req, _, done, samples, epoch in self.in_flight.popleft()[1]:
-            if req.epoch != epoch:
-                continue  # finished, aborted or preempted since it was scheduled: its share of the step is void
-            if caching and done // bs > req.num_registered_blocks:  # this K/V is cached now: offer its full blocks
-                bm.cache_full_blocks(req, done)
-            if samples:
-                req.num_output_placeholders -= 1
-                sampling[req.request_id] = req
-            elif req.internal and done == req.compute_target:
-                self._finish_warm(req)
-        sampled, logprobs = out.sampled_token_ids, out.logprobs
-        for i, rid in enumerate(out.request_ids):
-            # Tokens for a request that finished, was aborted or preempted meanwhile are dropped: with steps in
-            # flight a request that stopped in step N has one more token coming from step N+1.
-            req = sampling.pop(rid, None)
-            if req is None:
-                continue
-            tokens = sampled[i]
-            if len(req.token_ids) + len(tokens) > req.stop_check_from:
-                delta = self._append_tokens(req, tokens)  # it may stop here
-            else:  # hot path: no stop possible
-                req.token_ids += tokens
-                delta = TokenDelta(rid, list(tokens))
-            if not req.first_delta_sent:
-                delta.num_cached_tokens = req.num_cached_tokens
-                req.first_delta_sent = True
-            if logprobs is not None:
-                delta.logprobs = logprobs[i]
-            deltas.append(delta)
-        for rid, req in sampling.items():  # the worker broke the contract; don't leave the request hanging
-            self._finish(req)
-            deltas.append(TokenDelta(rid, [], FinishReason.ERROR, error=f"worker sampled no token in step {out.step}"))
-        return deltas
+    def update(self, out: StepOutput, now: float) -> list[TokenDelta] | None:
+        """Apply the output of the oldest step in flight: its deltas. None for the output of a void step (in
+        flight at a fail_all()): dropped, nothing changes. Raises StepOrderError for any other step's output and
+        StepFailed when the worker failed the step: either way the worker's K/V state is unknown, and the caller
+        fails its requests (fail_all(str(exc)): the ERROR deltas' text)."""
+        in_flight = self.in_flight
+        if not in_flight or out.step != in_flight[0][0]:
+            if out.step in self.void:
+                self.void.remove(out.step)
+                return None
+            raise StepOrderError(f"worker {out.worker_id} returned step {out.step}, "
+                                 f"expected {in_flight[0][0] if in_flight else None}")
+        if out.error is not None:
+            in_flight.popleft()
+            raise StepFailed(f"worker error: {out.error.splitlines()[-1]}")
+        return self._apply(out)
 
-    # ------------------------------------------------------------------ a worker in this process (the simulator)
-    def schedule_in_process(self, now: float) -> list[Scheduled] | None:
-        """schedule() for a worker in this process that reads the step off the scheduler (the simulator's): the
-        same decisions and state changes, but no StepInput is built. Returns the step as the scheduler keeps it:
-        (request, tokens, its num_computed_tokens once done, whether the worker samples for it, epoch) in schedule
-        order; the outputs go back through update_in_order()."""
-        step = self._next_step(now)
-        if step is None:
-            return None
-        self.finished_ids = []  # the worker in this process needs no word of them
-        return step[0]
+    def _apply(self, out: StepOutput | None = None, *, sample: Callable[[int, str], int] | None = None,
+               plain: list[str] | None = None) -> list[TokenDelta]:
+        """Apply the oldest step in flight: offer the K/V it computed to the prefix cache, append the tokens it
+        sampled (stop checks), finish the warm prefixes it completed. Returns the deltas in schedule order.
 
-    def update_in_order(self, sample: Callable[[int, str], int], now: float) -> tuple[list[TokenDelta], list[str]]:
-        """update() for a worker in this process that samples like the contract says, deterministically: the
-        token a request gets in the oldest step in flight is sample(its num_computed_tokens after the step, its
-        id), asked for in schedule order. The same state changes as update() with a StepOutput listing those
-        tokens in that order (a real worker's order differs), in one pass and without one. Returns the deltas
-        update() would, less the plain ones (one token, no finish, not the request's first), whose request ids
-        come in the second list instead."""
+        The tokens come from the worker's StepOutput `out` (rows in any order: the worker groups them for its
+        kernels) or, for a worker in this process (the simulator's), from sample(the request's
+        num_computed_tokens after the step, its id), called in schedule order; with `plain`, the deltas of one
+        token that neither start nor end their request go there as request ids instead.
+        """
         flight = self.in_flight.popleft()[1]
         deltas, self.pending = self.pending, []
-        plain: list[str] = []
         bs = self.block_size
         bm = self.bm
         caching = bm.enable_prefix_caching
-        for req, _, done, samples, epoch in flight:
-            if req.epoch != epoch:
-                continue  # void, see update()
-            if caching and done // bs > req.num_registered_blocks:
+        logprobs = None
+        if out is not None:
+            ids = out.request_ids  # -> their rows; a request listed twice gets its first row (walked backwards)
+            rows = dict(zip(reversed(ids), range(len(ids) - 1, -1, -1)))
+            sampled, logprobs = out.sampled_token_ids, out.logprobs
+        for rec in flight:
+            req = rec.req
+            if req.epoch != rec.epoch:
+                continue  # finished, aborted or preempted since it was scheduled: its share of the step is void
+            done = rec.done
+            if caching and done // bs > req.num_registered_blocks:  # this K/V is cached now: offer its full blocks
                 bm.cache_full_blocks(req, done)
-            if not samples:
+            if not rec.samples:
                 if req.internal and done == req.compute_target:
                     self._finish_warm(req)
                 continue
             req.num_output_placeholders -= 1
             rid = req.request_id
-            token = sample(done, rid)
+            if sample is not None:
+                token = sample(done, rid)
+            else:
+                i = rows.pop(rid, None)
+                if i is None:  # the worker broke the contract; don't leave the request hanging
+                    self._finish(req)
+                    deltas.append(TokenDelta(rid, [], FinishReason.ERROR,
+                                             error=f"worker sampled no token in step {out.step}"))
+                    continue
+                tokens = sampled[i]
+                token = tokens[0] if len(tokens) == 1 else None  # the contract's one token
             toks = req.token_ids
-            if len(toks) >= req.stop_check_from:
+            if token is None:  # a row of another length: its tokens appended as they are, each one checked
+                delta = self._append_tokens(req, tokens)
+            elif len(toks) >= req.stop_check_from:
                 delta = self._append_tokens(req, [token])  # it may stop here
             else:  # hot path: no stop possible
                 toks.append(token)
-                if req.first_delta_sent:
+                if plain is not None and req.first_delta_sent:
                     plain.append(rid)
                     continue
                 delta = TokenDelta(rid, [token])
             if not req.first_delta_sent:
                 delta.num_cached_tokens = req.num_cached_tokens
                 req.first_delta_sent = True
+            if logprobs is not None:
+                delta.logprobs = logprobs[i]
             deltas.append(delta)
-        return deltas, plain
+        # Rows left in `rows` are tokens for requests that finished, were aborted or preempted meanwhile: dropped
+        # (with steps in flight a request that stopped in step N has one more token coming from step N+1).
+        return deltas
 
     def _append_tokens(self, req: Request, tokens: list[int]) -> TokenDelta:
         """Append sampled tokens up to the first stop (and finish there); STOP includes the stop token."""

@@ -16,13 +16,13 @@ import time
 
 from aiohttp import web
 
-from laneserve.wire.protocol import EngineStats
 from gateway.client import BatcherClient
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError
 from gateway.metrics import Metrics
 from gateway.routes import ARRIVAL, Api
 from gateway.tokenizer import ModelTokenizer, load_tokenizer
+from laneserve.wire.protocol import EngineStats
 
 log = logging.getLogger("laneserve.gateway")
 OPEN_PATHS = frozenset({"/health", "/metrics"})

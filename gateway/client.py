@@ -23,9 +23,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
+from gateway.config import GatewayConfig
 from laneserve.wire import protocol as P
 from laneserve.wire import transport
-from gateway.config import GatewayConfig
 
 log = logging.getLogger("laneserve.gateway")
 PING_S = 0.5  # liveness ping period (shorter when --batcher-timeout is under a second)

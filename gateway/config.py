@@ -4,18 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from laneserve.config import flag
+from laneserve.config import flag, shared
 
 
 @dataclass
 class GatewayConfig:
     host: str = field(default="127.0.0.1", metadata=flag("HTTP bind address"))
     port: int = field(default=8000, metadata=flag("HTTP port"))
-    batcher_address: str = field(default="ipc:///tmp/laneserve/batcher.sock",
-                                 metadata=flag("ZeroMQ address of the batcher"))
-    model: str = field(default="tiny", metadata=flag("'tiny' (embedded random model) or an HF checkpoint dir"))
+    batcher_address: str = shared("batcher_address")
+    model: str = shared("model")
     served_model_name: str = field(default="", metadata=flag("model id in the API; default 'tiny' or the dir's name"))
-    max_model_len: int = field(default=0, metadata=flag("context length; 0 = the model's"))
+    max_model_len: int = shared("max_model_len")
     api_key: str = field(default="", metadata=flag(
         "require 'Authorization: Bearer KEY' on every route but /health and /metrics ('' = open)"))
     max_body_bytes: int = field(default=16 * 1024 * 1024, metadata=flag("largest request body accepted (413 above)"))
@@ -31,7 +30,5 @@ class GatewayConfig:
     drain_timeout: float = field(default=8.0, metadata=flag(
         "on SIGTERM/SIGINT: stop accepting, then wait this long for in-flight requests before closing "
         "(keep it under the launcher's --shutdown-timeout, which then kills the gateway)"))
-    curve_server_public_key: str = field(default="", metadata=flag(
-        "tcp across hosts: the batcher's public CURVE certificate (zmq.auth file); set = connect with CURVE"))
-    curve_client_secret_key: str = field(default="", metadata=flag(
-        "with CURVE: this client's certificate (zmq.auth secret file); '' = a fresh key pair per start"))
+    curve_server_public_key: str = shared("curve_server_public_key")
+    curve_client_secret_key: str = shared("curve_client_secret_key")

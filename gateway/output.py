@@ -7,9 +7,9 @@ OpenAI API (and vLLM) do. Pure: no sockets, no aiohttp.
 
 from __future__ import annotations
 
-from laneserve.wire.protocol import FinishReason, TokenDelta
 from gateway.detokenizer import TextStream
 from gateway.tokenizer import ModelTokenizer
+from laneserve.wire.protocol import FinishReason, TokenDelta
 
 FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
 

@@ -15,7 +15,6 @@ import uuid
 import msgspec
 from aiohttp import web
 
-from laneserve.wire.protocol import AddRequest, Rejected
 from gateway import schemas as S
 from gateway.client import BatcherClient, BatcherLost
 from gateway.config import GatewayConfig
@@ -23,6 +22,7 @@ from gateway.errors import ApiError, bad_request
 from gateway.metrics import Metrics
 from gateway.output import ChatShape, Choice, CompletionShape, EngineError
 from gateway.tokenizer import ChatTemplateError, ModelTokenizer
+from laneserve.wire.protocol import AddRequest, Rejected
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"
@@ -153,19 +153,7 @@ class Api:
             raise ApiError(429, f"too many requests in flight ({self.in_flight} of {cap}); retry later.",
                            retry_after=self.cfg.retry_after)
         base = f"{prefix}-{uuid.uuid4().hex}"
-        stops = S.stop_strings(req)
-        include_stop, skip_special = bool(req.include_stop_str_in_output), req.skip_special_tokens is not False
-        choices, adds = [], []
-        now = time.time()
-        for p, ids in enumerate(prompts):
-            for j in range(n):
-                index = p * n + j
-                ch = Choice(index, f"{base}-{index}", self.tok, ids, stops, include_stop, skip_special,
-                            logprobs is not None, echo[p] if echo else "")
-                choices.append(ch)
-                params = S.sampling_params(req, self.tok, max_tokens[p], logprobs, index=j)
-                adds.append(AddRequest(request_id=ch.request_id, prompt_token_ids=ids, params=params,
-                                       arrival_time=now, priority=req.priority or 0))
+        choices, adds = self._choices(req, base, prompts, max_tokens, logprobs, echo)
         if not await self.client.alive():
             raise ApiError(503, "the batcher is not answering or has no ready worker; retry later.",
                            retry_after=self.cfg.retry_after)
@@ -198,6 +186,25 @@ class Api:
             self.client.release(by_id)
             generated = sum(ch.num_tokens for ch in choices)
             self.metrics.generation_tokens.inc(generated)
+
+    def _choices(self, req, base: str, prompts: list[list[int]], max_tokens: list[int], logprobs: int | None,
+                 echo: list[str] | None) -> tuple[list[Choice], list[AddRequest]]:
+        """One Choice (the response side) and one AddRequest (the engine side) per prompt x n, index p * n + j."""
+        n = req.n or 1
+        stops = S.stop_strings(req)
+        include_stop, skip_special = bool(req.include_stop_str_in_output), req.skip_special_tokens is not False
+        choices, adds = [], []
+        now = time.time()
+        for p, ids in enumerate(prompts):
+            for j in range(n):
+                index = p * n + j
+                ch = Choice(index, f"{base}-{index}", self.tok, ids, stops, include_stop, skip_special,
+                            logprobs is not None, echo[p] if echo else "")
+                choices.append(ch)
+                params = S.sampling_params(req, self.tok, max_tokens[p], logprobs, index=j)
+                adds.append(AddRequest(request_id=ch.request_id, prompt_token_ids=ids, params=params,
+                                       arrival_time=now, priority=req.priority or 0))
+        return choices, adds
 
 
 class _Run:

@@ -7,19 +7,20 @@ workers can trust what they get. No I/O.
 
 from __future__ import annotations
 
-import math
 import re
 
 import msgspec
 
-from laneserve.wire.protocol import SamplingParams
 from gateway.errors import ApiError, bad_request
 from gateway.tokenizer import ModelTokenizer
+from laneserve import sampling
+from laneserve.wire.protocol import SamplingParams
 
-MAX_LOGPROBS = 20
 MAX_SEQUENCES = 256  # prompts x n in one request
 MAX_STOP_STRINGS = 16
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1 - MAX_SEQUENCES  # children get seed + index
+SEED_MAX = sampling.SEED_MAX - MAX_SEQUENCES  # children get seed + index
+_BOUNDED = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+            "max_tokens", "min_tokens", "top_k", "seed", "stop_token_ids")
 
 
 class StreamOptions(msgspec.Struct):
@@ -112,36 +113,15 @@ def parse(body: bytes, cls: type):
         raise bad_request("Request body is not valid JSON: nested too deeply.") from None
 
 
-def _finite(name: str, value: float | None, lo: float, hi: float, lo_open: bool = False) -> None:
-    if value is None:
-        return
-    if not math.isfinite(value) or value < lo or value > hi or (lo_open and value == lo):
-        bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
-        raise bad_request(f"{name} must be in {bound}, got {value}.", param=name)
-
-
 def check_sampling(req: _Sampling, vocab_size: int) -> None:
-    """Range checks that do not depend on the prompt."""
-    _finite("temperature", req.temperature, 0.0, 1e6)
-    _finite("top_p", req.top_p, 0.0, 1.0, lo_open=True)
-    _finite("min_p", req.min_p, 0.0, 1.0)
-    _finite("presence_penalty", req.presence_penalty, -2.0, 2.0)
-    _finite("frequency_penalty", req.frequency_penalty, -2.0, 2.0)
-    _finite("repetition_penalty", req.repetition_penalty, 0.0, 1e3, lo_open=True)
-    if req.top_k is not None and req.top_k < -1:
-        raise bad_request(f"top_k must be -1 (off), 0 (off) or positive, got {req.top_k}.", param="top_k")
+    """Range checks that do not depend on the prompt: the shared sampling bounds, then the API's own."""
+    bad = sampling.check_sampling({name: getattr(req, name) for name in _BOUNDED}, vocab_size)
+    if bad is not None:
+        raise bad_request(bad[1], param=bad[0])
     if req.n is not None and not 1 <= req.n <= MAX_SEQUENCES:
         raise bad_request(f"n must be in [1, {MAX_SEQUENCES}], got {req.n}.", param="n")
-    if req.seed is not None and not SEED_MIN <= req.seed <= SEED_MAX:
-        raise bad_request(f"seed must be in [{SEED_MIN}, {SEED_MAX}].", param="seed")
-    if req.min_tokens is not None and req.min_tokens < 0:
-        raise bad_request("min_tokens must be >= 0.", param="min_tokens")
-    if req.max_tokens is not None and req.max_tokens < 1:
-        raise bad_request(f"max_tokens must be at least 1, got {req.max_tokens}.", param="max_tokens")
-    for t in req.stop_token_ids or ():
-        if not 0 <= t < vocab_size:
-            raise bad_request(f"stop_token_ids: {t} is not a token id of this model (vocab {vocab_size}).",
-                              param="stop_token_ids")
+    if req.seed is not None and req.seed > SEED_MAX:
+        raise bad_request(f"seed must be in [{sampling.SEED_MIN}, {SEED_MAX}].", param="seed")
     stops = stop_strings(req)
     if len(stops) > MAX_STOP_STRINGS:
         raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings.", param="stop")
@@ -159,8 +139,9 @@ def stop_strings(req: _Sampling) -> list[str]:
 
 
 def check_logprobs(name: str, value: int | None) -> None:
-    if value is not None and not 0 <= value <= MAX_LOGPROBS:
-        raise bad_request(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}.", param=name)
+    bad = sampling.check_sampling({"logprobs": value})
+    if bad is not None:
+        raise bad_request(bad[1].replace("logprobs", name, 1), param=name)
 
 
 def context_error(max_model_len: int, prompt_len: int, max_tokens: int) -> ApiError:

@@ -19,9 +19,8 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-TINY_SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]  # ids 256..259
-TINY_VOCAB_SIZE = 320  # the tiny model's (padded) embedding rows
-TINY_MAX_MODEL_LEN = 8192
+from laneserve import modelspec
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -131,19 +130,23 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def build_tiny_tokenizer() -> Tokenizer:
-    """Byte-level: token id == byte value for 0..255, then the four specials at 256..259."""
+    """Byte-level: token id == byte value for 0..255, then the tiny spec's special tokens from 256 on."""
     byte_char = _bytes_to_unicode()
     tok = Tokenizer(models.BPE(vocab={byte_char[b]: b for b in range(256)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TINY_SPECIALS])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in modelspec.TINY_SPECIAL_TOKENS])
     return tok
 
 
 def tiny_tokenizer(model_id: str = "tiny") -> ModelTokenizer:
-    return ModelTokenizer(tokenizer=build_tiny_tokenizer(), model_id=model_id, vocab_size=TINY_VOCAB_SIZE,
-                          max_model_len=TINY_MAX_MODEL_LEN, eos_token_ids=(257, 259), bos_token="<s>",
-                          eos_token="</s>", bos_token_id=256, chat_template=CHATML_TEMPLATE)
+    tok = build_tiny_tokenizer()
+    spec = modelspec.TINY_CONFIG
+    bos_id, eos_ids = modelspec.TINY_BOS_ID, modelspec.TINY_EOS_IDS
+    return ModelTokenizer(tokenizer=tok, model_id=model_id, vocab_size=spec.vocab_size,
+                          max_model_len=spec.max_position_embeddings, eos_token_ids=eos_ids,
+                          bos_token=tok.id_to_token(bos_id), eos_token=tok.id_to_token(eos_ids[0]), bos_token_id=bos_id,
+                          chat_template=CHATML_TEMPLATE)
 
 
 def _token_text(value) -> str | None:
@@ -167,13 +170,16 @@ def _as_ids(value) -> list[int]:
 
 
 def load_tokenizer(model: str, served_model_name: str = "", max_model_len: int = 0) -> ModelTokenizer:
-    """The tokenizer for `tiny` or an HF checkpoint directory; max_model_len > 0 overrides the model's."""
+    """The tokenizer for `tiny` or an HF checkpoint directory; max_model_len > 0 lowers the model's context limit
+    (as the worker does: laneserve.modelspec.resolve_max_model_len)."""
     if model == "tiny":
         tok = tiny_tokenizer(served_model_name or "tiny")
     else:
         tok = _load_dir(model, served_model_name)
-    if max_model_len > 0:
-        tok.max_model_len = max_model_len
+    try:
+        tok.max_model_len = modelspec.resolve_max_model_len(tok.max_model_len, max_model_len)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     return tok
 
 
@@ -204,7 +210,7 @@ def _load_dir(path: str, served_model_name: str) -> ModelTokenizer:
     extra = {k: _token_text(v) for k, v in tcfg.items()
              if k.endswith("_token") and k not in ("bos_token", "eos_token") and _token_text(v) is not None}
     vocab = max(int(text_cfg.get("vocab_size") or 0), tokenizer.get_vocab_size(with_added_tokens=True))
-    max_len = int(text_cfg.get("max_position_embeddings") or 0) or int(tcfg.get("model_max_length") or 0) or 2048
+    max_len = modelspec.max_position_embeddings(text_cfg)  # the worker's rule, fallback included
     # A Llama-style tokenizer.json usually prepends bos in its post-processor; add_bos_token covers the rest.
     add_bos = bool(tcfg.get("add_bos_token", False)) and bos_id is not None \
         and bos_id not in tokenizer.encode("x", add_special_tokens=True).ids

@@ -16,10 +16,10 @@ import sys
 from laneserve.config import add_arguments, from_args
 
 TOOLS = {
-    "simulate": ("batcher.simulator", "replay a trace through the scheduler in simulated time"),
+    "simulate": ("batcher.sim.cli", "replay a trace through the scheduler in simulated time"),
     "loadtest": ("loadtest.cli", "open-loop replay of a trace against an OpenAI-compatible URL"),
-    "bench": ("workers.bench", "GPU/CPU decode benchmarks (tok/s, roofline, HF baseline)"),
-    "calibrate-kv": ("workers.calibrate", "int8 KV cache scales from a corpus"),
+    "bench": ("workers.tools.bench", "GPU/CPU decode benchmarks (tok/s, roofline, HF baseline)"),
+    "calibrate-kv": ("workers.tools.calibrate", "int8 KV cache scales from a corpus"),
 }
 
 

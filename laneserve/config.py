@@ -1,7 +1,8 @@
 """Typed configuration: dataclasses become command-line flags and LANESERVE_* env vars.
 
 Each component owns one config dataclass (gateway/config.py, batcher/config.py,
-workers/config.py). A field `max_num_seqs` is the flag `--max-num-seqs` and the
+workers/config.py); a setting that several of them read is declared once, in SHARED below, and
+each class takes it with `shared(name)`: one default, one help text. A field `max_num_seqs` is the flag `--max-num-seqs` and the
 env var `LANESERVE_MAX_NUM_SEQS`; precedence is flag > env var > default. The
 field's metadata "help" is the flag's help. Torch-free.
 """
@@ -21,6 +22,29 @@ ENV_PREFIX = "LANESERVE_"
 def flag(text: str) -> dict:
     """Field metadata: the flag's help text (`field(default=..., metadata=flag("..."))`)."""
     return {"help": text}
+
+
+# Settings read by more than one process: name -> (default, help).
+SHARED: dict[str, tuple[Any, str]] = {
+    "batcher_address": ("ipc:///tmp/laneserve/batcher.sock",
+                        "ZeroMQ address of the batcher's gateway socket (the batcher binds it, gateways connect)"),
+    "worker_address": ("ipc:///tmp/laneserve/workers.sock",
+                       "ZeroMQ address of the batcher's worker socket (the batcher binds it, workers connect)"),
+    "model": ("tiny", "'tiny' (embedded random model) or an HF checkpoint dir"),
+    "max_model_len": (0, "context length; 0 = the model's"),
+    "max_num_seqs": (256, "most sequences in one step"),
+    "max_num_batched_tokens": (2048, "token budget of one step"),
+    "curve_server_public_key": ("", "tcp across hosts: the batcher's public CURVE certificate (zmq.auth file); "
+                                    "set = connect with CURVE"),
+    "curve_client_secret_key": ("", "with CURVE: this client's certificate (zmq.auth secret file); '' = a fresh "
+                                    "key pair per start"),
+}
+
+
+def shared(name: str) -> Any:
+    """The dataclass field of a setting several configs read (`model: str = shared("model")`)."""
+    default, text = SHARED[name]
+    return dataclasses.field(default=default, metadata=flag(text))
 
 
 def env_name(field_name: str) -> str:

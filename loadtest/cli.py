@@ -1,6 +1,6 @@
 """`laneserve loadtest` (also `python -m loadtest`): build a trace, replay it, report.
 
-  laneserve loadtest --url http://127.0.0.1:8000 --trace ../shared/traces/BurstGPT_1_first400.csv \
+  laneserve loadtest --url http://127.0.0.1:8000 --trace burstgpt-1 \
       --speedup 60 --max-requests 100 --slo ttft=120ms,tpot=30ms --out runs/burst
   laneserve loadtest --url URL --trace synthetic --rate 8 --burstiness 0.5 --num-requests 200 --out DIR
   laneserve loadtest --url URL --trace rag --num-docs 16 --doc-tokens 1024 --hit-rate 0.8 --out DIR
@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="laneserve loadtest", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--url", required=True, help="server base URL (OpenAI-compatible), e.g. http://127.0.0.1:8000")
-    p.add_argument("--trace", default="synthetic", help="a trace file, 'synthetic' (Gamma/Poisson) or 'rag'")
+    p.add_argument("--trace", default="synthetic", help="a trace file, a shipped trace (" + ", ".join(traces.TRACE_NAMES) + "), 'synthetic' "
+                                                        "(Gamma/Poisson) or 'rag'")
     g = p.add_argument_group("synthetic and rag traces")
     g.add_argument("--rate", type=float, default=4.0, help="requests/s")
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson, < 1 burstier")
@@ -79,7 +80,10 @@ def make_trace(args: argparse.Namespace) -> list[traces.TraceRequest]:
         reqs = traces.rag(args.rate, args.num_requests, args.num_docs, args.doc_tokens, args.question_tokens,
                           args.output_tokens, args.hit_rate, args.burstiness, seed=args.seed)
     else:
-        reqs = traces.load_trace(args.trace)
+        try:
+            reqs = traces.load_trace(args.trace)
+        except FileNotFoundError as exc:
+            raise SystemExit(str(exc)) from None
     reqs = traces.window(reqs, args.start, args.duration, args.max_requests)
     return traces.cap(reqs, args.max_input_tokens, args.max_output_tokens)
 

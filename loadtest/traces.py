@@ -2,7 +2,8 @@
 
 A trace is a list of `TraceRequest` (arrival seconds from the start, token counts, optional
 prefix-block ids), sorted by arrival and rebased so the first request arrives at 0. Readers
-(format detected from the file name, then its contents; see ../shared/traces/README.md):
+(format detected from the file name, then its contents; the shipped traces and their sources are in
+loadtest/data/README.md, and `load_trace` takes their short names, TRACE_NAMES):
   - BurstGPT CSV: columns read by name (`Timestamp` seconds); failed rows (zero tokens) dropped.
   - Azure LLM inference CSV: `TIMESTAMP` datetime strings, `ContextTokens`, `GeneratedTokens`.
   - Mooncake JSONL: `timestamp` in ms, `hash_ids` with one id per 512-token prefix block.
@@ -105,9 +106,33 @@ def _read_jsonl(path: Path) -> list[TraceRequest]:
     return out
 
 
+DATA_DIR = Path(__file__).with_name("data")
+# short name -> a trace shipped in DATA_DIR (loadtest/data/README.md: source, licence, attribution)
+TRACE_NAMES = {
+    "azure-code": "AzureLLMInferenceTrace_code.csv",
+    "azure-conv": "AzureLLMInferenceTrace_conv.csv",
+    "burstgpt-1": "BurstGPT_1_first400.csv",
+    "burstgpt-3": "BurstGPT_3_first400.csv",
+    "mooncake-conversation": "mooncake_conversation_trace.jsonl",
+    "mooncake-synthetic": "mooncake_synthetic_trace.jsonl",
+}
+
+
+def trace_path(name_or_path: str) -> Path:
+    """The file of a shipped trace's short name (TRACE_NAMES), or the path itself if it is a file."""
+    if name_or_path in TRACE_NAMES:
+        return DATA_DIR / TRACE_NAMES[name_or_path]
+    p = Path(name_or_path)
+    if not p.is_file():
+        raise FileNotFoundError(f"trace {name_or_path!r} is neither a file nor a shipped trace; shipped traces: "
+                                f"{', '.join(TRACE_NAMES)} (loadtest/data/README.md)")
+    return p
+
+
 def load_trace(path: str, limit: int | None = None) -> list[TraceRequest]:
-    """Read a trace file (format detected from its name/contents); sorted, rebased to 0, first `limit` rows."""
-    p = Path(path)
+    """Read a trace (a short name or a file; format detected from its name/contents); sorted, rebased to 0,
+    first `limit` rows."""
+    p = trace_path(path)
     with open(p) as f:
         first = f.readline().lstrip()
     reqs = _read_jsonl(p) if first.startswith("{") else _read_csv(p)

@@ -15,8 +15,8 @@ import pytest
 
 from batcher.config import BatcherConfig
 from laneserve.wire.protocol import AddRequest, FinishReason, SamplingParams, StepOutput
-from batcher.scheduler import Scheduler
-from batcher.simulator import CostModel, SimRequest, simulate
+from batcher.scheduler import Scheduler, StepFailed, StepOrderError
+from batcher.sim.engine import CostModel, SimRequest, simulate
 from tests.test_scheduler import Driver, add
 
 BS = 16
@@ -126,7 +126,7 @@ def test_update_rejects_an_output_that_is_not_of_the_oldest_step():
     add(s, "a", 10, max_tokens=50)
     s.schedule(0.0)
     second = s.schedule(0.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(StepOrderError, match="^worker 0 returned step 2, expected 1$"):
         s.update(StepOutput(step=second.step, worker_id=0), 0.0)
 
 
@@ -284,11 +284,28 @@ def test_fail_all_with_steps_in_flight_resets_everything():
     assert sorted((x.request_id, x.finish_reason) for x in deltas) == [("a", FinishReason.ERROR),
                                                                        ("b", FinishReason.ERROR)]
     assert not s.in_flight and s.bm.num_free == 64 and s.num_unfinished == 0
-    with pytest.raises(ValueError):  # the old steps' outputs are not the scheduler's any more (core drops them)
-        s.update(d.flight[0], 1.0)
+    old = list(d.flight)
+    assert s.update(old[0], 1.0) is None  # the old steps are void: their outputs are dropped as they come
     add(s, "c", 20, base=800, max_tokens=3)
     st = s.schedule(1.0)
     assert sorted(st.finished_req_ids) == ["a", "b"] and list(st.num_scheduled_tokens) == ["c"]
+    assert s.update(old[1], 1.0) is None  # also behind a new step
+    with pytest.raises(StepOrderError):  # once: a second copy is out of order
+        s.update(old[1], 1.0)
+
+
+def test_a_failed_step_raises_and_the_steps_behind_it_are_void():
+    s = Scheduler(cfg(), 64, BS, 8192)
+    d = AsyncDriver(s)
+    add(s, "a", 20, max_tokens=50)
+    d.fill()
+    first, second = d.flight
+    with pytest.raises(StepFailed, match="^worker error: RuntimeError: boom$"):
+        s.update(StepOutput(step=first.step, worker_id=0, error="Traceback ...\nRuntimeError: boom"), 1.0)
+    assert [(x.request_id, x.finish_reason, x.error) for x in s.fail_all("worker error: RuntimeError: boom")] == \
+        [("a", FinishReason.ERROR, "worker error: RuntimeError: boom")]
+    assert s.update(StepOutput(step=second.step, worker_id=0, error="lost too"), 1.0) is None  # void: no 2nd failure
+    assert not s.void and s.bm.num_free == 64
 
 
 def tokens(k: int, n: int) -> list[int]:
@@ -399,7 +416,7 @@ async def test_batcher_keeps_two_steps_at_the_worker_and_checks_their_order(tmp_
     from laneserve.wire import protocol as P
     from laneserve.wire import transport
     from batcher.core import Batcher
-    from batcher.simulator import SimWorker
+    from batcher.sim.engine import SimWorker
 
     c = cfg(batcher_address=f"ipc://{tmp_path}/b.sock", worker_address=f"ipc://{tmp_path}/w.sock")
     batcher = Batcher(c)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from batcher.block_manager import BlockManager, chain_hashes
+from batcher.block_manager import BlockManager
 from laneserve.wire.protocol import SamplingParams
 from batcher.request import Request
 
@@ -72,7 +72,7 @@ def test_hash_collision_is_caught_by_comparing_tokens():
     prefill(bm, a)
     # Forge a collision: make block 1's hash also the registered key for different tokens.
     forged = req([0, 1, 2, 3, 40, 41, 42, 43, 44], "f")
-    h = chain_hashes(forged.token_ids, BS)
+    h = bm.chain_hashes(forged.token_ids, len(forged.token_ids) // BS, [])
     bm.cached[h[1]] = a.block_ids[1]
     assert bm.lookup(forged) == 1  # block 0 is real, block 1's tokens differ -> no hit
 

@@ -10,8 +10,8 @@ import aiohttp
 import torch
 
 from laneserve.cli import main as cli
-from workers.calibrate import pack, read_corpus
 from workers.kv_cache import load_kv_scales
+from workers.tools.calibrate import pack, read_corpus
 
 
 def _corpus(tmp_path):

@@ -29,11 +29,11 @@ import pytest
 import yaml
 
 from batcher.config import BatcherConfig
-from laneserve.wire.transport import check_address
 from gateway.config import GatewayConfig
 from laneserve.cli import build_parser
 from laneserve.config import env_vars, from_args
 from laneserve.launcher import LauncherConfig
+from laneserve.wire.transport import check_address
 from tests.stack import free_port
 from workers.config import WorkerConfig
 

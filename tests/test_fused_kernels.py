@@ -20,9 +20,9 @@ if not ON_GPU:  # must be set before triton is first imported
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
+from laneserve.modelspec import TINY_CONFIG  # noqa: E402
 from workers.kernels import fused  # noqa: E402
 from workers.model.llama import RotaryEmbedding  # noqa: E402
-from workers.model.tiny import TINY_CONFIG  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 SEED = int.from_bytes(os.urandom(4), "little")

@@ -1,7 +1,7 @@
 """int8 KV cache (issue 8): pool sizing, the backends' int8 math against float64, scales (file, model dir,
 dynamic), and int8-KV runners against float-KV ones on real text, both backends, up to 8k tokens.
 
-Greedy agreement is measured teacher-forced (workers.calibrate.compare_kv): the int8 runner is fed the
+Greedy agreement is measured teacher-forced (workers.tools.calibrate.compare_kv): the int8 runner is fed the
 float runner's tokens, so each position compares logits over the same context; free-running greedy
 decodes of a random tiny model diverge at its many near-ties, which says nothing about the cache.
 """
@@ -19,11 +19,11 @@ from laneserve.wire import protocol as P
 from tests.helpers_models import DEVICE, Sim, greedy
 from workers.attention.base import AttentionMetadata
 from workers.attention.torch_ref import TorchAttentionBackend
-from workers.calibrate import compare_kv, make_runner, prefill
 from workers.config import WorkerConfig
 from workers.kv_cache import (DYNAMIC_MARGIN, KVCache, bytes_per_block, dequantize, load_kv_scales, quantize_int8,
                               save_kv_scales, transpose_v_pages, v_rows)
 from workers.runner import ModelRunner
+from workers.tools.calibrate import compare_kv, make_runner, prefill
 
 PAGE = 16
 # Triton on CPU tensors runs under the interpreter (conftest.py picks it on machines without a GPU);

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from laneserve.modelspec import ModelConfig, ModelConfigError, load_model_config
 from tests.helpers_models import DEVICE, Sim, edit_config, greedy, make_checkpoint
 from workers.config import WorkerConfig
-from workers.loader import WeightLoadError, load_model, load_model_config, resolve_device, resolve_dtype
-from workers.model.config import ModelConfig, ModelConfigError
+from workers.loader import WeightLoadError, load_model, resolve_device, resolve_dtype
 from workers.runner import ModelRunner
 
 

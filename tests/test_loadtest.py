@@ -10,16 +10,15 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from pathlib import Path
 
 import pytest
 from aiohttp import web
 
 from loadtest import cli, report
 from loadtest.client import PROBE_TEXT, LoadConfig, LoadRunner, RequestRecord, fit_to_context
+from loadtest.traces import DATA_DIR as TRACES
 from loadtest.traces import TraceRequest, load_trace, rag
 
-TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 FAIL_429, HANG, MID_ERROR = 13, 17, 19  # max_tokens the stand-in answers with a 429 / never / an error event
 
 
@@ -223,7 +222,7 @@ def test_compare_two_reports(tmp_path, capsys):
 
 def test_cli_trace_building():
     args = cli.build_parser().parse_args(["--url", "http://127.0.0.1:1", "--out", "x", "--trace",
-                                          str(TRACES / "BurstGPT_3_first400.csv"), "--start", "100",
+                                          "burstgpt-3", "--start", "100",
                                           "--duration", "2000", "--max-requests", "10", "--max-input-tokens", "64"])
     reqs = cli.make_trace(args)
     full = load_trace(str(TRACES / "BurstGPT_3_first400.csv"))
@@ -235,6 +234,9 @@ def test_cli_trace_building():
                                           "8:16", "--burstiness", "0.5"])
     syn = cli.make_trace(args)
     assert len(syn) == 7 and all(8 <= r.input_tokens <= 16 for r in syn)
+    args = cli.build_parser().parse_args(["--url", "u", "--out", "x", "--trace", "burstgpt-33"])
+    with pytest.raises(SystemExit, match="shipped traces: azure-code"):
+        cli.make_trace(args)
 
 
 def test_replay_against_the_stack(stack, tmp_path):

@@ -1,5 +1,5 @@
 """Issue 9 at the socket level: the real batcher (batcher.core.Batcher) on real ZeroMQ sockets, the test
-playing gateways, workers (batcher.simulator.SimWorker executes the steps) and rogue peers. No model, so
+playing gateways, workers (batcher.sim.engine.SimWorker executes the steps) and rogue peers. No model, so
 fast; tests/test_faults.py runs the whole stack."""
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from laneserve.wire import protocol as P
-from laneserve.wire import transport
 from batcher.config import BatcherConfig
 from batcher.core import Batcher
-from batcher.simulator import SimWorker
+from batcher.sim.engine import SimWorker
 from gateway.client import BatcherClient, BatcherLost
 from gateway.config import GatewayConfig
+from laneserve.wire import protocol as P
+from laneserve.wire import transport
 
 BS = 16
 REPO = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ from batcher.config import BatcherConfig
 from laneserve.wire.protocol import AddRequest, SamplingParams
 from batcher.router import pick_worker
 from batcher.scheduler import Scheduler
-from batcher.simulator import CostModel, SimRequest, SimWorker, simulate
+from batcher.sim.engine import CostModel, SimRequest, SimWorker, simulate
 
 
 def run_to_completion(s: Scheduler, rid: str, prompt: list[int]) -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from laneserve.modelspec import TINY_CONFIG
 from laneserve.wire import protocol as P
 from tests.helpers_models import DEVICE, Sim, greedy, random_prompt
 from workers.config import WorkerConfig
-from workers.model.tiny import TINY_CONFIG
 from workers.runner import ModelRunner
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from laneserve.wire.protocol import SamplingParams
-from workers.sampling import (SampleRow, apply_penalties, min_p_mask, sample, seed_for, top_k_top_p_mask)
+from workers.sampling import SampleRow, apply_penalties, min_p_mask, sample, seed_for, top_k_top_p_mask
 
 
 def row(tokens=(1, 2), prompt=1, **kw) -> SampleRow:

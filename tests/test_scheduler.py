@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 from batcher.config import BatcherConfig
-from laneserve.wire.protocol import AddRequest, FinishReason, SamplingParams, StepOutput
+from laneserve.wire.protocol import AddRequest, FinishReason, SamplingParams, StepOutput, TokenLogprobs
 from batcher.scheduler import Scheduler
-from batcher.simulator import SimWorker
+from batcher.sim.engine import SimWorker
 
 BS = 16
 
@@ -152,6 +152,26 @@ def test_abort_while_a_step_is_in_flight_drops_its_tokens():
     assert s.abort_requests(["a"])[0].finish_reason == FinishReason.ABORT
     assert s.update(out, 0.1) == []  # its sampled token is dropped: the abort was its final delta
     assert s.bm.num_free == 64
+
+
+def test_output_rows_in_the_workers_order_and_a_missing_row_fails_only_its_request():
+    s = Scheduler(cfg(), 64, BS, 8192)
+    w = SimWorker(64, BS)
+    for rid in ("a", "b", "c"):
+        add(s, rid, 20, base=100 * len(rid) + ord(rid), max_tokens=5)
+    out, _ = w.execute(s.schedule(0.0))
+    assert out.request_ids == ["a", "b", "c"]
+    tokens = dict(zip(out.request_ids, out.sampled_token_ids))
+    lp = {rid: [TokenLogprobs(-float(i), [], [])] for i, rid in enumerate(out.request_ids)}
+    # The worker lays rows out its own way (and here drops "b": a broken contract).
+    rows = ["c", "a"]
+    mine = StepOutput(step=out.step, worker_id=0, request_ids=rows, sampled_token_ids=[tokens[r] for r in rows],
+                      logprobs=[lp[r] for r in rows])
+    deltas = {d.request_id: d for d in s.update(mine, 0.1)}
+    assert deltas["a"].new_token_ids == tokens["a"] and deltas["a"].logprobs == lp["a"]
+    assert deltas["c"].new_token_ids == tokens["c"] and deltas["c"].logprobs == lp["c"]
+    assert deltas["b"].finish_reason == FinishReason.ERROR and "sampled no token" in deltas["b"].error
+    assert deltas["a"].finish_reason is None and s.num_unfinished == 2
 
 
 def test_prompts_that_can_never_fit_get_error_deltas_not_a_hang():

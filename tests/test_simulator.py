@@ -9,7 +9,8 @@ import random
 import pytest
 
 from batcher.config import BatcherConfig
-from batcher.simulator import CostModel, SimRequest, main, simulate, summarize
+from batcher.sim.cli import main
+from batcher.sim.engine import CostModel, SimRequest, simulate, summarize
 
 COST = CostModel(a=4.0, b=0.06, c=0.05, d=0.0001)
 

@@ -1,6 +1,6 @@
 """Tensor parallelism on CPU with gloo (issue 11): TP=2 gives the same greedy tokens as TP=1.
 
-In process: this test process is rank 0 (workers.parallel.TPGroup starts rank 1 as a spawned
+In process: this test process is rank 0 (workers.tp_group.TPGroup starts rank 1 as a spawned
 child that runs its follower loop) and the Sim batcher drives rank 0's ModelRunner, forwarding
 each StepInput as workers/main.py does. Over HTTP: the real stack with --tensor-parallel-size 2
 against the TP=1 stack. Plus the start-up error when the heads don't divide.
@@ -19,15 +19,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from laneserve.modelspec import TINY_CONFIG, load_model_config
 from laneserve.wire import protocol as P
 from tests.helpers_models import DEVICE, Sim, greedy, hf_greedy, make_checkpoint, random_prompt
 from tests.stack import alive, cmdline, descendants
 from workers.config import WorkerConfig
-from workers.loader import load_model, load_model_config
+from workers.loader import load_model
+from workers.model.layers import check_shardable
 from workers.model.llama import LlamaForCausalLM
-from workers.model.tiny import TINY_CONFIG
-from workers.parallel import TPGroup, check_shardable
 from workers.runner import ModelRunner
+from workers.tp_group import TPGroup
 
 # WORKER_TEST_DEVICE=cuda reruns the in-process checks with NCCL on 2 GPUs (Triton, CUDA graphs with the all-reduce)
 CFG = dict(device=DEVICE, dtype="float32", kv_cache_memory="2MiB", max_model_len=256, num_threads=1)

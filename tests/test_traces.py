@@ -1,17 +1,18 @@
-"""loadtest.traces: readers on the shipped files (numbers from ../shared/traces/README.md),
+"""loadtest.traces: readers on the shipped files (numbers from loadtest/data/README.md),
 generator statistics, prompt synthesis."""
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
+import tomllib
 
 import numpy as np
 import pytest
 
-from loadtest.traces import TraceRequest, gamma_bursts, load_trace, poisson, rag, save_trace, synth_token_ids
+from loadtest.traces import (DATA_DIR, TRACE_NAMES, TraceRequest, gamma_bursts, load_trace, poisson, rag, save_trace,
+                             synth_token_ids)
 
-TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+TRACES = DATA_DIR
 
 # file -> (rows, span seconds, input mean, output mean) from the README
 SHIPPED = {
@@ -30,8 +31,6 @@ SHIPPED = {
 
 @pytest.fixture(scope="module")
 def loaded():
-    if not TRACES.is_dir():
-        pytest.fail(f"shipped traces missing at {TRACES}")
     return {name: load_trace(str(TRACES / name)) for name in SHIPPED}
 
 
@@ -150,3 +149,21 @@ def test_synth_token_ids_shares_exactly_the_common_prefix():
     r1, r2 = [r for r in rag(1.0, 200, 1, 512, 30, 4, 1.0, seed=0)][:2]
     s1, s2 = synth_token_ids(r1), synth_token_ids(r2)
     assert s1[:512] == s2[:512] and s1[512:] != s2[512:]
+
+
+def test_short_names_load_the_shipped_files_and_unknown_ones_say_what_exists():
+    assert set(TRACE_NAMES.values()) <= set(SHIPPED)
+    assert load_trace("burstgpt-3", limit=5) == load_trace(str(DATA_DIR / "BurstGPT_3_first400.csv"), limit=5)
+    with pytest.raises(FileNotFoundError, match="neither a file nor a shipped trace.*azure-conv"):
+        load_trace("azure-conversation")
+
+
+def test_shipped_data_is_documented_and_installed():
+    """Every name and file is in the data README, and the wheel's package-data glob takes every file."""
+    readme = (DATA_DIR / "README.md").read_text()
+    assert all(f"`{name}`" in readme and f"`{file}`" in readme for name, file in TRACE_NAMES.items())
+    assert all(f"`{file}`" in readme for file in SHIPPED)
+    pyproject = tomllib.loads((DATA_DIR.parents[1] / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"]["loadtest"]
+    packaged = {p for g in globs for p in DATA_DIR.parent.glob(g)}  # setuptools expands them the same way
+    assert {p for p in DATA_DIR.rglob("*") if p.is_file()} <= packaged

@@ -4,22 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from laneserve.config import flag
+from laneserve.config import flag, shared
 
 
 @dataclass
 class WorkerConfig:
-    worker_address: str = field(default="ipc:///tmp/laneserve/workers.sock",
-                                metadata=flag("ZeroMQ address of the batcher's worker socket"))
+    worker_address: str = shared("worker_address")
     worker_id: int = field(default=0, metadata=flag("this worker's id (one per GPU)"))
-    model: str = field(default="tiny", metadata=flag("'tiny' (embedded random model) or an HF checkpoint dir"))
+    model: str = shared("model")
     device: str = field(default="auto", metadata=flag("auto | cpu | cuda | cuda:N"))
     dtype: str = field(default="auto", metadata=flag("auto | float32 | bfloat16 | float16"))
     load_format: str = field(default="auto", metadata=flag("auto | safetensors | dummy (random weights)"))
     seed: int = field(default=0, metadata=flag("seed of the tiny/dummy weights"))
-    max_model_len: int = field(default=0, metadata=flag("context length; 0 = the model's"))
-    max_num_seqs: int = field(default=256, metadata=flag("most sequences in one step"))
-    max_num_batched_tokens: int = field(default=2048, metadata=flag("token budget of one step"))
+    max_model_len: int = shared("max_model_len")
+    max_num_seqs: int = shared("max_num_seqs")
+    max_num_batched_tokens: int = shared("max_num_batched_tokens")
     kv_cache_memory: str = field(default="", metadata=flag(
         "KV pool size, e.g. 256MiB or 4GiB; empty = 256MiB on CPU, --gpu-memory-utilization on CUDA"))
     gpu_memory_utilization: float = field(default=0.9, metadata=flag(
@@ -42,7 +41,5 @@ class WorkerConfig:
         "over them (NCCL on CUDA, gloo on CPU; docs/tensor_parallel.md). The batcher sees one worker"))
     dist_init_address: str = field(default="", metadata=flag(
         "rendezvous of the tensor-parallel group, e.g. tcp://127.0.0.1:29500; empty = a free local port"))
-    curve_server_public_key: str = field(default="", metadata=flag(
-        "tcp across hosts: the batcher's public CURVE certificate (zmq.auth file); set = connect with CURVE"))
-    curve_client_secret_key: str = field(default="", metadata=flag(
-        "with CURVE: this client's certificate (zmq.auth secret file); '' = a fresh key pair per start"))
+    curve_server_public_key: str = shared("curve_server_public_key")
+    curve_client_secret_key: str = shared("curve_client_secret_key")

@@ -1,10 +1,12 @@
 """CUDA graphs for decode-only steps: captured once at start, replayed with static inputs.
 
 Owns the static input buffers, the capture list of padded batch sizes and the replay.
-A decode step of n sequences replays the graph of the smallest captured size >= n; the
-padding rows write no K/V (slot -1) and their logits are dropped. The size list is fixed
-(1, 2, 4, 8, then every 8 to 64, every 16 to 128, every 32 after) so the shapes the
-bucketed scheduler produces under bursty mixes map onto few, stable graphs.
+A decode step of n sequences replays the graph of the smallest captured size >= n, the
+whole batch padded to that one size; the padding rows write no K/V (slot -1) and their
+logits are dropped. The size list is fixed (1, 2, 4, 8, then every 8 to 64, every 16 to
+128, every 32 after): every batch size up to max_num_seqs maps onto one of few graphs,
+captured once at start. Only n matters: the rows' order and context lengths don't (the
+kernel reads each row's length from the device buffers).
 Host inputs go through pinned buffers with non-blocking copies.
 """
 

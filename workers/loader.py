@@ -17,9 +17,9 @@ import os
 
 import torch
 
-from workers.model.config import ModelConfig
+from laneserve.modelspec import ModelConfig
 from workers.model.llama import LlamaForCausalLM
-from workers.model.tiny import TINY_CONFIG, init_random_
+from workers.model.random_weights import init_random_
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -63,10 +63,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     except RuntimeError as e:
         raise ValueError(f"--dtype {name}: device {device} cannot run it ({e})") from None
     return dtype
-
-
-def load_model_config(model: str) -> ModelConfig:
-    return TINY_CONFIG if model == "tiny" else ModelConfig.from_dir(model)
 
 
 def load_model(model: str, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device,

@@ -20,15 +20,14 @@ import zmq
 from laneserve.wire import protocol as P
 from laneserve.wire import transport
 from workers.config import WorkerConfig
+from workers.runner import ModelRunner
+from workers.tp_group import TPGroup
 
 log = logging.getLogger("laneserve.worker")
 HEARTBEAT_S = 0.5
 
 
 def run(cfg: WorkerConfig) -> None:
-    from workers.parallel import TPGroup
-    from workers.runner import ModelRunner  # heavy import after argument parsing
-
     tp = TPGroup(cfg) if cfg.tensor_parallel_size > 1 else None  # this is rank 0; it starts ranks 1..T-1
     runner = ModelRunner(cfg)
     ctx = zmq.Context()
@@ -58,7 +57,7 @@ def run(cfg: WorkerConfig) -> None:
             if msg is None:
                 continue
             if tp is not None:
-                tp.send(msg)  # the other ranks run every step too (workers/parallel.py)
+                tp.send(msg)  # the other ranks run every step too (workers/tp_group.py)
             if isinstance(msg, P.Shutdown):
                 break
             if isinstance(msg, P.Reannounce):  # a new batcher: none of our requests exist there

@@ -5,6 +5,16 @@ step loop body of docs/architecture.md ("ModelRunner"). Trusts the batcher's Ste
 is validated at decode); errors propagate to the worker loop, which fails the step and
 calls reset(). Must not do I/O or asyncio: workers/main.py owns the socket.
 
+The row layout of a batch is the worker's, not the batcher's. The scheduler lists a step's
+requests in its own order (decode buckets, for its priority and preemption rules); nothing here
+relies on it, and outputs name their requests (StepOutput.request_ids), so the batcher does not
+rely on the runner's order either. An eager step lays rows out for the attention backend:
+decodes first (AttentionMetadata's num_decodes leading rows), longest context first, so that
+a backend that pads groups of neighbouring decodes to their longest context (the torch one)
+wastes little. A decode-only step replayed as a CUDA graph keeps the order it got: the graph
+pads the whole batch to one captured size and the kernel reads each row's length on the
+device, so an order would buy nothing there.
+
 Tensor parallel (cfg.tensor_parallel_size T > 1, docs/tensor_parallel.md): every rank runs a
 ModelRunner on the same StepInputs; each holds its shard of the weights and a KV pool of its
 num_kv_heads/T heads, sized to the smallest pool any rank can hold. Rank 0 alone computes logits
@@ -23,15 +33,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from laneserve.modelspec import load_model_config, resolve_max_model_len
 from laneserve.wire import protocol as P
 from workers.attention import AttentionMetadata, get_backend
+from workers.collectives import broadcast_tokens, min_across_ranks, rank_device
 from workers.config import WorkerConfig
 from workers.cuda_graphs import DecodeGraphs
-from workers.kv_cache import (BLOCK_SIZE, DEFAULT_CPU_KV_BYTES, KVCache, bytes_per_block, gpu_kv_budget,
-                              load_kv_scales, parse_bytes, resolve_kv_dtype)
-from workers.loader import load_model, load_model_config, resolve_device, resolve_dtype
-from workers.parallel import broadcast_tokens, check_shardable, min_across_ranks, rank_device
-from workers.sampling import SampleRow, Sampled, sample_on_device
+from workers.kv_cache import (BLOCK_SIZE, DEFAULT_CPU_KV_BYTES, KVCache, bytes_per_block, gpu_kv_budget, load_kv_scales,
+                              parse_bytes, resolve_kv_dtype)
+from workers.loader import load_model, resolve_device, resolve_dtype
+from workers.model.layers import check_shardable
+from workers.sampling import Sampled, SampleRow, sample_on_device
 
 log = logging.getLogger("laneserve.worker")
 
@@ -64,7 +76,7 @@ class _InFlight:
 class ModelRunner:
     def __init__(self, cfg: WorkerConfig, tp_rank: int = 0):
         """tp_rank: this process's rank when cfg.tensor_parallel_size > 1; the caller has joined
-        the process group (workers.parallel.TPGroup on rank 0, follower_main on the others)."""
+        the process group (workers.tp_group.TPGroup on rank 0, follower_main on the others)."""
         self.cfg = cfg
         self.tp_rank, self.tp_size = tp_rank, cfg.tensor_parallel_size
         self.device = rank_device(resolve_device(cfg.device), tp_rank)
@@ -82,10 +94,7 @@ class ModelRunner:
         self.num_kv_heads = self.model_config.num_kv_heads // self.tp_size  # this rank's share
         self.block_size = BLOCK_SIZE
         mc = self.model_config
-        limit = mc.max_position_embeddings
-        if cfg.max_model_len > limit:
-            raise ValueError(f"--max-model-len {cfg.max_model_len} exceeds the model's max_position_embeddings {limit}")
-        self.max_model_len = cfg.max_model_len or limit
+        self.max_model_len = resolve_max_model_len(mc.max_position_embeddings, cfg.max_model_len)
         self.model = load_model(cfg.model, mc, self.dtype, self.device, cfg.load_format, cfg.seed,
                                 tp_rank, self.tp_size)
         self.backend = get_backend(cfg.attention_backend, self.device, self.num_kv_heads)
@@ -309,8 +318,7 @@ class ModelRunner:
                 for rid, n in scheduled.items()):
             src = np.array([pending.get(rid, -1) for rid in scheduled], dtype=np.int64) if pending else None
             return self._run_decode_graph([self.requests[rid] for rid in scheduled], src, prev)
-        # Decodes (one token) first, longest context first: the attention backend batches them
-        # into padded calls, and neighbours of similar length waste little padding.
+        # The row layout (module docstring): decodes (one token) first, longest context first.
         order = sorted(scheduled, key=lambda rid: (scheduled[rid] != 1,
                                                    -self.requests[rid].num_computed_tokens * (scheduled[rid] == 1)))
         reqs = [self.requests[rid] for rid in order]

@@ -4,9 +4,10 @@ Owns the msgspec Structs spoken between gateway, batcher and workers,
 their msgpack encoders/decoders and PROTOCOL_VERSION. Must import nothing but
 msgspec and the standard library: gateway, batcher and workers all depend on it.
 
-Rules (../DESIGN.md): every top-level message is a tagged Struct so one
-Decoder(Union[...]) per receiving socket rejects anything malformed; new
-fields go last with a default; the per-token struct is array_like.
+Rules (docs/architecture.md, "The wire"): every top-level message is a tagged
+Struct so one Decoder(Union[...]) per receiving socket rejects anything
+malformed; new fields go last with a default; the per-token struct is
+array_like.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ def get_backend(name: str, device: torch.device, num_kv_heads: int) -> Attention
         raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(BACKENDS)} or auto")
     if name == "torch":
         return TorchAttentionBackend()
+    # imported here, not at the top: Triton is optional, and the torch backend must work without it
     from workers.attention.triton_backend import TritonAttentionBackend
 
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132

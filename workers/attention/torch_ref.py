@@ -24,7 +24,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from workers.attention.base import AttentionBackend, AttentionMetadata, allowed, key_slots, prefill_chunks
 from workers.kv_cache import LayerScales, dequantize, quantize_int8, v_rows
 
-
 # Most gathered key rows one padded decode call may hold: bounds the transient K/V copy
 # (rows x Hkv x D each, for K and V) whatever the batch and context lengths.
 MAX_DECODE_GATHER = 1 << 16

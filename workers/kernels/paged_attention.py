@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-# Launch configs (H200-tuned with `python -m workers.kernel_bench`, docs/perf.md); the interpreter
+# Launch configs (H200-tuned with `python -m workers.tools.kernel_bench`, docs/perf.md); the interpreter
 # (CPU tests) gets small tiles.
 DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 # int8 pools: q.k^T and p.V on int8 tensor cores (q quantised per row, p split into two int8 digits, so

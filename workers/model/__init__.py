@@ -1,1 +1,1 @@
-"""Model definitions (plain nn.Modules, no request concepts) and their configs."""
+"""Model definitions: plain nn.Modules, no request concepts (their config is laneserve/modelspec.py)."""

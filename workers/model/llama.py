@@ -13,13 +13,14 @@ go through workers/kernels/fused.py: on CUDA one Triton kernel each for residual
 (x, residual)), RoPE in place on q/k (views into the qkv output) and SiLU * up; elsewhere the
 same torch math as HF, op for op.
 
-Tensor parallelism (tp_size > 1, docs/tensor_parallel.md), Megatron-style: q/k/v and gate/up are
-column-parallel (each rank holds num_heads/T query heads, num_kv_heads/T KV heads, and
-intermediate_size/T MLP columns), o_proj and down_proj row-parallel, each followed by the one
-all-reduce of its block half. Embedding, norms and lm_head are replicated. Parameter names stay
-HF's until fuse_projections(); each parallel linear says which dim of its weight/bias is sharded
-(`tp_shard_dims`) so the loader can slice the checkpoint. Each part is this rank's shard, so a
-rank's merged qkv rows are [its q heads; its k heads; its v heads], and gate_up [its gate; its up].
+Tensor parallelism (tp_size > 1, docs/tensor_parallel.md), Megatron-style, with the parallel linear
+layers of workers/model/layers.py: q/k/v and gate/up are column-parallel (each rank holds
+num_heads/T query heads, num_kv_heads/T KV heads, and intermediate_size/T MLP columns), o_proj and
+down_proj row-parallel, each followed by the one all-reduce of its block half. Embedding, norms and
+lm_head are replicated. Parameter names stay HF's until fuse_projections(); shard_dims() collects
+the sharded dim of each parameter (the layers' `tp_shard_dims`) so the loader can slice the
+checkpoint. Each part is this rank's shard, so a rank's merged qkv rows are [its q heads; its k
+heads; its v heads], and gate_up [its gate; its up].
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from laneserve.modelspec import ModelConfig
 from workers.attention.base import AttentionBackend, AttentionMetadata
 from workers.kernels.fused import add_rms_norm, rms_norm, rope_, silu_mul
-from workers.model.config import ModelConfig
-from workers.parallel import all_reduce
+from workers.model.layers import ColumnParallelLinear, MergedLinear, RowParallelLinear
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -83,47 +84,6 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)
-
-
-class ColumnParallelLinear(nn.Linear):
-    """Output features split over ranks: rank r holds rows [r*out/T, (r+1)*out/T) of weight and bias."""
-
-    tp_shard_dims = {"weight": 0, "bias": 0}
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp_size: int = 1):
-        super().__init__(in_features, out_features // tp_size, bias=bias)
-
-
-class RowParallelLinear(nn.Linear):
-    """Input features split over ranks; the partial outputs are summed by one all-reduce, then the
-    (replicated) bias is added once. At tp_size 1 it is exactly nn.Linear."""
-
-    tp_shard_dims = {"weight": 1, "bias": None}
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp_size: int = 1):
-        super().__init__(in_features // tp_size, out_features, bias=bias)
-        self.tp_size = tp_size
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = all_reduce(F.linear(x, self.weight))
-        return y + self.bias if self.bias is not None else y
-
-
-class MergedLinear(nn.Module):
-    """Column-parallel projections of the same input as one GEMM: weight (and bias) rows are the
-    parts' rows, concatenated. Built from the loaded parts by fuse_projections()."""
-
-    def __init__(self, parts: dict[str, nn.Linear]):
-        super().__init__()
-        self.sizes = {name: p.out_features for name, p in parts.items()}  # part name -> its rows
-        self.weight = nn.Parameter(torch.cat([p.weight for p in parts.values()]), requires_grad=False)
-        biases = [p.bias for p in parts.values()]
-        self.bias = None if biases[0] is None else nn.Parameter(torch.cat(biases), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
 
 
 class Attention(nn.Module):
@@ -211,7 +171,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Build on the meta device, materialise with to_empty(), fill weights, then bind() the
     KV pool and attention backend before the first forward. tp_size > 1: this rank's shard
-    (the caller has joined the process group, workers/parallel.py)."""
+    (the caller has joined the process group, workers/tp_group.py)."""
 
     def __init__(self, cfg: ModelConfig, tp_size: int = 1):
         super().__init__()

@@ -2,7 +2,7 @@
 # Everything the GPU issue measures, in one device call (see docs/perf.md):
 #   kernel checks on the GPU, `laneserve bench` (roofline, engine decode, HF generate),
 #   and a bursty RAG replay through the full stack with `laneserve loadtest`.
-# Usage (repo root, on the GPU machine): OUT=dir bash workers/gpu_bench.sh [bench args...]
+# Usage (repo root, on the GPU machine): OUT=dir bash workers/tools/gpu_bench.sh [bench args...]
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if [ -d .whl ]; then  # wheels the GPU image lacks (pyzmq, msgspec), carried by the device call
@@ -26,7 +26,7 @@ if [ "${SKIP_INT8:-0}" != 1 ]; then  # issue 8: int8 vs bf16 KV, 128 sequences a
     --out "$OUT/kv_int8.json" 2>&1 | tee "$OUT/kv_int8.txt"
 fi
 if [ "${SKIP_REPLAY:-0}" != 1 ]; then
-  MODEL=$(python3 -c 'import tempfile; from workers.bench import write_dummy_model_dir as w; print(w(tempfile.mkdtemp()))')
+  MODEL=$(python3 -c 'import tempfile; from workers.tools.bench import write_dummy_model_dir as w; print(w(tempfile.mkdtemp()))')
   python3 -m laneserve.cli --log-level WARNING serve --model "$MODEL" --load-format dummy --dtype bfloat16 \
     --port 8011 ${SERVE_ARGS:-} > "$OUT/serve.log" 2>&1 &
   SERVE=$!

@@ -5,7 +5,7 @@ One command runs every part and prints one table; JSON goes to --out. Parts:
   engine    ModelRunner decode steps at several concurrencies (prefilled to --context), submitted as
             the worker loop does (overlapped steps where the runner overlaps)
   hf        transformers.generate on the same shapes and weights (eager, dynamic cache)
-  breakdown GPU kernel time of decode and prefill steps by category vs wall time (workers/breakdown.py)
+  breakdown GPU kernel time of decode and prefill steps by category vs wall time (breakdown.py)
 Timing: CUDA events / synchronised wall clock after warm-up, medians. On CPU it runs the
 tiny model so the code path stays tested; the numbers that matter come from a GPU.
 """
@@ -24,7 +24,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from laneserve.wire import protocol as P
+from workers.config import WorkerConfig
+from workers.runner import ModelRunner
+from workers.tools.breakdown import breakdown
+from workers.tools.driver import EngineDriver, sync
 
 MISTRAL_7B = {
     "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 4096,
@@ -41,7 +44,7 @@ BREAKDOWN_PREFILL = 2048  # prefill chunk the breakdown profiles (the default --
 def write_dummy_model_dir(path: str, config: dict = MISTRAL_7B) -> str:
     """A checkpoint dir with config.json and a word-level tokenizer covering the vocab; weights come
     from --load-format dummy (random), so the compute is that of the real model."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
@@ -67,11 +70,6 @@ class Row:
     extra: dict = field(default_factory=dict)
 
 
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def measure_copy_bandwidth(nbytes: int = 4 << 30) -> float:
     """Device-to-device copy, bytes read + written per second (median of 20)."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
@@ -91,93 +89,10 @@ def measure_copy_bandwidth(nbytes: int = 4 << 30) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- engine
-class EngineDriver:
-    """Drives ModelRunner.submit with StepInputs as the batcher and worker loop would (decode-only steady
-    state)."""
-
-    def __init__(self, runner, context: int, seed: int = 0):
-        self.runner = runner
-        self.context = context
-        self.page = runner.block_size
-        self.gen = torch.Generator().manual_seed(seed)
-        self.step = 0
-        self.next_block = 0
-        self.reqs: dict[str, dict] = {}
-        self.prefill_steps: list[tuple[int, float]] = []  # (tokens, seconds)
-
-    def _blocks(self, n: int) -> list[int]:
-        if self.next_block + n > self.runner.num_blocks:
-            raise RuntimeError(f"KV pool too small: need {self.next_block + n} blocks, have {self.runner.num_blocks}")
-        ids = list(range(self.next_block, self.next_block + n))
-        self.next_block += n
-        return ids
-
-    def prefill(self, batch: int, vocab: int, chunk: int) -> None:
-        params = P.SamplingParams(max_tokens=1 << 20, temperature=0.0)
-        new = []
-        for i in range(batch):
-            rid = f"b{i}"
-            prompt = torch.randint(3, vocab, (self.context,), generator=self.gen).tolist()
-            blocks = self._blocks((self.context + 1 + self.page) // self.page + 64)
-            self.reqs[rid] = {"len": self.context}
-            new.append(P.NewReq(request_id=rid, prompt_token_ids=prompt, params=params, block_ids=blocks))
-        # prefill in token-budget chunks, several requests per step
-        pending = {r.request_id: self.context for r in new}
-        sent_new = False
-        while pending:
-            budget, sched = chunk, {}
-            for rid, left in list(pending.items()):
-                if budget <= 0:
-                    break
-                n = min(left, budget)
-                sched[rid] = n
-                budget -= n
-                pending[rid] -= n
-                if pending[rid] == 0:
-                    del pending[rid]
-            sync()
-            t0 = time.perf_counter()
-            self._run(P.StepInput(step=self.step, new_reqs=new if not sent_new else [], num_scheduled_tokens=sched))
-            self.prefill_steps.append((sum(sched.values()), time.perf_counter() - t0))
-            sent_new = True
-        for r in self.reqs.values():
-            r["len"] += 1  # the token sampled at the end of prefill
-
-    def decode_step(self) -> float:
-        """One decode step as the worker loop submits it: with overlapped steps the previous step is
-        collected inside this submit and this one stays in flight, so in steady state the time of a
-        submit is the time per step."""
-        sched = {rid: 1 for rid in self.reqs}
-        for r in self.reqs.values():
-            r["len"] += 1
-        t0 = time.perf_counter()
-        self.runner.submit(P.StepInput(step=self.step, num_scheduled_tokens=sched))
-        self._check(self.runner.take_outputs())
-        self.step += 1
-        return time.perf_counter() - t0
-
-    @staticmethod
-    def _check(outputs: list[P.StepOutput]) -> None:
-        for out in outputs:
-            if out.error:
-                raise RuntimeError(out.error)
-
-    def _run(self, step: P.StepInput) -> None:
-        self.runner.submit(step)
-        self.runner.flush()
-        self._check(self.runner.take_outputs())
-        self.step += 1
-
-    def finish(self) -> None:
-        self._run(P.StepInput(step=self.step, finished_req_ids=list(self.reqs)))
-        self.reqs.clear()
-        self.next_block = 0
-
-
 def forward_graph_ms(runner, batch: int, reps: int = 20) -> float:
     """GPU time of the decode step's forward alone (its CUDA graph replayed back to back, inputs as
     the last step left them): the step's busy time, against which the wall time shows host gaps."""
-    graphs = getattr(runner, "graphs", None)
+    graphs = runner.graphs
     if graphs is None or not graphs.can_run(batch):
         return 0.0
     bs = next(s for s in graphs.sizes if s >= batch)
@@ -204,7 +119,7 @@ def bench_engine(runner, batches: list[int], context: int, steps: int, vocab: in
             serial_ms = statistics.median([drv.decode_step() for _ in range(steps + 1)][1:]) * 1e3
             runner.overlap = True
         runner.flush()
-        drv._check(runner.take_outputs())
+        drv.check(runner.take_outputs())
         graph_ms = forward_graph_ms(runner, batch)
         drv.finish()
         ms = statistics.median(times) * 1e3
@@ -310,9 +225,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="", help="write JSON here")
     args = ap.parse_args(argv)
 
-    from workers.config import WorkerConfig
-    from workers.runner import ModelRunner
-
     gpu = torch.cuda.is_available()
     parts = set(args.parts.split(","))
     model = args.model
@@ -330,14 +242,12 @@ def main(argv: list[str] | None = None) -> int:
             break
         cfg = WorkerConfig(model=model, load_format="dummy" if model != "tiny" else "auto",
                            dtype="bfloat16" if gpu else "float32", max_num_seqs=max(batches),
-                           max_model_len=max(contexts + [BREAKDOWN_PREFILL * 4] * ('breakdown' in parts)) + args.steps + 128, max_num_batched_tokens=8192)
-        for name, value in (("kv_cache_dtype", kv_dtype), ("enforce_eager", args.enforce_eager)):
-            if hasattr(cfg, name):
-                setattr(cfg, name, value)
+                           max_model_len=max(contexts + [BREAKDOWN_PREFILL * 4] * ('breakdown' in parts)) + args.steps + 128,
+                           max_num_batched_tokens=8192, kv_cache_dtype=kv_dtype, enforce_eager=args.enforce_eager)
         t0 = time.perf_counter()
         runner = ModelRunner(cfg)
         result.setdefault("startup_s", {})[kv_dtype] = time.perf_counter() - t0
-        if getattr(runner, "graphs", None) is not None:
+        if runner.graphs is not None:
             result.setdefault("graph_capture", {})[kv_dtype] = {
                 "seconds": runner.graphs.capture_seconds, "mib": runner.graphs.capture_bytes / 2**20,
                 "sizes": runner.graphs.sizes}
@@ -350,16 +260,13 @@ def main(argv: list[str] | None = None) -> int:
                         "roofline_ms": weight_bytes / bw * 1e3, "roofline_tok_s": bw / weight_bytes}
         if "engine" in parts:
             print(f"engine: KV cache {kv_dtype} ({runner.num_blocks} blocks)", flush=True)
-            vocab = runner.model_config.vocab_size if hasattr(runner, "model_config") else 256
-            got = [r for context in contexts
-                   for r in bench_engine(runner, batches, context, args.steps, min(vocab, 32000), 8192)]
+            vocab = min(runner.model_config.vocab_size, 32000)
+            got = [r for context in contexts for r in bench_engine(runner, batches, context, args.steps, vocab, 8192)]
             for r in got:
                 r.extra["kv_cache_dtype"] = kv_dtype
                 r.note = f"kv {kv_dtype}" if len(kv_dtypes) > 1 else r.note
             rows += got
         if "breakdown" in parts and gpu:
-            from workers.breakdown import breakdown
-
             print(f"breakdown: KV cache {kv_dtype}", flush=True)
             vocab = min(runner.model_config.vocab_size, 32000)
             got = breakdown(runner, [int(b) for b in args.breakdown_batches.split(",")], contexts[0], vocab, BREAKDOWN_PREFILL)

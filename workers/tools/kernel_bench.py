@@ -1,6 +1,6 @@
 """Attention kernel bench: paged decode and paged prefill on one layer of a 7B shape, with launch-config sweeps.
 
-`python -m workers.kernel_bench [--sweep] [--out FILE]` on a GPU. Decode is reported as bytes of K/V
+`python -m workers.tools.kernel_bench [--sweep] [--out FILE]` on a GPU. Decode is reported as bytes of K/V
 read per second (its roofline is the copy bandwidth); prefill as attention TFLOP/s (causal: half the
 QK^T and PV work), against SDPA's flash attention on the same chunk (contiguous K/V, no pages) as
 the baseline. CUDA events around CUDA-graph replays after warm-up, medians. --sweep times each config of the grid below and
@@ -18,8 +18,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from workers.kernels.paged_attention import (DECODE_CONFIG, PREFILL_CONFIG, num_partitions, paged_decode,
-                                             paged_prefill)
+from workers.kernels.paged_attention import DECODE_CONFIG, PREFILL_CONFIG, num_partitions, paged_decode, paged_prefill
 from workers.kv_cache import transpose_v_pages
 
 HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 16
@@ -135,7 +134,7 @@ def sweep(run, space: dict, key: str, label: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m workers.kernel_bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m workers.tools.kernel_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="sweep launch configs (slow: compiles each)")
     ap.add_argument("--parts", action="store_true", help="time decode at 1 to 32 partitions over batch x context")
     ap.add_argument("--int8", action="store_true", help="sweep the int8 decode launch configs")

@@ -3,7 +3,8 @@
 Runs steps under torch.profiler and sums GPU kernel time by category (GEMM, attention, KV write,
 norm/rope/activation and other elementwise, sampling) against the step's wall time; the rest is
 host gap (time the GPU waited on Python). Decode steps are profiled both as CUDA-graph replays
-(the serving path) and eager (the same kernels, launched one by one).
+(the serving path) and eager (the same kernels, launched one by one). The steps are driven by
+driver.EngineDriver, as in bench.py's engine part.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import statistics
 import time
 
 import torch
+
+from workers.tools.driver import EngineDriver
 
 # (category, substrings of a kernel name), first match wins
 CATEGORIES = [
@@ -59,8 +62,6 @@ def profile_kernels(fn, reps: int) -> tuple[dict[str, float], dict[str, float], 
 
 
 def breakdown(runner, batches: list[int], context: int, vocab: int, prefill_tokens: int) -> list[dict]:
-    from workers.bench import EngineDriver
-
     rows = []
     for batch in batches:
         drv = EngineDriver(runner, context)

@@ -10,7 +10,7 @@ quantise) feed per-(layer, KV head) statistics of |x|:
                       top-k per head); larger values clamp to +-127 when written
 Writes {"k_scale": [[per KV head] per layer], "v_scale": ..., "method": ...}.
 Also owns `compare_kv`: teacher-forced logits of an int8-KV runner against a float-KV one.
-A tool: the worker never imports it.
+A tool (workers/tools/): the worker never imports it; it may import the gateway's tokenizer.
 """
 
 from __future__ import annotations
@@ -23,7 +23,13 @@ import time
 
 import torch
 
+from gateway.tokenizer import load_tokenizer
+from laneserve.modelspec import load_model_config
 from laneserve.wire import protocol as P
+from workers.config import WorkerConfig
+from workers.kv_cache import BLOCK_SIZE, bytes_per_block, resolve_kv_dtype
+from workers.loader import resolve_device, resolve_dtype
+from workers.runner import ModelRunner
 
 METHODS = ("absmax", "percentile")
 
@@ -56,11 +62,6 @@ def pack(token_docs: list[list[int]], seq_len: int, max_tokens: int) -> list[lis
 # ------------------------------------------------------------------------------------------ runner
 def make_runner(model: str, seq_len: int, kv_cache_dtype: str = "auto", kv_scales: str = "", **kw):
     """A ModelRunner holding one seq_len sequence, eager, with the requested KV dtype."""
-    from workers.config import WorkerConfig
-    from workers.kv_cache import BLOCK_SIZE, bytes_per_block, resolve_kv_dtype
-    from workers.loader import load_model_config, resolve_device, resolve_dtype
-    from workers.runner import ModelRunner
-
     mc = load_model_config(model)
     device = resolve_device(kw.get("device", "auto"))
     kv_dtype = resolve_kv_dtype(kv_cache_dtype, resolve_dtype(kw.get("dtype", "auto"), device))
@@ -190,8 +191,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not 0 < args.percentile <= 100:
         ap.error("--percentile must be in (0, 100]")
-
-    from gateway.tokenizer import load_tokenizer
 
     tok = load_tokenizer(args.model)
     seqs = pack([tok.encode(d) for d in read_corpus(args.data)], args.seq_len, args.max_tokens)

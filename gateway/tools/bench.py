@@ -6,7 +6,7 @@ step, no model), and this process as the HTTP client. With a zero-cost engine, a
 the client is the gateway's (plus the client's own parsing): tokens/s measures the gateway's SSE
 path; TTFT at concurrency 1 is the latency the gateway adds over the batcher.
 
-    python -m gateway.bench --streams 64 --tokens 256 --ttft-requests 200
+    python -m gateway.tools.bench --streams 64 --tokens 256 --ttft-requests 200
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ async def _drive(base: str, streams: int, tokens: int, ttft_requests: int) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="gateway.bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m gateway.tools.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--streams", type=int, default=64, help="concurrent SSE streams")
     ap.add_argument("--tokens", type=int, default=256, help="tokens per stream")
     ap.add_argument("--ttft-requests", type=int, default=200, help="sequential 1-token requests for TTFT")

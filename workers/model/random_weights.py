@@ -1,25 +1,11 @@
-"""The embedded tiny model (`--model tiny`): a Llama-shaped config and seeded random weights.
-
-Owns the tiny spec (docs/architecture.md, "Tiny model"; it must cover gateway/tokenizer.py's
-byte-level vocab and eos ids) and the random weight fill shared with `--load-format dummy`.
-Must not read files.
+"""Seeded random weights: the embedded tiny model's (`--model tiny`, spec in laneserve/modelspec.py) and
+`--load-format dummy`'s. Must not read files.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-
-from workers.model.config import ModelConfig
-
-TINY_BOS_ID = 256
-TINY_EOS_IDS = (257, 259)  # </s>, <|im_end|>
-
-TINY_CONFIG = ModelConfig(
-    architecture="LlamaForCausalLM", vocab_size=320, hidden_size=128, intermediate_size=384, num_layers=4,
-    num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=8192, rope_theta=10000.0,
-    rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_ids=TINY_EOS_IDS,
-)
 
 
 @torch.no_grad()

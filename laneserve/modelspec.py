@@ -1,7 +1,11 @@
-"""ModelConfig: the few numbers our Llama-family module needs, read from an HF config.json.
+"""What the gateway and the worker must agree on about the served model, in one torch-free place.
 
-Owns parsing and validating config.json (architecture, RoPE scaling, biases). Must not
-touch weights or devices. An unsupported checkpoint fails here, once, naming the file.
+Owns ModelConfig (the few numbers our Llama-family module needs, parsed and validated from an HF
+config.json: architecture, RoPE scaling, biases), the context limit (`--max-model-len` against the
+model's max_position_embeddings, and the fallback when config.json has none), and the tiny model's
+spec: its shape and its special tokens, which the gateway's byte-level tokenizer and the worker's
+random model both build from. Must not import torch or touch weights or devices. An unsupported
+checkpoint fails here, once, naming the file.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from dataclasses import dataclass, field
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DEFAULT_MAX_POSITION_EMBEDDINGS = 4096  # the context limit of a config.json that does not give one
 
 
 class ModelConfigError(ValueError):
@@ -89,9 +94,39 @@ class ModelConfig:
             intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"], num_heads=num_heads,
             num_kv_heads=d.get("num_key_value_heads") or num_heads,
             head_dim=d.get("head_dim") or hidden // num_heads,
-            max_position_embeddings=d.get("max_position_embeddings", 4096), rope_theta=theta,
+            max_position_embeddings=max_position_embeddings(d), rope_theta=theta,
             rope_scaling=rope_scaling, rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), qkv_bias=qkv_bias, o_bias=o_bias,
             mlp_bias=bool(d.get("mlp_bias", False)), sliding_window=window,
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"), eos_token_ids=eos_ids,
         )
+
+
+def max_position_embeddings(config_json: dict) -> int:
+    """The model's context limit as an HF config.json (or its text_config) gives it."""
+    return int(config_json.get("max_position_embeddings") or DEFAULT_MAX_POSITION_EMBEDDINGS)
+
+
+def resolve_max_model_len(model_limit: int, requested: int) -> int:
+    """The context length served: --max-model-len (0 = the model's), never above the model's limit."""
+    if requested > model_limit:
+        raise ValueError(f"--max-model-len {requested} exceeds the model's max_position_embeddings {model_limit}")
+    return requested or model_limit
+
+
+# ---------------------------------------------------------------- the tiny model (`--model tiny`)
+# Byte-level: token id == byte value for 0..255, then these special tokens from id 256 on.
+TINY_SPECIAL_TOKENS = ("<s>", "</s>", "<|im_start|>", "<|im_end|>")
+TINY_BOS_ID = 256  # <s>
+TINY_EOS_IDS = (257, 259)  # </s>, <|im_end|>: generation stops at either
+TINY_CONFIG = ModelConfig(
+    architecture="LlamaForCausalLM", vocab_size=320,  # 260 ids, padded
+    hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
+    max_position_embeddings=8192, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    eos_token_ids=TINY_EOS_IDS,
+)
+
+
+def load_model_config(model: str) -> ModelConfig:
+    """'tiny', or an HF checkpoint directory."""
+    return TINY_CONFIG if model == "tiny" else ModelConfig.from_dir(model)

@@ -1,12 +1,12 @@
-"""Tensor parallelism: the process group, rank helpers, the collectives, and the follower ranks.
+"""The tensor-parallel group: rank 0 starts ranks 1..T-1 and keeps them in step.
 
-Owns how a TP group of T processes comes up and stays in step (docs/tensor_parallel.md).
+Owns how a TP group of T processes comes up, stays in step and goes down (docs/tensor_parallel.md).
 Rank 0 is the worker process the batcher knows: it starts ranks 1..T-1 as child processes
 (`TPGroup`), forwards every batcher message to them over a pipe before acting on it, and all
-ranks run the same ModelRunner steps on identical request state. The collectives live here:
-the all-reduce of a row-parallel output (CUDA-graph capturable on NCCL), the broadcast of rank
-0's sampled tokens, the MIN of the KV pool size. Must not know the model's math (what is
-sharded is workers/model/llama.py's business) or the batcher's socket (workers/main.py).
+ranks run the same ModelRunner steps on identical request state. Sits above the runner (the
+followers run one); the collectives the ranks use are workers/collectives.py's. Must not know
+the model's math (what is sharded is workers/model/layers.py's business) or the batcher's socket
+(workers/main.py).
 
 Failure model: a step that fails the same way on every rank (bad input, a sampling error that
 rank 0 signals through the token broadcast) fails only that step, on every rank. A rank that
@@ -17,7 +17,6 @@ next send (or the collective errors / times out) and exits, and the launcher res
 from __future__ import annotations
 
 import ctypes
-import datetime
 import logging
 import multiprocessing as mp
 import os
@@ -30,72 +29,14 @@ from multiprocessing.connection import wait as wait_for_any
 import torch
 import torch.distributed as dist
 
+from laneserve.modelspec import load_model_config
 from laneserve.wire import protocol as P
+from workers.collectives import MULTICAST_OFF, init_process_group, rank_device
+from workers.loader import resolve_device
+from workers.model.layers import check_shardable
+from workers.runner import ModelRunner
 
 log = logging.getLogger("laneserve.worker")
-
-# NVLink multicast (NVLS) off in NCCL, PyTorch symmetric memory and NVSHMEM: on shared hosts a
-# program that uses it can put every GPU of the host out of service (/work/.library/device/KINDS.md).
-# Forced, not defaulted, and set before the group exists so the follower ranks inherit them.
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-# A collective waits at most this long for the slowest rank (start-up includes weight loading).
-COLLECTIVE_TIMEOUT_S = 600
-
-
-def check_shardable(mc, size: int) -> None:
-    """One clear error at start when the model's heads (or MLP width) don't split evenly over `size` ranks."""
-    if size < 1:
-        raise ValueError(f"--tensor-parallel-size {size}: must be at least 1")
-    bad = [f"{what} {n}" for what, n in (("num_attention_heads", mc.num_heads), ("num_key_value_heads",
-           mc.num_kv_heads), ("intermediate_size", mc.intermediate_size)) if n % size]
-    if bad:
-        raise ValueError(f"--tensor-parallel-size {size}: the model's {' and '.join(bad)} must be divisible by "
-                         f"{size} (each rank holds an equal share of the query heads, the KV heads and the MLP); "
-                         "choose a size that divides them")
-
-
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank r of a group uses cuda:(base + r): CUDA_VISIBLE_DEVICES lists the group's GPUs."""
-    if device.type == "cuda":
-        return torch.device("cuda", (device.index or 0) + rank)
-    return device
-
-
-def init_process_group(rank: int, size: int, address: str, device: torch.device) -> None:
-    """NCCL on CUDA, gloo on CPU; `device` is this rank's (rank_device)."""
-    os.environ.update(MULTICAST_OFF)
-    kw = {}
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        kw["device_id"] = device  # eager communicator init: nothing lazy left for graph capture
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=address, rank=rank,
-                            world_size=size, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S), **kw)
-
-
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the group, in place. Capturable in a CUDA graph on NCCL once the communicator
-    exists (the warm-up forwards before capture run it eagerly first)."""
-    dist.all_reduce(x)
-    return x
-
-
-def min_across_ranks(value: int, device: torch.device) -> int:
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
-
-
-def broadcast_tokens(tokens: list[int] | None, n: int, rank: int, device: torch.device) -> list[int]:
-    """Rank 0's n sampled token ids to every rank. Rank 0 passes None when its sampling failed:
-    the others get -1s and raise too, so the step fails on every rank and their states stay equal."""
-    t = torch.full((n,), -1, dtype=torch.int64, device=device)
-    if rank == 0 and tokens is not None:
-        t.copy_(torch.tensor(tokens, dtype=torch.int64))
-    dist.broadcast(t, src=0)
-    out = t.tolist()
-    if rank != 0 and n and out[0] < 0:
-        raise RuntimeError("tensor-parallel rank 0 failed to sample this step")
-    return out
 
 
 def _free_tcp_address() -> str:
@@ -113,8 +54,6 @@ class TPGroup:
     """
 
     def __init__(self, cfg):
-        from workers.loader import load_model_config, resolve_device
-
         self.size = cfg.tensor_parallel_size
         check_shardable(load_model_config(cfg.model), self.size)  # before anything is started
         device = resolve_device(cfg.device)
@@ -199,9 +138,6 @@ def follower_main(cfg, rank: int, address: str, conn, log_level: int) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(name)s[tp{rank}] %(levelname)s %(message)s")
-    from workers.loader import resolve_device
-    from workers.runner import ModelRunner
-
     init_process_group(rank, cfg.tensor_parallel_size, address, rank_device(resolve_device(cfg.device), rank))
     try:
         runner = ModelRunner(cfg, tp_rank=rank)

@@ -1,0 +1,434 @@
+"""The simulator's engine: a trace replayed through the real Scheduler in simulated time.
+
+Owns the discrete-event loop (arrivals, aborts, one step in flight per worker, or with
+`pipelined` up to the scheduler's max_inflight_steps run back to back), the stand-in
+workers, the step-cost model `t = a + b*prefill_tokens + c*decode_seqs + d*kv_tokens_read`
+(ms), the tally of the deltas and the latency summary. The stand-in workers execute
+steps exactly as the ModelRunner contract says (per-request tokens / blocks /
+num_computed_tokens, sample one token when a request's tokens are all computed) with a
+deterministic "model": SimWorker from StepInputs, checking the scheduler's promises;
+InProcessScheduler's worker, faster, from the scheduler's own record of each step. The
+scheduler, block manager and router are the production code.
+Must not use torch, sockets or the wall clock inside the simulation.
+
+Outputs are forced to the trace's length: max_tokens = output tokens and no stop
+tokens (ignore_eos), and the fake model never emits a stop token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from heapq import heapify, heappop, heappush
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+from batcher.config import BatcherConfig
+from batcher.router import pick_worker
+from batcher.scheduler import Scheduled, Scheduler
+from laneserve.wire.protocol import AddRequest, FinishReason, SamplingParams, StepInput, StepOutput, TokenDelta
+
+if TYPE_CHECKING:
+    from loadtest.traces import TraceRequest
+
+DEFAULT_COST_MODEL = Path(__file__).with_name("cost_model.json")
+NEAR_DONE = 8  # outputs left: the smallest default decode bucket
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Step time in ms: a + b*prefill_tokens + c*decode_seqs + d*kv_tokens_read.
+
+    h: host gap in ms between two steps under strict alternation (output send, update + schedule, input
+    send); pipelined (async scheduling) hides it behind the step before. 0 = folded into a.
+    """
+
+    a: float = 4.0
+    b: float = 0.06
+    c: float = 0.05
+    d: float = 0.0001
+    h: float = 0.0
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostModel":
+        data = json.loads(Path(path).read_text())
+        return cls(**{k: float(data[k]) for k in ("a", "b", "c", "d", "h") if k in data})
+
+    def step_seconds(self, prefill_tokens: int, decode_seqs: int, kv_tokens_read: int) -> float:
+        return (self.a + self.b * prefill_tokens + self.c * decode_seqs + self.d * kv_tokens_read) / 1000.0
+
+
+@dataclass
+class SimRequest:
+    arrival: float
+    prompt_token_ids: list[int]
+    output_tokens: int
+    params: SamplingParams | None = None  # default: max_tokens=output_tokens, no stop tokens
+
+    def prompt(self) -> list[int]:
+        return self.prompt_token_ids
+
+
+@dataclass
+class TraceSimRequest:
+    """A trace row whose prompt is made when it arrives: 100k prompts never all exist at once."""
+
+    arrival: float
+    row: TraceRequest
+    salt: int  # tells apart rows with equal fields: the row index
+    params: SamplingParams | None = None
+
+    @property
+    def output_tokens(self) -> int:
+        return max(self.row.output_tokens, 1)
+
+    def prompt(self) -> list[int]:
+        from loadtest.traces import compact_token_ids  # loaded already: the trace was read with it
+
+        return compact_token_ids(self.row, salt=self.salt)
+
+
+# ---------------------------------------------------------------------- the stand-in workers
+def sim_token(num_tokens: int, request_id: str, vocab: int = 32000) -> int:
+    """The token a simulated worker samples after num_tokens tokens: deterministic, never a stop token."""
+    return (num_tokens * 31 + len(request_id)) % vocab
+
+
+class SimWorker:
+    """Executes StepInputs like workers/runner.py would, minus the model; checks the scheduler's promises.
+
+    With check_kv, it also keeps the token id written in every K/V slot and verifies, for every
+    prefix-cache hit, that the slots the scheduler claims are computed hold exactly those tokens.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, check_kv: bool = False, vocab: int = 32000,
+                 token_fn=None):
+        self.block_size = block_size
+        self.vocab = vocab
+        self.token_fn = token_fn  # (request_id, tokens so far) -> next token; default never a stop token
+        self.reqs: dict[str, list] = {}  # id -> [token_ids, block_ids, num_computed]
+        self.kv = [-1] * (num_blocks * block_size) if check_kv else None
+
+    def execute(self, step: StepInput) -> tuple[StepOutput, tuple[int, int, int]]:
+        bs = self.block_size
+        for rid in step.finished_req_ids:
+            self.reqs.pop(rid, None)
+        for nr in step.new_reqs:
+            assert nr.request_id not in self.reqs, f"NewReq for a request the worker holds: {nr.request_id}"
+            toks = nr.prompt_token_ids + nr.output_token_ids
+            if self.kv is not None:
+                for pos in range(nr.num_computed_tokens):
+                    slot = nr.block_ids[pos // bs] * bs + pos % bs
+                    assert self.kv[slot] == toks[pos], f"prefix hit of {nr.request_id} at {pos}: stale K/V"
+            self.reqs[nr.request_id] = [toks, list(nr.block_ids), nr.num_computed_tokens]
+        for cr in step.cached_reqs:
+            self.reqs[cr.request_id][1].extend(cr.new_block_ids)
+        ids, sampled = [], []
+        prefill_tokens = decode_seqs = kv_read = 0
+        reqs, kv, token_fn, vocab = self.reqs, self.kv, self.token_fn, self.vocab
+        for rid, n in step.num_scheduled_tokens.items():
+            st = reqs[rid]
+            toks, blocks, done = st
+            end = done + n
+            left = len(toks) - end  # tokens still to compute after this step
+            if n <= 0 or left < 0 or end > len(blocks) * bs:
+                raise AssertionError(f"bad schedule for {rid}: computed {done} + {n} of {len(toks)} tokens, "
+                                     f"{len(blocks)} blocks")
+            if kv is not None:
+                for pos in range(done, end):
+                    kv[blocks[pos // bs] * bs + pos % bs] = toks[pos]
+            st[2] = end
+            kv_read += end
+            if n == 1 and done:
+                decode_seqs += 1
+            else:
+                prefill_tokens += n
+            if not left:
+                # deterministic, never a stop token: outputs end by length
+                tok = token_fn(rid, toks) if token_fn is not None else sim_token(end, rid, vocab)
+                toks.append(tok)
+                ids.append(rid)
+                sampled.append([tok])
+        return (StepOutput(step=step.step, worker_id=0, request_ids=ids, sampled_token_ids=sampled),
+                (prefill_tokens, decode_seqs, kv_read))
+
+
+class InProcessScheduler(Scheduler):
+    """A Scheduler whose worker runs in this process (simulate()'s fast path): the worker reads each step off the
+    scheduler's own record of it and samples sim_token()'s tokens, so no StepInput or StepOutput is built. The
+    same decisions and state changes as schedule() / update() with a SimWorker (a test holds the two equal)."""
+
+    def schedule_step(self, now: float) -> list[Scheduled] | None:
+        """schedule() without the StepInput: the step's records in schedule order (see Scheduled)."""
+        step = self._next_step(now)
+        if step is None:
+            return None
+        self.finished_ids.clear()  # this worker keeps no per-request state to drop
+        return step[0]
+
+    def update_step(self, plain: list[str]) -> list[TokenDelta]:
+        """update() for the oldest step in flight, its tokens sim_token()'s. The deltas of one token that neither
+        start nor end their request go in `plain` as request ids instead (cheaper to count)."""
+        return self._apply(sample=sim_token, plain=plain)
+
+
+def run_in_process(scheduled: list[Scheduled]) -> tuple[int, int, int]:
+    """What SimWorker.execute() computes for a step, read off the scheduler's record of it: the cost model's
+    inputs (prefill tokens, decode sequences, K/V tokens read)."""
+    tokens = decode_seqs = kv_read = 0
+    for rec in scheduled:
+        n, done = rec.num_tokens, rec.done
+        tokens += n
+        kv_read += done
+        if n == 1 and done != 1:  # a decode: one token onto computed ones (done == 1: a one-token prompt)
+            decode_seqs += 1
+    return tokens - decode_seqs, decode_seqs, kv_read
+
+
+# ---------------------------------------------------------------------- results
+@dataclass
+class SimResult:
+    ttft: list[float] = field(default_factory=list)
+    tpot: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+    finish: dict[str, int] = field(default_factory=dict)  # finish reason name -> count
+    output_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens received
+    first_chunk_cached: dict[str, int] = field(default_factory=dict)
+    duration: float = 0.0
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    block_seconds: float = 0.0  # integral of KV blocks in use over time
+    # "time to free": from a request's first token with <= NEAR_DONE outputs left to its final delta
+    # (its blocks are freed in that same update); preempting nearly done sequences makes it long
+    near_done_to_free: list[float] = field(default_factory=list)
+    preemptions: int = 0
+    gated_prefills: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    schedulers: list = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Progress:
+    """What the tally keeps of an unfinished request."""
+
+    arrival: float
+    near_done_from: float  # outputs that make it nearly done (inf once it is)
+    outputs: int = 0
+    first_at: float | None = None
+    near_done_at: float | None = None
+
+
+class _Tally:
+    """The deltas as a client sees them: each unfinished request's progress, and the latencies of the finished
+    ones into the SimResult. Every request must get exactly one finishing delta."""
+
+    def __init__(self, res: SimResult):
+        self.res = res
+        self.live: dict[str, _Progress] = {}  # unfinished requests (a small dict: touched for every token)
+
+    def arrived(self, rid: str, now: float, max_tokens: int) -> None:
+        self.live[rid] = _Progress(now, max_tokens - NEAR_DONE)
+
+    def deliver(self, deltas: list[TokenDelta], now: float) -> None:
+        live, res = self.live, self.res
+        first_chunk_cached = res.first_chunk_cached
+        for d in deltas:
+            rid = d.request_id
+            new, reason = d.new_token_ids, d.finish_reason
+            p = live.get(rid)
+            assert p is not None, f"a delta for {rid} after its finish"
+            n = p.outputs
+            if (new or reason is not None) and rid not in first_chunk_cached:
+                first_chunk_cached[rid] = d.num_cached_tokens
+            if new:
+                if not n:
+                    p.first_at = now
+                n += len(new)
+                p.outputs = n
+                if n >= p.near_done_from:
+                    p.near_done_at = now
+                    p.near_done_from = math.inf
+            if reason is not None:
+                name = FinishReason(reason).name
+                res.finish[name] = res.finish.get(name, 0) + 1
+                del live[rid]
+                if n:
+                    res.output_tokens[rid] = n
+                if p.first_at is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
+                    res.ttft.append(p.first_at - p.arrival)
+                    res.e2e.append(now - p.arrival)
+                    if n > 1:
+                        res.tpot.append((now - p.first_at) / (n - 1))
+                    if p.near_done_at is not None:
+                        res.near_done_to_free.append(now - p.near_done_at)
+
+    def deliver_plain(self, rids: list[str], now: float) -> None:
+        """deliver() for deltas of one token that neither start nor end their request (given by request id)."""
+        live = self.live
+        for rid in rids:
+            p = live[rid]
+            n = p.outputs = p.outputs + 1
+            if n >= p.near_done_from:
+                p.near_done_at = now
+                p.near_done_from = math.inf
+
+
+# ---------------------------------------------------------------------- the event loop
+class _Fleet:
+    """The simulated workers: each one's scheduler and stand-in worker, the steps it holds (oldest first) and when
+    it is done with them. Starts steps (pushing their completion events) and applies the oldest one's output."""
+
+    def __init__(self, scheds: dict[int, Scheduler], sim_workers: dict[int, SimWorker] | None, cost: CostModel,
+                 pipelined: bool, res: SimResult, tally: _Tally, events: list):
+        self.scheds, self.sim_workers, self.res, self.tally, self.events = scheds, sim_workers, res, tally, events
+        self.busy: dict[int, deque] = {w: deque() for w in scheds}  # outputs of the steps held (None: in process)
+        self.free_at = dict.fromkeys(scheds, 0.0)  # when the worker is done with the steps it holds
+        self.pipelined = pipelined
+        self.host_gap = 0.0 if pipelined else cost.h / 1000.0
+        self.step_seconds = cost.step_seconds
+
+    def start(self, w: int, now: float) -> None:
+        """Schedule steps on worker w while it has room: one, or with `pipelined` up to max_inflight_steps."""
+        sched, outs, res = self.scheds[w], self.busy[w], self.res
+        depth = sched.max_inflight_steps if self.pipelined else 1
+        while len(outs) < depth:
+            if self.sim_workers is None:
+                scheduled = sched.schedule_step(now)
+                if scheduled is None:
+                    return
+                out = None  # update_step() samples the tokens
+                pf, dec, kv = run_in_process(scheduled)
+            else:
+                step = sched.schedule(now)
+                if step is None:
+                    return
+                out, (pf, dec, kv) = self.sim_workers[w].execute(step)  # now: the state the worker would see
+            dt = self.step_seconds(pf, dec, kv)
+            res.steps += 1
+            res.prefill_tokens += pf
+            res.decode_tokens += dec
+            bm = sched.bm
+            res.block_seconds += (bm.num_blocks - bm.num_free) * dt
+            outs.append(out)
+            self.free_at[w] = done_at = max(now, self.free_at[w]) + dt + self.host_gap
+            heappush(self.events, (done_at, 0, w, None))
+
+    def step_done(self, w: int, now: float) -> None:
+        """The oldest step of worker w is done: apply its output, hand the deltas to the tally."""
+        out = self.busy[w].popleft()
+        if out is None:
+            plain: list[str] = []
+            deltas = self.scheds[w].update_step(plain)
+            if deltas:
+                self.tally.deliver(deltas, now)
+            self.tally.deliver_plain(plain, now)
+        else:
+            self.tally.deliver(self.scheds[w].update(out, now), now)
+
+
+def simulate(requests: Sequence[SimRequest | TraceSimRequest], cfg: BatcherConfig, cost: CostModel = CostModel(),
+             num_blocks: int = 8192, block_size: int = 16, max_model_len: int = 32768, num_workers: int = 1,
+             check_kv: bool = False, aborts: dict[str, float] | None = None,
+             warm_prefixes: list[list[int]] | None = None, pipelined: bool = False,
+             sim_worker: bool = False) -> SimResult:
+    """Run the trace to completion; every request must get exactly one finishing delta (else RuntimeError).
+
+    pipelined: keep up to max_inflight_steps (async scheduling) steps per worker, each starting when the previous
+    one ends, so the cost model's host gap `h` is hidden (assumed shorter than a step); strict alternation
+    (default) pays it before every step. Also shows the policy effect of scheduling one step ahead
+    (admissions and stops seen a step later).
+    sim_worker: run every step through a SimWorker (StepInput in, StepOutput out: the batcher's path, with the
+    worker checking the scheduler's promises; check_kv implies it) rather than in process (InProcessScheduler),
+    which is faster and gives the same results.
+    """
+    in_process = not (sim_worker or check_kv)
+    sched_type = InProcessScheduler if in_process else Scheduler
+    scheds = {w: sched_type(cfg, num_blocks, block_size, max_model_len, warm_prefixes) for w in range(num_workers)}
+    sim_workers = None if in_process else {w: SimWorker(num_blocks, block_size, check_kv) for w in scheds}
+    res = SimResult(schedulers=list(scheds.values()))
+    tally = _Tally(res)
+    # Events (time, kind, seq, payload), earliest first and steps first at equal times: kind 0 = step done (seq: the
+    # worker), 1 = arrival (seq: its rank in arrival order, payload: the request's index), 2 = abort. Arrivals are
+    # read off `order` one at a time, so the heap only holds the steps in flight and the aborts.
+    events: list = [(t, 2, seq, rid) for seq, (rid, t) in enumerate((aborts or {}).items())]
+    heapify(events)
+    fleet = _Fleet(scheds, sim_workers, cost, pipelined, res, tally, events)
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
+
+    def arrival(seq: int) -> tuple | None:
+        return (requests[order[seq]].arrival, 1, seq, order[seq]) if seq < len(order) else None
+
+    owner: dict[str, int] = {}
+    next_arrival = arrival(0)
+    now = 0.0
+    while next_arrival is not None or events:
+        if next_arrival is not None and (not events or next_arrival < events[0]):
+            now, kind, seq, payload = next_arrival
+            next_arrival = arrival(seq + 1)
+        else:
+            now, kind, seq, payload = heappop(events)
+        if kind == 1:
+            r = requests[payload]
+            rid = f"r{payload}"
+            params = r.params or SamplingParams(max_tokens=max(r.output_tokens, 1))
+            msg = AddRequest(request_id=rid, prompt_token_ids=r.prompt(), params=params, arrival_time=now)
+            w = pick_worker(scheds, msg.prompt_token_ids) if num_workers > 1 else 0
+            owner[rid] = w
+            tally.arrived(rid, now, params.max_tokens)
+            scheds[w].add_request(msg)
+            fleet.start(w, now)
+        elif kind == 2:
+            w = owner.get(payload)
+            if w is not None and payload in tally.live:
+                tally.deliver(scheds[w].abort_requests([payload]), now)
+                fleet.start(w, now)
+        else:
+            fleet.step_done(seq, now)
+            fleet.start(seq, now)
+        if not events and next_arrival is None:  # idle everywhere: anything still unfinished would hang
+            for w in scheds:
+                fleet.start(w, now)
+    if tally.live:
+        raise RuntimeError(f"{len(tally.live)} requests never finished, e.g. {next(iter(tally.live))}")
+    res.duration = now - (requests[order[0]].arrival if requests else 0.0)
+    for s in scheds.values():
+        st = s.stats()
+        res.preemptions += st.preemptions
+        res.gated_prefills += st.gated_prefills
+        res.prefix_queries += st.prefix_queries
+        res.prefix_hits += st.prefix_hits
+    return res
+
+
+# ---------------------------------------------------------------------- summary
+def percentile(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    k = (len(v) - 1) * p / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def summarize(res: SimResult) -> dict:
+    def pcts(xs: list[float]) -> dict:
+        return {f"p{p}": round(percentile(xs, p) * 1000, 3) for p in (50, 95, 99)} | {
+            "mean": round(sum(xs) / len(xs) * 1000, 3) if xs else float("nan")}
+
+    total_out = sum(res.output_tokens.values())
+    return {
+        "requests": sum(res.finish.values()), "finish": res.finish,
+        "duration_s": round(res.duration, 3), "steps": res.steps,
+        "ttft_ms": pcts(res.ttft), "tpot_ms": pcts(res.tpot), "e2e_ms": pcts(res.e2e),
+        "output_tokens": total_out,
+        "throughput_tok_s": round(total_out / res.duration, 1) if res.duration > 0 else 0.0,
+        "requests_per_s": round(sum(res.finish.values()) / res.duration, 3) if res.duration > 0 else 0.0,
+        "prefill_tokens": res.prefill_tokens, "preemptions": res.preemptions, "gated_prefills": res.gated_prefills,
+        "prefix_hit_rate": round(res.prefix_hits / res.prefix_queries, 4) if res.prefix_queries else 0.0,
+        "block_seconds_per_request": round(res.block_seconds / max(1, sum(res.finish.values())), 4),
+        "near_done_to_free_ms": pcts(res.near_done_to_free),
+    }

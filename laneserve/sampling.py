@@ -1,0 +1,49 @@
+"""The bounds of the sampling parameters, in one place.
+
+The gateway checks a request's fields with them (a 400 naming the field) and the batcher checks every
+AddRequest's SamplingParams again (a peer may skip the gateway): a value out of these bounds would fail or
+stall a worker's step, and every request in it. Torch-free, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+MAX_LOGPROBS = 20
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+# float parameters: name -> (low, high, low excluded)
+FLOAT_RANGES = {
+    "temperature": (0.0, 1e6, False),  # 0 = greedy
+    "top_p": (0.0, 1.0, True),
+    "min_p": (0.0, 1.0, False),
+    "presence_penalty": (-2.0, 2.0, False),
+    "frequency_penalty": (-2.0, 2.0, False),
+    "repetition_penalty": (0.0, 1e3, True),
+}
+# integer parameters: name -> (low, high)
+INT_RANGES = {
+    "max_tokens": (1, 2**62),
+    "min_tokens": (0, 2**62),
+    "top_k": (-1, 2**62),  # -1 and 0: off
+    "logprobs": (0, MAX_LOGPROBS),
+    "seed": (SEED_MIN, SEED_MAX),
+}
+
+
+def check_sampling(values: Mapping[str, Any], vocab_size: int = 0) -> tuple[str, str] | None:
+    """The first value out of bounds as (parameter, message), or None. Absent and None values pass;
+    stop_token_ids must be token ids of the model when vocab_size is known (> 0)."""
+    for name, (lo, hi, lo_open) in FLOAT_RANGES.items():
+        v = values.get(name)
+        if v is not None and not (math.isfinite(v) and lo <= v <= hi and not (lo_open and v == lo)):
+            return name, f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}."
+    for name, (lo, hi) in INT_RANGES.items():
+        v = values.get(name)
+        if v is not None and not lo <= v <= hi:
+            return name, f"{name} must be in [{lo}, {hi}], got {v}."
+    for t in values.get("stop_token_ids") or ():
+        if t < 0 or (vocab_size and t >= vocab_size):
+            return "stop_token_ids", f"stop_token_ids: {t} is not a token id of this model (vocab {vocab_size})."
+    return None
