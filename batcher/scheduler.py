@@ -80,6 +80,7 @@ class Scheduler:
         self.max_inflight_steps = MAX_INFLIGHT_STEPS if cfg.async_scheduling else 1
         self.step_no = 0  # these survive fail_all()
         self.void: set[int] = set()  # steps that were in flight at a fail_all(): update() drops their outputs
+        self.grown: list[Request] = []  # running requests given blocks in the step being scheduled: schedule() sends them
         self.admit_counter = 0
         self.preemptions = 0
         self.gated_prefills = 0
@@ -172,20 +173,19 @@ class Scheduler:
         if step is None:
             return None
         flight, num_running = step
-        new_reqs, cached_reqs, num_scheduled = [], [], {}
-        for i, rec in enumerate(flight):
-            req = rec.req
-            rid = req.request_id
-            num_scheduled[rid] = rec.num_tokens
+        num_scheduled = {rec.req.request_id: rec.num_tokens for rec in flight}
+        cached_reqs = []
+        for req in self.grown:  # running ones that got blocks for this step: the worker gets those
             blocks = req.block_ids
-            if i >= num_running:  # admitted in this step: the worker gets its whole state
-                new_reqs.append(NewReq(request_id=rid, prompt_token_ids=req.prompt_token_ids, params=req.params,
-                                       block_ids=list(blocks), num_computed_tokens=rec.done - rec.num_tokens,
-                                       output_token_ids=req.output_token_ids))
-                req.num_sent_blocks = len(blocks)
-            elif len(blocks) > req.num_sent_blocks:
-                cached_reqs.append(CachedReq(rid, blocks[req.num_sent_blocks:]))
-                req.num_sent_blocks = len(blocks)
+            cached_reqs.append(CachedReq(req.request_id, blocks[req.num_sent_blocks:]))
+            req.num_sent_blocks = len(blocks)
+        new_reqs = []
+        for rec in flight[num_running:]:  # admitted in this step: the worker gets their whole state
+            req = rec.req
+            new_reqs.append(NewReq(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                                   params=req.params, block_ids=list(req.block_ids),
+                                   num_computed_tokens=rec.done - rec.num_tokens, output_token_ids=req.output_token_ids))
+            req.num_sent_blocks = len(req.block_ids)
         finished, self.finished_ids = self.finished_ids, []
         return StepInput(step=self.step_no, new_reqs=new_reqs, cached_reqs=cached_reqs,
                          num_scheduled_tokens=num_scheduled, finished_req_ids=finished)
@@ -200,6 +200,7 @@ class Scheduler:
             self.new_arrivals = 0
         budget = self.cfg.max_num_batched_tokens
         flight: list[Scheduled] = []
+        self.grown.clear()
         budget, active, preempted = self._schedule_running(flight, budget)
         num_running = len(flight)
         if self.waiting and not preempted:  # admitting while evicting would just thrash
@@ -258,12 +259,15 @@ class Scheduler:
         bs = self.block_size
         threshold = self.cfg.long_prefill_threshold
         preemptions_before = self.preemptions
+        grown = self.grown
         for req in decodes:  # one token each
             if budget <= 0:
                 break
             done = req.num_computed_tokens + 1
-            if done > len(req.block_ids) * bs and not self._make_room(req, 1, decodes, prefills):
-                break
+            if done > len(req.block_ids) * bs:
+                if not self._make_room(req, 1, decodes, prefills):
+                    break
+                grown.append(req)
             req.num_computed_tokens = done
             samples = not req.internal
             if samples:  # next step it decodes the token sampled now: the worker has it by then
@@ -277,8 +281,10 @@ class Scheduler:
                 break
             n = left if left <= budget else budget
             done = req.num_computed_tokens + n
-            if done > len(req.block_ids) * bs and not self._make_room(req, n, decodes, prefills):
-                break
+            if done > len(req.block_ids) * bs:
+                if not self._make_room(req, n, decodes, prefills):
+                    break
+                grown.append(req)
             self._commit_chunk(flight, req, n, left)
             budget -= n
             if left <= threshold:

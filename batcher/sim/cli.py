@@ -46,7 +46,8 @@ def _config(text: str | None) -> BatcherConfig:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="laneserve simulate", description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", default="synthetic", help="trace file (CSV/JSONL, see loadtest.traces) or 'synthetic'")
+    ap.add_argument("--trace", default="synthetic", help="a shipped trace's short name (azure-conv, azure-code, burstgpt-1, ...; "
+                                          "loadtest/data/README.md), a CSV/JSONL file, or 'synthetic'")
     ap.add_argument("--config", help="BatcherConfig fields as JSON (inline or a file); may also set num_blocks, "
                                      "block_size, max_model_len, num_workers")
     ap.add_argument("--cost-model", default=str(DEFAULT_COST_MODEL), help="JSON with a, b, c, d (ms)")
@@ -63,7 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     extra = json.loads(Path(args.config).read_text() if args.config and not args.config.lstrip().startswith("{")
                        else (args.config or "{}"))
     block_size = int(extra.get("block_size", 16))
-    reqs = _requests_from_trace(args.trace, args.limit, args.speedup, block_size)
+    try:
+        reqs = _requests_from_trace(args.trace, args.limit, args.speedup, block_size)
+    except FileNotFoundError as e:
+        ap.error(str(e))
     t0 = time.perf_counter()
     res = simulate(reqs, cfg, CostModel.load(args.cost_model), num_blocks=int(extra.get("num_blocks", 8192)),
                    block_size=block_size, max_model_len=int(extra.get("max_model_len", 32768)),
