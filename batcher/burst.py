@@ -12,7 +12,8 @@ not compared with ours). A burst is on while EITHER
   - at least `burst_queue_depth` requests wait for admission.
 Either test is off when its threshold is 0.
 
-Gate (only while a burst is on, and only when `burst_gating`): a prompt with
+Gate (only while a burst is on, or with SLO targets while the waiting queue
+served in order would miss a deadline, and only when `burst_gating`): a prompt with
 more than `long_prefill_threshold` uncached tokens is held back while at least
 `min_active_decodes` requests are active (running with at most the threshold
 left to compute: decoding, or finishing a short prefill). Its prefill chunks
@@ -61,8 +62,9 @@ class LongPromptGate:
         self.min_active = cfg.min_active_decodes
         self.max_wait = cfg.max_gated_wait_s
         self.detector = BurstDetector(cfg)
+        self.pressure = False  # SLO scheduling: served in order, a waiting request would miss its deadline
 
     def holds(self, now: float, uncached_tokens: int, first_seen: float, active_decodes: int) -> bool:
         """True: keep this prompt waiting for now."""
-        return (self.enabled and self.detector.active and uncached_tokens > self.threshold
+        return (self.enabled and (self.detector.active or self.pressure) and uncached_tokens > self.threshold
                 and active_decodes >= self.min_active and now - first_seen < self.max_wait)

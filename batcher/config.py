@@ -44,6 +44,23 @@ class BatcherConfig:
     async_scheduling: bool = field(default=True, metadata=flag(
         "schedule step N+1 while the worker runs step N (2 steps in flight per worker), hiding the batcher's "
         "update/schedule and the socket round trip from the GPU"))
+    # SLO scheduling (batcher/slo.py, docs/scheduling.md "SLO scheduling"); 0 = no target
+    slo_ttft_ms: float = field(default=0.0, metadata=flag(
+        "p95 time-to-first-token target in ms (0 = none): waiting prompts are served by deadline slack and the "
+        "long-prompt gate also closes when the queue would miss its deadlines; a request may set its own "
+        "(slo_ttft_ms in the body)"))
+    slo_tpot_ms: float = field(default=0.0, metadata=flag(
+        "time-per-output-token target in ms (0 = none): each step's prefill budget is the time the running "
+        "requests' TPOT budgets leave (up to --max-num-batched-tokens); a request may set its own (slo_tpot_ms)"))
+    slo_admission: str = field(default="off", metadata=flag(
+        "off | reject: with reject, a request whose predicted TTFT exceeds 1.25x its target is refused at once "
+        "(429 + Retry-After) so the others keep theirs"))
+    cost_model: str = field(default="", metadata=flag(
+        "step-cost model JSON (a, b, c, d, e in ms) the scheduler starts from ('' = the shipped H200 fit); "
+        "refitted online from the workers' step times"))
+    cost_model_out: str = field(default="", metadata=flag(
+        "write worker 0's online-fitted step-cost model here every 10 s and at exit (for `laneserve simulate "
+        "--cost-model`); '' = don't"))
     # reliability (docs/reliability.md)
     on_worker_loss: str = field(default="fail", metadata=flag(
         "what happens to a lost worker's requests: fail (an ERROR finish, the client sees an error) | requeue "

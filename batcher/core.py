@@ -32,15 +32,18 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
-from laneserve.sampling import check_sampling
-from laneserve.wire import protocol as P
-from laneserve.wire import transport
 from batcher.config import BatcherConfig
+from batcher.cost_model import CostModel
 from batcher.router import pick_worker
 from batcher.scheduler import Scheduler, StepFailed, StepOrderError
+from batcher.slo import SloPolicy
+from laneserve.sampling import MAX_PRIORITY, check_sampling, check_slo_target
+from laneserve.wire import protocol as P
+from laneserve.wire import transport
 
 log = logging.getLogger("laneserve.batcher")
 TICK_S = 0.25  # period of the silent-worker check
+COST_MODEL_EVERY_S = 10.0  # --cost-model-out is rewritten this often
 REANNOUNCE_EVERY_S = 1.0  # at most one Reannounce per unknown peer identity per second
 MAX_BLOCKS, MAX_BLOCK_SIZE, MAX_LEN = 1 << 24, 1024, 1 << 24  # sanity bounds on a WorkerReady
 
@@ -60,6 +63,11 @@ class Batcher:
         self.ctx = zmq.asyncio.Context()
         if cfg.on_worker_loss not in ("fail", "requeue"):
             raise SystemExit(f"--on-worker-loss must be fail or requeue, got {cfg.on_worker_loss!r}")
+        try:  # the policy's settings and the cost model, checked before anything listens
+            SloPolicy(cfg)
+            self.cost_prior = CostModel.load(cfg.cost_model) if cfg.cost_model else CostModel.load()
+        except (ValueError, OSError) as exc:
+            raise SystemExit(f"batcher: {exc}") from None
         key = cfg.curve_server_secret_key
         self.auth = self._start_auth()  # before binding: no handshake may slip past the key list
         self.front = transport.bind(self.ctx, zmq.ROUTER, cfg.batcher_address, key)
@@ -104,10 +112,13 @@ class Batcher:
             await self._send_front(ident, P.Rejected(request_id=msg.request_id, retryable=True,
                                                      reason=f"{cap} requests already wait for a worker"))
             return
+        shed = sched.add_request(msg, time.monotonic())
+        if shed is not None:  # predictive SLO admission: the others keep their SLO
+            await self._send_front(ident, P.Rejected(request_id=msg.request_id, reason=shed, retryable=True))
+            return
         self.owner[msg.request_id] = (ident, wid)
         if self.requeue:
             self.originals[msg.request_id] = (msg, [])
-        sched.add_request(msg)
         await self.kick(wid)
 
     async def abort_requests(self, ident: bytes, msg: P.AbortRequests) -> None:
@@ -143,7 +154,7 @@ class Batcher:
         self.reannounced.pop(ident, None)
         if msg.worker_id in self.workers:
             await self.worker_lost(msg.worker_id, "worker restarted")
-        sched = Scheduler(self.cfg, msg.num_blocks, msg.block_size, msg.max_model_len)
+        sched = Scheduler(self.cfg, msg.num_blocks, msg.block_size, msg.max_model_len, cost=self.cost_prior)
         self.workers[msg.worker_id] = WorkerSlot(msg.worker_id, ident, sched, vocab_size=msg.vocab_size)
         log.info("worker %d ready: %s, %d KV blocks of %d tokens, max_model_len %d", msg.worker_id, msg.model,
                  msg.num_blocks, msg.block_size, msg.max_model_len)
@@ -226,15 +237,15 @@ class Batcher:
         if left < 1:
             return None
         params = msgspec.structs.replace(params, max_tokens=left, min_tokens=max(0, params.min_tokens - len(done)))
-        again = P.AddRequest(request_id=rid, prompt_token_ids=orig.prompt_token_ids + done, params=params,
-                             arrival_time=orig.arrival_time, priority=orig.priority)
+        again = msgspec.structs.replace(orig, prompt_token_ids=orig.prompt_token_ids + done, params=params)
         alive = {wid: slot.scheduler for wid, slot in self.workers.items()}
         wid = pick_worker(alive, again.prompt_token_ids)
         if alive[wid].reject_reason(again) is not None:
             return None
+        if alive[wid].add_request(again, time.monotonic()) is not None:  # shed by SLO admission
+            return None
         self.requeued.add(rid)
         self.owner[rid] = (self.owner[rid][0], wid)
-        alive[wid].add_request(again)
         return wid
 
     async def kick(self, worker_id: int) -> None:
@@ -352,14 +363,38 @@ class Batcher:
         tasks = [asyncio.create_task(self._serve(self.front, self.front_decoder, self.on_front, "gateway")),
                  asyncio.create_task(self._serve(self.back, self.back_decoder, self.on_back, "worker")),
                  asyncio.create_task(self._watch_disconnects()),
-                 asyncio.create_task(self._watch_silence())]
+                 asyncio.create_task(self._watch_silence()),
+                 asyncio.create_task(self._write_cost_model())]
         log.info("batcher listening on %s (gateways) and %s (workers)", self.cfg.batcher_address,
                  self.cfg.worker_address)
         await self._stop.wait()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self.save_cost_model()
         self.close()
+
+    def save_cost_model(self) -> None:
+        """Worker 0's (else the lowest id's) online-fitted step-cost model to --cost-model-out."""
+        if not (self.cfg.cost_model_out and self.workers):
+            return
+        wid = min(self.workers)
+        fit = self.workers[wid].scheduler.fit
+        fit.model.save(self.cfg.cost_model_out, _comment=(
+            f"fitted online by the batcher from worker {wid}'s step times over its last {len(fit.rows)} of "
+            f"{fit.steps} timed steps (batcher/cost_model.py); a, b, c, d, e, g in ms; samples: that window as "
+            f"[prefill_tokens, prefix_attention, decode_seqs, kv_tokens_read, mixed, measured ms]"),
+            samples=fit.samples())
+
+    async def _write_cost_model(self) -> None:
+        if not self.cfg.cost_model_out:
+            return
+        while True:
+            await asyncio.sleep(COST_MODEL_EVERY_S)  # a timer, not synchronisation
+            try:
+                self.save_cost_model()
+            except OSError as exc:
+                log.warning("could not write --cost-model-out: %s", exc)
 
     def close(self) -> None:
         if self.auth is not None:
@@ -383,6 +418,11 @@ def invalid_request(msg: P.AddRequest, vocab_size: int) -> str | None:
         return "request id must have 1 to 256 characters"
     if ids and (min(ids) < 0 or (vocab_size and max(ids) >= vocab_size)):
         return f"prompt token ids must be in [0, {vocab_size or 'vocab size'})"
+    if abs(msg.priority) > MAX_PRIORITY:
+        return f"priority must be within +-{MAX_PRIORITY}"
+    why = check_slo_target("slo_ttft_ms", msg.slo_ttft_ms) or check_slo_target("slo_tpot_ms", msg.slo_tpot_ms)
+    if why:
+        return why
     bad = check_sampling(msgspec.structs.asdict(msg.params), vocab_size)
     return None if bad is None else bad[1]
 

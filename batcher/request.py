@@ -25,7 +25,8 @@ class Request:
                  "num_computed_tokens", "block_ids", "block_hashes", "num_cached_tokens", "max_len",
                  "internal", "on_worker", "first_delta_sent", "num_sent_blocks", "admit_seq", "seen_at",
                  "gated_since", "num_preemptions", "epoch", "num_registered_blocks", "num_output_placeholders",
-                 "max_num_tokens", "length_limit", "stop_check_from")
+                 "max_num_tokens", "length_limit", "stop_check_from", "priority", "deadline", "tpot",
+                 "first_token_at", "uncached_estimate", "arrived_at")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float = 0.0, max_len: int = 1 << 62, internal: bool = False):
@@ -61,6 +62,15 @@ class Request:
         # Tokens that steps in flight will sample for it (async scheduling, vLLM's name): the worker already
         # has them when it runs the next step, so the scheduler counts them as known tokens of unknown value.
         self.num_output_placeholders = 0
+        # SLO scheduling (batcher/slo.py): lower priority values go first (vLLM's rule); the time its first
+        # token is due (the scheduler's clock; None: no TTFT target); its TPOT budget in seconds (0: none);
+        # when its first token came back (its update()); its uncached prompt tokens when last looked up.
+        self.priority = 0
+        self.arrived_at: float | None = None  # the scheduler's clock when added (None: not stamped yet)
+        self.deadline: float | None = None
+        self.tpot = 0.0
+        self.first_token_at: float | None = None
+        self.uncached_estimate = len(prompt_token_ids)
 
     # ------------------------------------------------------------------ sizes
     @property

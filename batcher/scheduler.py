@@ -14,6 +14,7 @@ not know about sockets or the simulator. Policy choices: docs/scheduling.md.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from collections import deque
 from typing import Callable, Iterable
@@ -23,9 +24,11 @@ import msgspec
 from batcher.block_manager import BlockManager
 from batcher.burst import LongPromptGate
 from batcher.config import BatcherConfig, load_warm_prefixes
-from laneserve.wire.protocol import (AddRequest, CachedReq, EngineStats, FinishReason, NewReq, SamplingParams, StepInput,
-                              StepOutput, TokenDelta)
+from batcher.cost_model import CostModel, Features, OnlineCostFit
 from batcher.request import Request, Status, blocks_for
+from batcher.slo import ADMISSION_MARGIN, MIN_PREFILL_TOKENS, SloPolicy
+from laneserve.wire.protocol import (AddRequest, CachedReq, EngineStats, FinishReason, NewReq, SamplingParams,
+                                     StepInput, StepOutput, TokenDelta)
 
 WARM_PREFIX_ID = "__warm__/"  # internal requests that fill the warm prefix pool
 MAX_INFLIGHT_STEPS = 2  # with --async-scheduling: the worker runs one step while the next one waits in its socket
@@ -47,6 +50,21 @@ class Scheduled(msgspec.Struct, frozen=True, gc=False):
     epoch: int  # its epoch when scheduled: the step is void for it once it is preempted or finished
 
 
+def step_features(flight: list[Scheduled]) -> Features:
+    """A step's cost-model terms (batcher/cost_model.py): prefill tokens, their attention over the context
+    before them, decode rows (one token onto computed ones), K/V tokens read, whether it has any prefill."""
+    prefill = attention = decodes = kv = 0
+    for rec in flight:
+        n, done = rec.num_tokens, rec.done
+        kv += done
+        if n == 1 and done != 1:  # done == 1: a one-token prompt
+            decodes += 1
+        else:
+            prefill += n
+            attention += n * (done - n)
+    return prefill, attention, decodes, kv, 1 if prefill else 0
+
+
 class StepOrderError(ValueError):
     """update() got the output of another step than the oldest in flight (nor a void one): the order is broken,
     the worker's K/V state unknown, so the caller fails all its requests (fail_all(str(exc)))."""
@@ -63,7 +81,7 @@ def parse_buckets(spec: str) -> list[int]:
 
 class Scheduler:
     def __init__(self, cfg: BatcherConfig, num_blocks: int, block_size: int, max_model_len: int,
-                 warm_prefixes: list[list[int]] | None = None):
+                 warm_prefixes: list[list[int]] | None = None, cost: CostModel | None = None):
         self.cfg = cfg
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -80,7 +98,14 @@ class Scheduler:
         self.max_inflight_steps = MAX_INFLIGHT_STEPS if cfg.async_scheduling else 1
         self.step_no = 0  # these survive fail_all()
         self.void: set[int] = set()  # steps that were in flight at a fail_all(): update() drops their outputs
-        self.grown: list[Request] = []  # running requests given blocks in the step being scheduled: schedule() sends them
+        self.grown: list[Request] = []  # running requests given blocks in the step being composed (schedule() sends)
+        self.slo = SloPolicy(cfg)
+        # The step-cost model (cost, else --cost-model, else the shipped fit), learned online from the worker.
+        self.fit = OnlineCostFit(cost or (CostModel.load(cfg.cost_model) if cfg.cost_model else CostModel.load()))
+        self.decode_part_ms = 0.0  # the last composed step's cost without its prefills
+        self.time_left: float | None = None  # ms of prefill the step being composed may still take (None: no cap)
+        self.floor_left = 0  # prefill tokens it takes even past time_left
+        self.mixed_paid = False  # it has a prefill already (so it runs eagerly: cost model's g)
         self.admit_counter = 0
         self.preemptions = 0
         self.gated_prefills = 0
@@ -94,7 +119,9 @@ class Scheduler:
         self.running: dict[str, Request] = {}  # insertion order = admission order
         self.finished_ids: list[str] = []  # for the next StepInput: the worker drops their state
         self.pending: list[TokenDelta] = []  # deltas made outside update() (rejections), sent with the next
-        self.in_flight: deque[tuple[int, list[Scheduled]]] = deque()  # (step number, its requests), oldest first
+        # (step number, its requests, its cost-model terms, its predicted ms), oldest first
+        self.in_flight: deque[tuple[int, list[Scheduled], Features, float]] = deque()
+        self.busy_until = 0.0  # when the worker is predicted to be done with the steps in flight
         self.new_arrivals = 0
         self.num_internal = 0
         self._queue_warm_prefixes()
@@ -116,15 +143,33 @@ class Scheduler:
             why = "duplicate request id"
         return why
 
-    def add_request(self, msg: AddRequest) -> None:
+    def add_request(self, msg: AddRequest, now: float | None = None) -> str | None:
+        """Queue a request that arrived at `now` (this scheduler's clock; None: the next schedule()'s). Returns why
+        it was shed instead (retryable: predictive SLO admission), else None."""
         why = self.reject_reason(msg)
         if why is not None:
             self.pending.append(TokenDelta(msg.request_id, [], FinishReason.ERROR, error=why))
-            return
+            return None
         req = Request(msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival_time, self.max_len)
+        self.slo.assign(req, msg.priority, msg.slo_ttft_ms, msg.slo_tpot_ms, now)
+        if self.slo.reject and req.deadline is not None and now is not None:
+            ttft = self.slo.predicted_ttft(req, self.waiting, max(now, self.busy_until), now, self.fit.model,
+                                           self._overhead_per_token())
+            if ttft > (req.deadline - now) * ADMISSION_MARGIN:
+                self.slo.shed += 1
+                return (f"predicted time to first token {ttft * 1000:.0f} ms exceeds {ADMISSION_MARGIN}x the "
+                        f"target of {(req.deadline - now) * 1000:.0f} ms: the server is at its SLO capacity")
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        waiting = self.waiting
+        if waiting and req.priority < waiting[-1].priority:  # behind the last one of its priority or better
+            i = len(waiting)
+            while i and waiting[i - 1].priority > req.priority and not waiting[i - 1].internal:
+                i -= 1
+            waiting.insert(i, req)
+        else:
+            waiting.append(req)
         self.new_arrivals += 1
+        return None
 
     def _queue_warm_prefixes(self) -> None:
         """Warm prefixes are normal prefills of internal requests, first in line; see _finish_warm."""
@@ -160,7 +205,7 @@ class Scheduler:
                    for rid, r in self.requests.items() if not r.internal]
         on_worker = [rid for rid, r in self.requests.items() if r.on_worker] + self.finished_ids
         queries, hits = self.bm.queries, self.bm.hits
-        self.void.update(step for step, _ in self.in_flight)
+        self.void.update(entry[0] for entry in self.in_flight)
         self._reset()
         self.bm.queries, self.bm.hits = queries, hits  # the worker's K/V can't be trusted any more: the prefix cache goes too
         self.finished_ids = on_worker
@@ -184,7 +229,8 @@ class Scheduler:
             req = rec.req
             new_reqs.append(NewReq(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                                    params=req.params, block_ids=list(req.block_ids),
-                                   num_computed_tokens=rec.done - rec.num_tokens, output_token_ids=req.output_token_ids))
+                                   num_computed_tokens=rec.done - rec.num_tokens,
+                                   output_token_ids=req.output_token_ids))
             req.num_sent_blocks = len(req.block_ids)
         finished, self.finished_ids = self.finished_ids, []
         return StepInput(step=self.step_no, new_reqs=new_reqs, cached_reqs=cached_reqs,
@@ -198,22 +244,76 @@ class Scheduler:
         if self.new_arrivals:  # stamped with the clock of the first schedule() that sees them
             self.gate.detector.arrived(now, self.new_arrivals)
             self.new_arrivals = 0
+        start = self.busy_until if self.busy_until > now else now  # when this step will start on the worker
         budget = self.cfg.max_num_batched_tokens
         flight: list[Scheduled] = []
         self.grown.clear()
-        budget, active, preempted = self._schedule_running(flight, budget)
+        budget, active, preempted = self._schedule_running(flight, budget, start)
         num_running = len(flight)
         if self.waiting and not preempted:  # admitting while evicting would just thrash
             # The gate's burst state, asked for only here (scheduling the running ones left the queue as it was).
             self.gate.detector.observe(now, len(self.waiting) - self.num_internal)
-            self._admit_waiting(now, flight, budget, active)
+            if not self.slo.enabled:
+                self._admit_waiting(now, flight, budget, active)
+            else:
+                self._order_waiting(now, start)
+                # Coalescing: a step with no prefill replays a CUDA graph, one with any prefill runs eagerly
+                # (cost model's g), so new prefills wait for company while their deadlines allow.
+                if self.mixed_paid or not num_running or self.slo.due(self.waiting, start, self.fit.model,
+                                                                      self.decode_part_ms, budget):
+                    self._admit_waiting(now, flight, budget, active)
         # An empty step carries finished ids to the worker, or error deltas back through update() (a step
         # already in flight brings those back anyway).
         if not flight and not self.finished_ids and (not self.pending or self.in_flight):
             return None
         self.step_no += 1
-        self.in_flight.append((self.step_no, flight))
+        features = step_features(flight)
+        predicted = self.fit.model.step_ms(*features)
+        self.busy_until = start + predicted / 1000.0
+        self.in_flight.append((self.step_no, flight, features, predicted))
         return flight, num_running
+
+    # ------------------------------------------------------------------ SLO (batcher/slo.py)
+    def _prefill_time(self, flight: list[Scheduled], start: float) -> None:
+        """The prefill time the step may take once its decodes (all of flight so far) are in: up to the
+        latest end the decoding requests' TPOT budgets allow (time_left None: they set none)."""
+        cost = self.fit.model
+        self.decode_part_ms = cost.step_ms(0, 0, len(flight), sum(rec.done for rec in flight))
+        latest = self.slo.latest_step_end([rec.req for rec in flight], self.decode_part_ms / 1000.0)
+        self.time_left = None if latest == math.inf else (latest - start) * 1000.0 - self.decode_part_ms
+        self.floor_left = MIN_PREFILL_TOKENS
+        self.mixed_paid = False
+
+    def _chunk(self, left: int, budget: int, context: int) -> int:
+        """How many of the `left` tokens a prefill after `context` computed ones gets in this step: the token
+        budget, and with a TPOT cap the time left (at least the floor's tokens in all)."""
+        n = left if left <= budget else budget
+        t = self.time_left
+        if t is None:
+            self.mixed_paid = True
+            return n
+        cost = self.fit.model
+        if not self.mixed_paid:  # the first prefill makes the step an eager (mixed) one
+            t -= cost.g
+            self.mixed_paid = True
+        afford = cost.affordable(t, context)
+        if afford < n:
+            n = max(afford, min(n, self.floor_left))
+        self.floor_left = max(0, self.floor_left - n)
+        self.time_left = t - cost.chunk_ms(n, context)
+        return n
+
+    def _overhead_per_token(self) -> float:
+        """ms of decode work a prefill token brings along: a step's decode part over the step's token budget."""
+        return self.decode_part_ms / self.cfg.max_num_batched_tokens
+
+    def _order_waiting(self, now: float, start: float) -> None:
+        waiting = list(self.waiting)
+        for req in waiting:
+            if req.arrived_at is None:  # added without a clock: it arrived now
+                self.slo.stamp(req, now)
+        self.gate.pressure = self.slo.order_waiting(waiting, start, self.fit.model, self._overhead_per_token())
+        self.waiting = deque(waiting)
 
     def _run_order(self) -> tuple[list[Request], list[tuple[Request, int]]]:
         """The running requests in run order: decodes (one token left to compute) by bucket (lowest
@@ -247,7 +347,7 @@ class Scheduler:
                 lane.clear()
         return decodes, prefills
 
-    def _schedule_running(self, flight: list[Scheduled], budget: int) -> tuple[int, int, bool]:
+    def _schedule_running(self, flight: list[Scheduled], budget: int, start: float) -> tuple[int, int, bool]:
         """Schedule running requests in run order; preempt from the back of that order when blocks run out.
 
         The back is the newest request of the highest-remaining bucket: the one that would hold its blocks
@@ -275,11 +375,15 @@ class Scheduler:
             flight.append(Scheduled(req, 1, done, samples, req.epoch))
             budget -= 1
         active = len(flight) if threshold >= 1 else 0  # scheduled with at most threshold tokens left to compute
+        if self.slo.enabled:
+            self._prefill_time(flight, start)
         # Then prefills. None if the loop above stopped: the budget is spent, or _make_room took them all.
         for req, left in prefills:
             if budget <= 0:
                 break
-            n = left if left <= budget else budget
+            n = self._chunk(left, budget, req.num_computed_tokens)
+            if n <= 0:
+                break
             done = req.num_computed_tokens + n
             if done > len(req.block_ids) * bs:
                 if not self._make_room(req, n, decodes, prefills):
@@ -328,8 +432,10 @@ class Scheduler:
                 break  # warm prefixes first (start-up only): users admitted with them would miss the cache
             if req.seen_at is None:
                 req.seen_at = now
+            if req.arrived_at is None:
+                self.slo.stamp(req, now)
             hit_blocks = bm.lookup(req)
-            uncached = req.compute_target - hit_blocks * self.block_size
+            req.uncached_estimate = uncached = req.compute_target - hit_blocks * self.block_size
             if not req.internal and self.gate.holds(now, uncached, req.seen_at, active):
                 if req.gated_since is None:
                     req.gated_since = now
@@ -339,10 +445,12 @@ class Scheduler:
             need = blocks_for(req.compute_target, self.block_size) - hit_blocks + bm.num_free_hits(req, hit_blocks)
             if self.running and bm.num_free - need < self.watermark_blocks:
                 break  # first come, first served: later (smaller) prompts don't jump a big one for memory
+            left = req.compute_target - hit_blocks * self.block_size
+            n = self._chunk(left, budget, hit_blocks * self.block_size)
+            if n <= 0:
+                break
             hit_tokens = bm.acquire_prefix(req, hit_blocks)
             req.num_computed_tokens = hit_tokens
-            left = req.compute_target - hit_tokens
-            n = min(left, budget)
             if not bm.allocate(req, n):  # possible only when nothing runs and the pool is nearly all pinned
                 bm.free_blocks(req)
                 req.num_computed_tokens = 0
@@ -377,9 +485,11 @@ class Scheduler:
         if out.error is not None:
             in_flight.popleft()
             raise StepFailed(f"worker error: {out.error.splitlines()[-1]}")
-        return self._apply(out)
+        if out.execute_time > 0:
+            self.fit.observe(in_flight[0][2], out.execute_time * 1000.0)
+        return self._apply(now, out)
 
-    def _apply(self, out: StepOutput | None = None, *, sample: Callable[[int, str], int] | None = None,
+    def _apply(self, now: float, out: StepOutput | None = None, *, sample: Callable[[int, str], int] | None = None,
                plain: list[str] | None = None) -> list[TokenDelta]:
         """Apply the oldest step in flight: offer the K/V it computed to the prefix cache, append the tokens it
         sampled (stop checks), finish the warm prefixes it completed. Returns the deltas in schedule order.
@@ -389,7 +499,9 @@ class Scheduler:
         num_computed_tokens after the step, its id), called in schedule order; with `plain`, the deltas of one
         token that neither start nor end their request go there as request ids instead.
         """
-        flight = self.in_flight.popleft()[1]
+        in_flight = self.in_flight
+        flight = in_flight.popleft()[1]
+        self.busy_until = now + sum(entry[3] for entry in in_flight) / 1000.0
         deltas, self.pending = self.pending, []
         bs = self.block_size
         bm = self.bm
@@ -437,6 +549,7 @@ class Scheduler:
             if not req.first_delta_sent:
                 delta.num_cached_tokens = req.num_cached_tokens
                 req.first_delta_sent = True
+                req.first_token_at = now
             if logprobs is not None:
                 delta.logprobs = logprobs[i]
             deltas.append(delta)
@@ -505,4 +618,6 @@ class Scheduler:
         return EngineStats(num_running=n_running, num_waiting=self.num_unfinished - n_running,
                            kv_blocks_total=self.num_blocks, kv_blocks_free=self.bm.num_free,
                            prefix_queries=self.bm.queries, prefix_hits=self.bm.hits,
-                           gated_prefills=self.gated_prefills, preemptions=self.preemptions, steps=self.step_no)
+                           gated_prefills=self.gated_prefills, preemptions=self.preemptions, steps=self.step_no,
+                           steps_timed=self.fit.steps, step_ms_predicted=self.fit.predicted_ms,
+                           step_ms_measured=self.fit.measured_ms, slo_shed=self.slo.shed)

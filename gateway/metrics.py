@@ -49,6 +49,12 @@ class EngineCollector:
             ("num_gated_prefills", "Admissions deferred by burst gating.", s.gated_prefills),
             ("num_preemptions", "Requests preempted to free KV blocks.", s.preemptions),
             ("engine_steps", "Scheduler steps run.", s.steps),
+            ("step_time_timed", "Steps whose time the workers reported.", s.steps_timed),
+            ("step_time_predicted_ms", "Step time the batcher's cost model predicted, summed over the timed "
+             "steps (divide by step_time_timed for the mean).", s.step_ms_predicted),
+            ("step_time_measured_ms", "Step time the workers measured, summed over the timed steps.",
+             s.step_ms_measured),
+            ("num_slo_shed", "Requests refused by predictive SLO admission (429).", s.slo_shed),
         ]
         for name, doc, value in counters:
             c = CounterMetricFamily(P + name, doc)

@@ -203,7 +203,8 @@ class Api:
                 choices.append(ch)
                 params = S.sampling_params(req, self.tok, max_tokens[p], logprobs, index=j)
                 adds.append(AddRequest(request_id=ch.request_id, prompt_token_ids=ids, params=params,
-                                       arrival_time=now, priority=req.priority or 0))
+                                       arrival_time=now, priority=req.priority or 0,
+                                       slo_ttft_ms=req.slo_ttft_ms or 0.0, slo_tpot_ms=req.slo_tpot_ms or 0.0))
         return choices, adds
 
 

@@ -50,7 +50,9 @@ class _Sampling(msgspec.Struct):
     max_tokens: int | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
-    priority: int | None = None
+    priority: int | None = None  # lower goes first (vLLM's rule)
+    slo_ttft_ms: float | None = None  # this request's SLO targets (else the server's --slo-ttft-ms / --slo-tpot-ms)
+    slo_tpot_ms: float | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -127,8 +129,13 @@ def check_sampling(req: _Sampling, vocab_size: int) -> None:
         raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings.", param="stop")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options can only be given when stream is true.", param="stream_options")
-    if req.priority is not None and abs(req.priority) > 2**31:
-        raise bad_request("priority out of range.", param="priority")
+    if req.priority is not None and abs(req.priority) > sampling.MAX_PRIORITY:
+        raise bad_request(f"priority must be within +-{sampling.MAX_PRIORITY}.", param="priority")
+    for name in ("slo_ttft_ms", "slo_tpot_ms"):
+        value = getattr(req, name)
+        why = None if value is None else sampling.check_slo_target(name, value)
+        if why:
+            raise bad_request(why + ".", param=name)
 
 
 def stop_strings(req: _Sampling) -> list[str]:

@@ -1,4 +1,4 @@
-"""The bounds of the sampling parameters, in one place.
+"""The bounds of the sampling and scheduling parameters of a request, in one place.
 
 The gateway checks a request's fields with them (a 400 naming the field) and the batcher checks every
 AddRequest's SamplingParams again (a peer may skip the gateway): a value out of these bounds would fail or
@@ -11,6 +11,8 @@ import math
 from typing import Any, Mapping
 
 MAX_LOGPROBS = 20
+MAX_PRIORITY = 2**31  # |priority|: lower goes first (vLLM's rule)
+MAX_SLO_MS = 3_600_000.0  # an SLO target of more than an hour is a typo, not a target
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 # float parameters: name -> (low, high, low excluded)
@@ -46,4 +48,13 @@ def check_sampling(values: Mapping[str, Any], vocab_size: int = 0) -> tuple[str,
     for t in values.get("stop_token_ids") or ():
         if t < 0 or (vocab_size and t >= vocab_size):
             return "stop_token_ids", f"stop_token_ids: {t} is not a token id of this model (vocab {vocab_size})."
+    return None
+
+
+def check_slo_target(name: str, value: Any) -> str | None:
+    """Why `value` can't be an SLO target in ms (None: it can; 0 means none)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        return f"{name} must be a finite number of milliseconds"
+    if not 0 <= value <= MAX_SLO_MS:
+        return f"{name} must be between 0 (no target) and {MAX_SLO_MS:.0f} ms, got {value}"
     return None

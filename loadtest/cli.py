@@ -4,10 +4,15 @@
       --speedup 60 --max-requests 100 --slo ttft=120ms,tpot=30ms --out runs/burst
   laneserve loadtest --url URL --trace synthetic --rate 8 --burstiness 0.5 --num-requests 200 --out DIR
   laneserve loadtest --url URL --trace rag --num-docs 16 --doc-tokens 1024 --hit-rate 0.8 --out DIR
+  laneserve loadtest --url URL --trace my_trace.jsonl --time-unit ms --out DIR
+  laneserve loadtest sweep --url URL --trace rag --rates 24,30,36 --seeds 3 --slo ttft=120ms,tpot=30ms --out DIR
   laneserve loadtest compare runs/a/report.json runs/b/report.json
+  laneserve loadtest compare runs/a/sweep.json runs/b/sweep.json --plot ab.png
 
 Owns argument parsing and wiring only: traces.py makes the trace, client.py runs it,
-report.py and plots.py write the results.
+report.py and plots.py write the results, sweep.py runs and summarises a sweep. The trace flags
+(`add_trace_args`, `trace_from_args`) are shared with `laneserve simulate` (batcher/sim/cli.py):
+the same flags build the same trace in both.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import sys
 
 from loadtest import traces
 
+GENERATED = ("synthetic", "rag")  # --trace values made by a generator (the generator flags apply)
+
 
 def _length(text: str) -> int | tuple[int, int]:
     """'128' -> 128; '64:512' -> uniform on [64, 512]."""
@@ -28,14 +35,31 @@ def _length(text: str) -> int | tuple[int, int]:
     return int(text)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="laneserve loadtest", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--url", required=True, help="server base URL (OpenAI-compatible), e.g. http://127.0.0.1:8000")
-    p.add_argument("--trace", default="synthetic", help="a trace file, a shipped trace (" + ", ".join(traces.TRACE_NAMES) + "), 'synthetic' "
-                                                        "(Gamma/Poisson) or 'rag'")
-    g = p.add_argument_group("synthetic and rag traces")
-    g.add_argument("--rate", type=float, default=4.0, help="requests/s")
+def _rates(text: str) -> list[float]:
+    """'24,30,36' -> [24.0, 30.0, 36.0]"""
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad rate list {text!r}; expected e.g. 24,30,36") from None
+    if not rates or min(rates) <= 0 or len(set(rates)) != len(rates):
+        raise argparse.ArgumentTypeError(f"{text!r}: give distinct rates > 0, e.g. 24,30,36")
+    return rates
+
+
+def add_trace_args(p: argparse.ArgumentParser, rate: bool = True) -> argparse._ArgumentGroup:
+    """--trace, --time-unit and the generator flags of the synthetic and rag traces: one definition for
+    `laneserve loadtest`, `laneserve loadtest sweep` (rate=False: it has --rates) and `laneserve simulate`.
+    Returns the generator group."""
+    p.add_argument("--trace", default="synthetic",
+                   help="a shipped trace's short name (" + ", ".join(traces.TRACE_NAMES)
+                        + "; loadtest/data/README.md), a CSV/JSONL file, 'synthetic' (Gamma/Poisson) or 'rag' "
+                          "(shared document prefixes)")
+    p.add_argument("--time-unit", choices=tuple(traces.TIME_UNITS), default=None,
+                   help="unit of a JSONL trace file's timestamps when the file does not say it (no header line; "
+                        "shipped traces and files written by save_trace do)")
+    g = p.add_argument_group("synthetic and rag traces (the same flags in laneserve loadtest and laneserve simulate)")
+    if rate:
+        g.add_argument("--rate", type=float, default=4.0, help="requests/s")
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson, < 1 burstier")
     g.add_argument("--num-requests", type=int, default=100)
     g.add_argument("--input-tokens", type=_length, default=256, help="N or LO:HI")
@@ -45,17 +69,36 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--question-tokens", type=_length, default=(32, 96), help="rag: N or LO:HI")
     g.add_argument("--hit-rate", type=float, default=0.8, help="rag: share of prompts on a pooled document")
     g.add_argument("--seed", type=int, default=0)
-    w = p.add_argument_group("replay")
-    w.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by this")
-    w.add_argument("--start", type=float, default=0.0, help="trace window start, trace seconds")
-    w.add_argument("--duration", type=float, default=None, help="trace window length, trace seconds")
-    w.add_argument("--max-requests", type=int, default=None)
-    w.add_argument("--max-input-tokens", type=int, default=None, help="cap each prompt (e.g. for a small model)")
-    w.add_argument("--max-output-tokens", type=int, default=None, help="cap each output")
-    w.add_argument("--time-limit", type=float, default=None,
-                   help="wall seconds for the whole run (default: trace span + request timeout)")
-    w.add_argument("--request-timeout", type=float, default=600.0)
-    w.add_argument("--max-connections", type=int, default=256, help="HTTP connection pool size")
+    return g
+
+
+def generator_flags(args: argparse.Namespace) -> dict:
+    """The generator flags that shape args.trace (for reports)."""
+    keys = ("rate", "burstiness", "num_requests", "input_tokens", "output_tokens", "seed")
+    if args.trace == "rag":
+        keys = ("rate", "burstiness", "num_requests", "num_docs", "doc_tokens", "question_tokens", "output_tokens",
+                "hit_rate", "seed")
+    return {k: getattr(args, k) for k in keys if hasattr(args, k)}
+
+
+def trace_from_args(args: argparse.Namespace) -> list[traces.TraceRequest]:
+    """The trace that --trace, --time-unit and the generator flags name (add_trace_args). A bad name,
+    file, unit or generator value exits with the reason (SystemExit)."""
+    try:
+        if args.trace in GENERATED and args.time_unit is not None:
+            raise ValueError(f"--time-unit is for trace files, not the generated {args.trace!r} trace")
+        if args.trace == "synthetic":
+            return traces.gamma_bursts(args.rate, args.num_requests, args.burstiness, args.input_tokens,
+                                       args.output_tokens, seed=args.seed)
+        if args.trace == "rag":
+            return traces.rag(args.rate, args.num_requests, args.num_docs, args.doc_tokens, args.question_tokens,
+                              args.output_tokens, args.hit_rate, args.burstiness, seed=args.seed)
+        return traces.load_trace(args.trace, time_unit=args.time_unit)
+    except (FileNotFoundError, ValueError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
+def _add_request_args(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("requests")
     r.add_argument("--model", default=None, help="default: the first model of GET /v1/models")
     r.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
@@ -64,28 +107,54 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="don't send ignore_eos (output lengths then follow the model)")
     r.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
-    o = p.add_argument_group("output")
-    o.add_argument("--slo", default="ttft=120ms,tpot=30ms", help="goodput SLO, e.g. ttft=120ms,tpot=30ms,e2e=5s")
-    o.add_argument("--out", required=True, help="directory for report.json, records.jsonl and plots")
-    o.add_argument("--no-plots", dest="plots", action="store_false")
-    o.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+def _add_limits(w) -> None:
+    w.add_argument("--time-limit", type=float, default=None,
+                   help="wall seconds for one replay (default: trace span + request timeout)")
+    w.add_argument("--request-timeout", type=float, default=600.0)
+    w.add_argument("--max-connections", type=int, default=256, help="HTTP connection pool size")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="laneserve loadtest", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--url", required=True, help="server base URL (OpenAI-compatible), e.g. http://127.0.0.1:8000")
+    add_trace_args(p)
+    w = p.add_argument_group("replay")
+    w.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by this")
+    w.add_argument("--start", type=float, default=0.0, help="trace window start, trace seconds")
+    w.add_argument("--duration", type=float, default=None, help="trace window length, trace seconds")
+    w.add_argument("--max-requests", type=int, default=None)
+    w.add_argument("--max-input-tokens", type=int, default=None, help="cap each prompt (e.g. for a small model)")
+    w.add_argument("--max-output-tokens", type=int, default=None, help="cap each output")
+    _add_limits(w)
+    _add_request_args(p)
+    _add_output_args(p, "directory for report.json, records.jsonl and plots")
     return p
 
 
+def _add_output_args(p: argparse.ArgumentParser, out_help: str) -> None:
+    o = p.add_argument_group("output")
+    o.add_argument("--slo", default="ttft=120ms,tpot=30ms", help="goodput SLO, e.g. ttft=120ms,tpot=30ms,e2e=5s")
+    o.add_argument("--out", required=True, help=out_help)
+    o.add_argument("--no-plots", dest="plots", action="store_false")
+    o.add_argument("--no-progress", dest="progress", action="store_false")
+
+
 def make_trace(args: argparse.Namespace) -> list[traces.TraceRequest]:
-    if args.trace == "synthetic":
-        reqs = traces.gamma_bursts(args.rate, args.num_requests, args.burstiness, args.input_tokens,
-                                   args.output_tokens, seed=args.seed)
-    elif args.trace == "rag":
-        reqs = traces.rag(args.rate, args.num_requests, args.num_docs, args.doc_tokens, args.question_tokens,
-                          args.output_tokens, args.hit_rate, args.burstiness, seed=args.seed)
-    else:
-        try:
-            reqs = traces.load_trace(args.trace)
-        except FileNotFoundError as exc:
-            raise SystemExit(str(exc)) from None
+    reqs = trace_from_args(args)
     reqs = traces.window(reqs, args.start, args.duration, args.max_requests)
     return traces.cap(reqs, args.max_input_tokens, args.max_output_tokens)
+
+
+def _load_config(args: argparse.Namespace, speedup: float = 1.0):
+    from loadtest.client import LoadConfig
+
+    return LoadConfig(url=args.url, model=args.model, endpoint=args.endpoint, speedup=speedup,
+                      max_connections=args.max_connections, request_timeout=args.request_timeout,
+                      time_limit=args.time_limit, ignore_eos=args.ignore_eos, prompt_mode=args.prompt_mode,
+                      seed=args.seed, api_key=args.api_key)
 
 
 def _run(trace, cfg, console, progress: bool):
@@ -110,7 +179,6 @@ def run_main(argv: list[str]) -> int:
     from rich.console import Console
 
     from loadtest import report
-    from loadtest.client import LoadConfig
 
     args = build_parser().parse_args(argv)
     slo = report.parse_slo(args.slo)
@@ -118,10 +186,7 @@ def run_main(argv: list[str]) -> int:
     console = Console(stderr=True)
     span = trace[-1].arrival / args.speedup if trace else 0.0
     console.print(f"replaying {len(trace)} requests over {span:.1f}s against {args.url}")
-    cfg = LoadConfig(url=args.url, model=args.model, endpoint=args.endpoint, speedup=args.speedup,
-                     max_connections=args.max_connections, request_timeout=args.request_timeout,
-                     time_limit=args.time_limit, ignore_eos=args.ignore_eos, prompt_mode=args.prompt_mode,
-                     seed=args.seed, api_key=args.api_key)
+    cfg = _load_config(args, args.speedup)
     try:
         records, meta = _run(trace, cfg, console, args.progress and console.is_terminal)
     except (aiohttp.ClientError, OSError, RuntimeError, ValueError) as exc:  # the probe failed
@@ -141,25 +206,115 @@ def run_main(argv: list[str]) -> int:
     return 0 if summary["finished"] or not summary["sent"] else 1
 
 
+def build_sweep_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="laneserve loadtest sweep",
+                                description="one warm-up replay, then an open-loop replay of the generated trace "
+                                            "at each rate and seed against one server; sweep.json, sweep.md, "
+                                            "sweep.png with the saturation rate and the SLO capacity")
+    p.add_argument("--url", required=True, help="server base URL (OpenAI-compatible)")
+    p.add_argument("--rates", type=_rates, required=True, help="requests/s, comma-separated, e.g. 24,30,36")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per rate: --seed, --seed + 1, ...")
+    p.add_argument("--warmup-requests", type=int, default=None,
+                   help="requests of the warm-up replay, at most --num-requests (0: none; default: 32, or --num-docs "
+                        "if more, for rag)")
+    add_trace_args(p, rate=False)
+    _add_limits(p.add_argument_group("replay"))
+    _add_request_args(p)
+    _add_output_args(p, "directory for sweep.json, sweep.md, sweep.png and runs/")
+    return p
+
+
+def sweep_main(argv: list[str]) -> int:
+    import time
+
+    import aiohttp
+    from rich.console import Console
+
+    from loadtest import report, sweep
+
+    p = build_sweep_parser()
+    args = p.parse_args(argv)
+    if args.trace not in GENERATED:
+        p.error(f"--trace must be one of {', '.join(GENERATED)}: the sweep sets the rate of a generated trace")
+    if args.seeds < 1:
+        p.error("--seeds must be >= 1")
+    slo = report.parse_slo(args.slo)
+    warmup_n = args.warmup_requests
+    if warmup_n is None:
+        warmup_n = max(32, args.num_docs) if args.trace == "rag" else 32
+
+    def make(rate: float, seed: int) -> list[traces.TraceRequest]:
+        return trace_from_args(argparse.Namespace(**{**vars(args), "rate": rate, "seed": seed}))
+
+    rag_pool = (args.num_docs, args.doc_tokens) if args.trace == "rag" else None
+    warmup, runs = sweep.plan(make, args.rates, args.seed, args.seeds, warmup_n, rag_pool)
+    console = Console(stderr=True)
+    console.print(f"sweep: {len(runs)} replays ({len(args.rates)} rates x {args.seeds} seeds) of {args.num_requests} "
+                  f"requests against {args.url}, after a warm-up of {len(warmup)}")
+    started = time.time()
+    try:
+        rows, meta = sweep.run(warmup, runs, _load_config(args), slo, args.out,
+                               lambda trace, cfg: _run(trace, cfg, console, args.progress and console.is_terminal),
+                               console)
+    except (aiohttp.ClientError, OSError, RuntimeError, ValueError) as exc:  # a probe failed: the server is gone
+        console.print(f"[red]sweep failed: {exc}")
+        return 2
+    gen = generator_flags(args)
+    gen.pop("rate", None)
+    gen.pop("seed", None)
+    sweep_meta = {"url": args.url, "model": meta.get("model"), "max_model_len": meta.get("max_model_len"),
+                  "endpoint": args.endpoint, "trace": args.trace, "generator": gen, "rates": sorted(args.rates),
+                  "seeds": [args.seed + i for i in range(args.seeds)], "prompt_seed": args.seed,
+                  "warmup_requests": len(warmup), "slo": args.slo, "started_at": started,
+                  "wall_s": round(time.time() - started, 3), "interrupted": bool(meta.get("interrupted")),
+                  "request_timeout": args.request_timeout, "time_limit": args.time_limit}
+    result = sweep.build(sweep_meta, rows, {k: v * 1e3 for k, v in slo.items()})
+    json_path, md_path = sweep.write(args.out, result)
+    sweep.print_sweeps([result], [""], Console())
+    written = [json_path.name, md_path.name]
+    if args.plots:
+        from loadtest.plots import plot_sweep
+
+        written.append(plot_sweep(result, args.out).name)
+    console.print(f"wrote {', '.join(written)} and runs/ in {args.out}")
+    return 0 if rows and not sweep_meta["interrupted"] and all(r["metrics"]["finished"] for r in rows) else 1
+
+
 def _run_name(path: str) -> str:
-    """runs/burst/report.json -> 'burst' (the --out directory names the run)."""
+    """runs/burst/report.json -> 'burst', runs/h200/sweep.json -> 'h200' (the --out directory names the run)."""
     from pathlib import Path
 
     p = Path(path)
-    return p.parent.name if p.name == "report.json" and p.parent.name else p.stem
+    return p.parent.name if p.name in ("report.json", "sweep.json") and p.parent.name else p.stem
 
 
 def compare_main(argv: list[str]) -> int:
-    from loadtest import report
+    from loadtest import report, sweep
 
-    p = argparse.ArgumentParser(prog="laneserve loadtest compare", description="two report.json side by side")
+    p = argparse.ArgumentParser(prog="laneserve loadtest compare",
+                                description="two report.json side by side, or two sweep.json: tables side by side "
+                                            "and both curves on one plot")
     p.add_argument("a")
     p.add_argument("b")
+    p.add_argument("--plot", default="sweep-compare.png", help="sweeps: where to write the plot")
+    p.add_argument("--no-plots", dest="plots", action="store_false")
     args = p.parse_args(argv)
     with open(args.a) as fa, open(args.b) as fb:
         a, b = json.load(fa), json.load(fb)
     names = tuple(_run_name(x) for x in (args.a, args.b))
-    report.print_compare(a, b, names if names[0] != names[1] else (args.a, args.b))
+    names = names if names[0] != names[1] else (args.a, args.b)
+    kinds = ["sweep" if d.get("kind") == sweep.KIND else "report" if "summary" in d else None for d in (a, b)]
+    if kinds[0] != kinds[1] or None in kinds:
+        p.error(f"compare takes two report.json or two sweep.json files; got {kinds[0] or 'neither'} and "
+                f"{kinds[1] or 'neither'}")
+    if kinds[0] == "report":
+        report.print_compare(a, b, names)
+        return 0
+    sweep.print_sweeps([a, b], list(names))
+    if args.plots:
+        from loadtest.plots import plot_sweeps
+
+        print(f"wrote {plot_sweeps(list(zip(names, (a, b))), args.plot)}")
     return 0
 
 
@@ -167,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "compare":
         return compare_main(argv[1:])
+    if argv and argv[0] == "sweep":
+        return sweep_main(argv[1:])
     return run_main(argv)
 
 

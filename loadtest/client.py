@@ -21,7 +21,9 @@ import aiohttp
 
 from loadtest.traces import TraceRequest, synth_token_ids
 
-# Text tokenized once to learn ordinary (non-special) token ids of the server's vocabulary.
+# Text tokenized once to learn ordinary (non-special) token ids of the server's vocabulary; fewer distinct ids
+# than MIN_ALPHABET and the fallback alphabet is used instead.
+MIN_ALPHABET = 32
 PROBE_TEXT = (
     "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs! "
     "0123456789 +-*/=<>()[]{} retrieval augmented generation answers questions about documents; "
@@ -41,8 +43,9 @@ class LoadConfig:
     time_limit: float | None = None  # wall seconds for the whole run; None: trace span + request_timeout
     ignore_eos: bool = True
     prompt_mode: str = "ids"  # "ids": token-id prompts; "text": /detokenize'd text (chat always uses text)
-    seed: int = 0
-    vocab_size: int = 256  # fallback alphabet range(vocab_size) when /tokenize is unavailable
+    seed: int = 0  # of the synthesised prompts: shared prefix blocks are a function of (seed, hash id)
+    salt: int = 0  # told apart from other runs' prompts (their unique parts), e.g. the run's index in a sweep
+    vocab_size: int = 256  # fallback alphabet range(vocab_size) when /tokenize is unavailable or degenerate
     api_key: str | None = None
 
 
@@ -114,7 +117,11 @@ async def probe(session: aiohttp.ClientSession, cfg: LoadConfig) -> ServerInfo:
                           json={"model": model, "prompt": PROBE_TEXT, "add_special_tokens": False})
         alphabet = sorted(set(int(t) for t in tok["tokens"]))
         max_len = tok.get("max_model_len") or max_len
-        tokenize_ok = bool(alphabet)
+        # A tokenizer that maps the probe to a handful of ids (a word-level one missing English words maps it
+        # all to <unk>) would make every prompt the same few ids, and every block a prefix-cache hit.
+        tokenize_ok = len(alphabet) >= MIN_ALPHABET
+        if not tokenize_ok:
+            alphabet = []
     except (RuntimeError, aiohttp.ClientError, KeyError, ValueError):
         alphabet, tokenize_ok = [], False
     return ServerInfo(model, int(max_len) if max_len else None, alphabet or list(range(cfg.vocab_size)),
@@ -143,7 +150,7 @@ class LoadRunner:
 
     # ------------------------------------------------------------------ prompts and payloads
     async def _prompt(self, session, req: TraceRequest, index: int):
-        ids = synth_token_ids(req, seed=self.cfg.seed, vocab_size=1 << 30, salt=index)
+        ids = synth_token_ids(req, seed=self.cfg.seed, vocab_size=1 << 30, salt=(self.cfg.salt << 32) + index)
         alpha = self.info.alphabet
         ids = [alpha[i % len(alpha)] for i in ids]
         if self.cfg.prompt_mode == "ids" and self.cfg.endpoint == "completions":

@@ -1,7 +1,11 @@
-"""PNG plots of one run (matplotlib, Agg backend: no display needed).
+"""PNG plots of one run and of sweeps (matplotlib, Agg backend: no display needed).
 
 timeline.png: requests sent per second and each request's TTFT against its send time.
-cdf.png: empirical CDFs of TTFT, TPOT, ITL and E2E. Reads records only; writes files only.
+cdf.png: empirical CDFs of TTFT, TPOT, ITL and E2E.
+sweep.png (plot_sweep; plot_sweeps draws several sweeps on the same axes, for compare): against the
+rate, output tok/s, goodput % and p95 TTFT / TPOT, median seed solid and worst seed dashed, the SLO
+as horizontal lines, the saturation rate and the SLO capacity as vertical ones.
+Reads records and sweep.json objects only; writes files only.
 """
 
 from __future__ import annotations
@@ -69,3 +73,52 @@ def plot_run(records: list[RequestRecord], out_dir: str | Path, title: str = "")
     fig.savefig(cdf, dpi=100)
     plt.close(fig)
     return [timeline, cdf]
+
+
+def _sweep_lines(axes, sweep: dict, color: str, name: str) -> None:
+    rates = [row["rate"] for row in sweep["rates"]]
+    panels = ((axes[0], (("output_tok_s", "output tok/s"),)), (axes[1], (("goodput_pct", "goodput %"),)),
+              (axes[2], (("ttft_p95_ms", "TTFT p95"), ("tpot_p95_ms", "TPOT p95"))))
+    for ax, series in panels:
+        for (key, label), marker in zip(series, ("o", "s")):
+            for which, style in (("median", "-"), ("worst", "--")):
+                ys = [np.nan if row[key][which] is None else row[key][which] for row in sweep["rates"]]
+                ax.plot(rates, ys, style, marker=marker, color=color,
+                        label=f"{name}{label}" if which == "median" else None)
+        for rate, style in ((sweep.get("saturation_rate"), ":"), (sweep.get("slo_capacity_rate"), "-.")):
+            if rate is not None:
+                ax.axvline(rate, color=color, linestyle=style, alpha=0.6)
+
+
+def plot_sweeps(sweeps: list[tuple[str, dict]], path: str | Path) -> Path:
+    """(name, sweep.json object) pairs on one figure; one colour per sweep."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(3, 1, figsize=(9, 10), sharex=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for k, (name, sweep) in enumerate(sweeps):
+        _sweep_lines(axes, sweep, colors[k % len(colors)], f"{name}: " if len(sweeps) > 1 else "")
+    slo = sweeps[0][1].get("slo_ms", {}) if sweeps else {}
+    for term, style in (("ttft", "-"), ("tpot", "--")):
+        if term in slo:
+            axes[2].axhline(slo[term], color="tab:red", linestyle=style, alpha=0.5, label=f"SLO {term.upper()}")
+    axes[1].axhline(95.0, color="tab:red", alpha=0.5, label="95% goodput")
+    axes[0].set_ylabel("output tok/s")
+    axes[1].set_ylabel("goodput %")
+    axes[2].set_ylabel("ms")
+    axes[2].set_xlabel("request rate (req/s)   solid: median seed, dashed: worst seed; "
+                       "vertical dotted: saturation rate, dash-dot: SLO capacity")
+    meta = sweeps[0][1].get("meta", {}) if sweeps else {}
+    axes[0].set_title("sweep: " + " vs ".join(name for name, _ in sweeps) if len(sweeps) > 1 else
+                      f"sweep: {meta.get('model')}, trace {meta.get('trace')}")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_sweep(sweep: dict, out_dir: str | Path) -> Path:
+    return plot_sweeps([("", sweep)], Path(out_dir) / "sweep.png")

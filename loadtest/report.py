@@ -63,9 +63,12 @@ def summarize(records: list[RequestRecord], slo: dict[str, float] | None = None)
     per_s = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
     good = [r for r in records if meets_slo(r, slo)]
     errors = Counter(str(r.status) for r in records if not r.ok)
+    # answered with an HTTP error status (429 when the server sheds load, 503, 400...): a miss in goodput,
+    # as is every other request that did not finish (no response, an error in the stream, the time limit)
+    rejected = sum(1 for r in records if r.status not in (0, 200))
     kinds = Counter((r.error or "")[:80] for r in records if not r.ok)
     return {
-        "sent": len(sent), "finished": len(ok), "errored": len(sent) - len(ok),
+        "sent": len(sent), "finished": len(ok), "errored": len(sent) - len(ok), "rejected": rejected,
         "duration_s": duration, "request_throughput": per_s(len(ok)),
         "input_tokens": in_tok, "output_tokens": out_tok,
         "output_tok_s": per_s(out_tok), "total_tok_s": per_s(in_tok + out_tok),
@@ -108,6 +111,7 @@ def _rows(s: dict) -> list[tuple[str, object]]:
     """(label, value) pairs shown for one summary; shared by the single and the compare tables."""
     rows: list[tuple[str, object]] = [
         ("sent", s["sent"]), ("finished", s["finished"]), ("errored", s["errored"]),
+        ("rejected", s.get("rejected")),  # absent from report.json files written before it was counted
         ("duration s", s["duration_s"]), ("requests/s", s["request_throughput"]),
         ("output tok/s", s["output_tok_s"]), ("total tok/s", s["total_tok_s"]),
     ]
@@ -121,6 +125,8 @@ def _rows(s: dict) -> list[tuple[str, object]]:
 def print_report(meta: dict, s: dict, console: Console | None = None) -> None:
     console = console or Console()
     console.print(f"laneserve loadtest: model {meta.get('model')} at {meta.get('url')}")
+    if meta.get("tokenizer_probe") is False:
+        console.print(f"note: /tokenize gave no usable token alphabet; prompts use ids 0..{meta.get('alphabet_size', 0) - 1}")
     t = Table(title="requests and throughput")
     t.add_column("metric")
     t.add_column("value", justify="right")

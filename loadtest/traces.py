@@ -2,16 +2,20 @@
 
 A trace is a list of `TraceRequest` (arrival seconds from the start, token counts, optional
 prefix-block ids), sorted by arrival and rebased so the first request arrives at 0. Readers
-(format detected from the file name, then its contents; the shipped traces and their sources are in
+(format detected from the file's contents; the shipped traces and their sources are in
 loadtest/data/README.md, and `load_trace` takes their short names, TRACE_NAMES):
   - BurstGPT CSV: columns read by name (`Timestamp` seconds); failed rows (zero tokens) dropped.
   - Azure LLM inference CSV: `TIMESTAMP` datetime strings, `ContextTokens`, `GeneratedTokens`.
-  - Mooncake JSONL: `timestamp` in ms, `hash_ids` with one id per 512-token prefix block.
-  - replay JSONL (`*.replay.jsonl`, also what `save_trace` writes): `timestamp` seconds.
+  - JSONL rows `{timestamp, input_length, output_length[, hash_ids]}` (Mooncake's format: `hash_ids`
+    has one id per 512-token prefix block). The timestamps' unit is never guessed: it is the one a
+    first-line header names (`{"trace_format": "laneserve-replay", "time_unit": "s"}`, which
+    `save_trace` writes), that of a shipped file (SHIPPED_TIME_UNITS: Mooncake's in ms, the derived
+    `*.replay.jsonl` in s), or the one the caller passes (`time_unit`, the CLIs' `--time-unit`);
+    otherwise `load_trace` raises TraceUnitError.
 Generators: Poisson, Gamma bursts (vLLM benchmark_serving semantics), RAG (shared document
 prefixes drawn from a pool with a set hit rate). Prompts: `synth_token_ids` (random tokens, what the
 load client sends), `compact_token_ids` (the same prefix sharing, cheap: what the simulator replays).
-Pure data: no I/O beyond reading the file, and nothing from gateway/, batcher/ or workers/ (used to
+Pure data: no I/O beyond reading and writing trace files, and nothing from gateway/, batcher/ or workers/ (used to
 test any OpenAI-compatible server).
 """
 
@@ -89,21 +93,59 @@ def _read_csv(path: Path) -> list[TraceRequest]:
     return out
 
 
-def _read_jsonl(path: Path) -> list[TraceRequest]:
-    out: list[TraceRequest] = []
-    scale: float | None = 1.0 if path.name.endswith(".replay.jsonl") else None
-    if scale is None and "mooncake" in path.name.lower():
-        scale = 1e-3
+REPLAY_FORMAT = "laneserve-replay"  # the header's trace_format
+TIME_UNITS = {"s": 1.0, "ms": 1e-3}  # a JSONL trace's timestamp unit -> seconds
+
+
+class TraceUnitError(ValueError):
+    """A JSONL trace whose timestamps' unit is not known (or is given twice, differently)."""
+
+
+def replay_header(time_unit: str = "s") -> dict:
+    """The first line `save_trace` writes: names the format and the timestamps' unit."""
+    return {"trace_format": REPLAY_FORMAT, "version": 1, "time_unit": time_unit}
+
+
+def _header_unit(path: Path, first: dict) -> str | None:
+    """The unit a header line names; None if `first` is a data row."""
+    if "trace_format" not in first:
+        return None
+    if first["trace_format"] != REPLAY_FORMAT or first.get("time_unit") not in TIME_UNITS:
+        raise TraceUnitError(f"{path}: bad header line {json.dumps(first)}; expected e.g. "
+                             f"{json.dumps(replay_header())} (time_unit one of {', '.join(TIME_UNITS)})")
+    return first["time_unit"]
+
+
+def _shipped_unit(path: Path) -> str | None:
+    """The unit of a shipped JSONL file (known, as the files cannot carry a header: loadtest/data/README.md)."""
+    if path.name in SHIPPED_TIME_UNITS and path.resolve().parent == DATA_DIR.resolve():
+        return SHIPPED_TIME_UNITS[path.name]
+    return None
+
+
+def _read_jsonl(path: Path, time_unit: str | None = None) -> list[TraceRequest]:
+    """Rows of a JSONL trace, timestamps in seconds; the unit from the header, the shipped table or
+    `time_unit`, which must agree when several say it (TraceUnitError otherwise, or when none does)."""
+    if time_unit is not None and time_unit not in TIME_UNITS:
+        raise TraceUnitError(f"unknown time unit {time_unit!r}; one of {', '.join(TIME_UNITS)}")
     with open(path) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            d = json.loads(line)
-            if scale is None:  # unknown name: Mooncake's rows are the ones carrying hash_ids
-                scale = 1e-3 if "hash_ids" in d else 1.0
-            out.append(TraceRequest(float(d["timestamp"]) * scale, int(d["input_length"]), int(d["output_length"]),
-                                    tuple(int(h) for h in d.get("hash_ids", ()))))
-    return out
+        rows = [json.loads(line) for line in f if line.strip()]
+    header = _header_unit(path, rows[0]) if rows else None
+    if header is not None:
+        rows = rows[1:]
+    known = header or _shipped_unit(path)
+    if known is not None and time_unit is not None and time_unit != known:
+        where = "its header line" if header else "the shipped-trace table"
+        raise TraceUnitError(f"{path}: --time-unit {time_unit} contradicts {where}, which says {known!r}")
+    unit = known or time_unit
+    if unit is None:
+        raise TraceUnitError(
+            f"{path}: the unit of its timestamps is not marked (no header line, not a shipped trace). Pass "
+            f"--time-unit s or --time-unit ms (time_unit= in Python; Mooncake's traces count milliseconds), "
+            f"or make its first line {json.dumps(replay_header())} (what save_trace writes)")
+    scale = TIME_UNITS[unit]
+    return [TraceRequest(float(d["timestamp"]) * scale, int(d["input_length"]), int(d["output_length"]),
+                         tuple(int(h) for h in d.get("hash_ids", ()))) for d in rows]
 
 
 DATA_DIR = Path(__file__).with_name("data")
@@ -115,6 +157,15 @@ TRACE_NAMES = {
     "burstgpt-3": "BurstGPT_3_first400.csv",
     "mooncake-conversation": "mooncake_conversation_trace.jsonl",
     "mooncake-synthetic": "mooncake_synthetic_trace.jsonl",
+}
+# the timestamps' unit of each shipped JSONL file (they are kept byte for byte, so they carry no header)
+SHIPPED_TIME_UNITS = {
+    "mooncake_conversation_trace.jsonl": "ms",
+    "mooncake_synthetic_trace.jsonl": "ms",
+    "AzureLLMInferenceTrace_code.replay.jsonl": "s",
+    "AzureLLMInferenceTrace_conv.replay.jsonl": "s",
+    "BurstGPT_1_first400.replay.jsonl": "s",
+    "BurstGPT_3_first400.replay.jsonl": "s",
 }
 
 
@@ -129,19 +180,27 @@ def trace_path(name_or_path: str) -> Path:
     return p
 
 
-def load_trace(path: str, limit: int | None = None) -> list[TraceRequest]:
-    """Read a trace (a short name or a file; format detected from its name/contents); sorted, rebased to 0,
-    first `limit` rows."""
+def load_trace(path: str, limit: int | None = None, time_unit: str | None = None) -> list[TraceRequest]:
+    """Read a trace (a short name or a file; format detected from its contents); sorted, rebased to 0,
+    first `limit` rows. time_unit ('s' or 'ms'): the timestamps' unit of a JSONL file that does not say
+    it (see the module doc); CSV formats have theirs fixed, so it is an error there."""
     p = trace_path(path)
     with open(p) as f:
         first = f.readline().lstrip()
-    reqs = _read_jsonl(p) if first.startswith("{") else _read_csv(p)
+    if first.startswith("{"):
+        reqs = _read_jsonl(p, time_unit)
+    elif time_unit is not None:
+        raise TraceUnitError(f"{p}: --time-unit applies to JSONL traces; a CSV format's timestamps have a fixed unit")
+    else:
+        reqs = _read_csv(p)
     return _finish(reqs, limit)
 
 
 def save_trace(path: str, reqs: list[TraceRequest]) -> None:
-    """Write the replay JSONL format (seconds), with hash_ids when present."""
+    """Write a JSONL trace: the header line (format, timestamps in seconds), then one row per request,
+    with hash_ids when present."""
     with open(path, "w") as f:
+        f.write(json.dumps(replay_header("s")) + "\n")
         for r in reqs:
             d = {"timestamp": round(r.arrival, 6), "input_length": r.input_tokens, "output_length": r.output_tokens}
             if r.hash_ids:
@@ -194,7 +253,7 @@ def rag(rate: float, n: int, num_docs: int, doc_tokens: int, question_tokens: in
     t = _arrivals(rng, rate, n, burstiness)
     outs = _lengths(rng, output_tokens, n)
     qs = _lengths(rng, question_tokens, n)
-    blocks = max(1, math.ceil(doc_tokens / MOONCAKE_BLOCK_TOKENS))
+    blocks = rag_doc_blocks(doc_tokens)
     hits = rng.random(n) < hit_rate
     docs = rng.integers(0, max(num_docs, 1), size=n)
     out = []
@@ -203,6 +262,36 @@ def rag(rate: float, n: int, num_docs: int, doc_tokens: int, question_tokens: in
         ids = tuple(doc * blocks + b for b in range(blocks))
         out.append(TraceRequest(float(t[i]), blocks * MOONCAKE_BLOCK_TOKENS + int(qs[i]), int(outs[i]), ids))
     return out
+
+
+def rag_doc_blocks(doc_tokens: int) -> int:
+    """512-token blocks of one rag() document (doc_tokens rounded up)."""
+    return max(1, math.ceil(doc_tokens / MOONCAKE_BLOCK_TOKENS))
+
+
+FRESH_DOC_STRIDE = 1 << 40  # rag_fresh_docs_apart: hash-id distance between two runs' fresh documents
+
+
+def rag_fresh_docs_apart(reqs: list[TraceRequest], num_docs: int, doc_tokens: int, run: int) -> list[TraceRequest]:
+    """A rag() trace whose fresh (never-seen-again) documents are renumbered for run `run`, so that runs
+    replayed one after another against one server never find another run's fresh documents in its
+    prefix cache (rag() numbers them by request index, the same in every trace of that length). The
+    pooled documents keep their ids: every run shares the pool, as the hit rate means."""
+    pooled = num_docs * rag_doc_blocks(doc_tokens)
+    shift = run * FRESH_DOC_STRIDE
+    return [r if not r.hash_ids or r.hash_ids[0] < pooled else
+            TraceRequest(r.arrival, r.input_tokens, r.output_tokens, tuple(h + shift for h in r.hash_ids))
+            for r in reqs]
+
+
+def rag_cover_pool(reqs: list[TraceRequest], num_docs: int, doc_tokens: int) -> list[TraceRequest]:
+    """The rows of a rag() trace with request i on pooled document i mod num_docs: a warm-up of
+    num_docs requests or more touches every pooled document."""
+    blocks = rag_doc_blocks(doc_tokens)
+    if num_docs <= 0:
+        return list(reqs)
+    return [TraceRequest(r.arrival, r.input_tokens, r.output_tokens,
+                         tuple((i % num_docs) * blocks + b for b in range(blocks))) for i, r in enumerate(reqs)]
 
 
 # -------------------------------------------------------------------------------- prompt synthesis

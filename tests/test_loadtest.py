@@ -7,6 +7,7 @@ then for real against `laneserve serve --model tiny` (the `stack` fixture).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import time
@@ -14,7 +15,7 @@ import time
 import pytest
 from aiohttp import web
 
-from loadtest import cli, report
+from loadtest import cli, report, sweep
 from loadtest.client import PROBE_TEXT, LoadConfig, LoadRunner, RequestRecord, fit_to_context
 from loadtest.traces import DATA_DIR as TRACES
 from loadtest.traces import TraceRequest, load_trace, rag
@@ -264,3 +265,184 @@ def test_cli_fails_cleanly_without_a_server(tmp_path, capsys):
     rc = cli.main(["--url", f"http://127.0.0.1:{free_port()}", "--num-requests", "3", "--no-progress",
                    "--out", str(tmp_path / "x")])
     assert rc == 2 and "failed before the run" in capsys.readouterr().err
+
+
+def test_429_and_other_http_errors_are_rejections_and_goodput_misses():
+    recs = [_rec(0, 10, 50, 5), _rec(1, 10, 50, 5, status=429, error="busy"), _rec(2, 10, 50, 5, status=503, error="x"),
+            _rec(3, 0, 0, 5, status=0, error="ClientConnectorError"), _rec(4, 0, 0, 5, status=200, error="stream")]
+    s = report.summarize(recs, report.parse_slo("ttft=1s"))
+    assert s["rejected"] == 2 and s["errored"] == 4 and s["goodput"] == pytest.approx(1 / 5)
+    assert dict(report._rows(s))["rejected"] == 2
+
+
+# ------------------------------------------------------------------------- the trace flags, shared
+
+@pytest.mark.parametrize("flags", [
+    ["--trace", "rag", "--rate", "9", "--burstiness", "0.4", "--num-requests", "40", "--num-docs", "3",
+     "--doc-tokens", "700", "--question-tokens", "5:50", "--output-tokens", "2:9", "--hit-rate", "0.6", "--seed", "5"],
+    ["--trace", "synthetic", "--rate", "3", "--num-requests", "25", "--input-tokens", "10:900", "--output-tokens", "7",
+     "--seed", "2"],
+    ["--trace", "mooncake-synthetic"],
+])
+def test_simulate_builds_the_trace_loadtest_builds_for_the_same_flags(flags):
+    from batcher.sim import cli as sim_cli
+
+    ours = cli.make_trace(cli.build_parser().parse_args(["--url", "u", "--out", "x", *flags]))
+    sims = sim_cli.trace_requests(sim_cli.build_parser().parse_args(flags))
+    assert [s.row for s in sims] == ours and [s.salt for s in sims] == list(range(len(ours)))
+    limited = sim_cli.trace_requests(sim_cli.build_parser().parse_args([*flags, "--limit", "7", "--speedup", "2"]))
+    assert [s.row for s in limited] == ours[:7] and [s.arrival for s in limited] == [r.arrival / 2 for r in ours[:7]]
+    if flags[1] == "rag":
+        assert len({r.hash_ids for r in ours}) < len(ours)  # the pool is shared
+
+
+def test_trace_flag_errors(tmp_path):
+    from batcher.sim import cli as sim_cli
+
+    unmarked = tmp_path / "t.jsonl"
+    unmarked.write_text('{"timestamp": 0, "input_length": 5, "output_length": 2}\n'
+                        '{"timestamp": 1500, "input_length": 5, "output_length": 2}\n')
+    for parse in (lambda f: cli.build_parser().parse_args(["--url", "u", "--out", "x", *f]),
+                  lambda f: sim_cli.build_parser().parse_args(f)):
+        with pytest.raises(SystemExit, match="--time-unit s or --time-unit ms"):
+            cli.trace_from_args(parse(["--trace", str(unmarked)]))
+        assert cli.trace_from_args(parse(["--trace", str(unmarked), "--time-unit", "ms"]))[1].arrival == 1.5
+        with pytest.raises(SystemExit, match="for trace files"):
+            cli.trace_from_args(parse(["--time-unit", "s"]))
+        with pytest.raises(SystemExit, match="rate and burstiness"):
+            cli.trace_from_args(parse(["--rate", "0"]))
+    with pytest.raises(SystemExit, match="set its length with --num-requests"):
+        sim_cli.main(["--trace", "synthetic", "--limit", "1000"])
+
+
+# ------------------------------------------------------------------------------------------ sweeps
+
+def _sweep_run(rate, seed, ttft, tpot, goodput, tput, rejected=0):
+    return {"rate": rate, "seed": seed, "metrics": {"ttft_p95_ms": ttft, "tpot_p95_ms": tpot, "goodput_pct": goodput,
+                                                   "output_tok_s": tput, "rejected": rejected, "sent": 10,
+                                                   "finished": 10 - rejected, "errored": rejected}}
+
+
+def test_sweep_worst_and_median_seed():
+    runs = [_sweep_run(10, 0, 50, 9, 100, 300), _sweep_run(10, 1, 90, 7, 96, 280, 1), _sweep_run(10, 2, 70, 8, 98, 310),
+            _sweep_run(20, 0, None, None, 0, 0, 10), _sweep_run(20, 1, 60, 30, 99, 500)]
+    r10, r20 = sweep.aggregate(runs)
+    assert r10["rate"] == 10 and r10["seeds"] == [0, 1, 2]
+    assert r10["ttft_p95_ms"] == {"worst": 90, "worst_seed": 1, "median": 70, "median_seed": 2}
+    assert r10["tpot_p95_ms"] == {"worst": 9, "worst_seed": 0, "median": 8, "median_seed": 2}
+    assert r10["goodput_pct"] == {"worst": 96, "worst_seed": 1, "median": 98, "median_seed": 2}
+    assert r10["output_tok_s"] == {"worst": 280, "worst_seed": 1, "median": 300, "median_seed": 0}
+    assert r10["rejected"] == {"worst": 1, "worst_seed": 1, "median": 0, "median_seed": 2}  # ties: seed order
+    # two seeds: the median is the better one; a p95 with no finished request is the worst
+    assert r20["ttft_p95_ms"] == {"worst": None, "worst_seed": 0, "median": 60, "median_seed": 1}
+    assert r20["output_tok_s"] == {"worst": 0, "worst_seed": 0, "median": 500, "median_seed": 1}
+
+
+def test_sweep_marks_saturation_and_slo_capacity():
+    slo = {"ttft": 120.0, "tpot": 30.0}
+    runs = []
+    # rate: (ttft, tpot, goodput, output tok/s) per seed
+    table = {10: [(80, 20, 100, 1000), (90, 22, 99, 1010), (85, 21, 100, 990)],  # inside
+             20: [(100, 25, 97, 1950), (119, 29, 95, 1960), (110, 28, 96, 1940)],  # inside (95% and p95s at the edge)
+             30: [(110, 25, 99, 2000), (125, 26, 99, 1990), (100, 24, 99, 2010)],  # one seed's TTFT p95 over
+             40: [(500, 60, 40, 1945), (600, 70, 30, 1950), (550, 65, 35, 1955)]}  # overloaded, tok/s -3%
+    for rate, seeds in table.items():
+        runs += [_sweep_run(rate, s, *v) for s, v in enumerate(seeds)]
+    rows = sweep.aggregate(runs)
+    m = sweep.mark(rows, slo)
+    # max median tok/s 2000 (rate 30); rate 40's 1950 is within 3% (>= 1940): the highest such rate is 40
+    assert m["max_output_tok_s"] == 2000 and m["saturation_rate"] == 40
+    assert [sweep.holds_slo(r, slo) for r in rows] == [True, True, False, False] and m["slo_capacity_rate"] == 20
+    # goodput 94.9% for one seed, or a TPOT p95 just over: no longer inside
+    runs[4]["metrics"]["goodput_pct"] = 94.9
+    assert sweep.mark(sweep.aggregate(runs), slo)["slo_capacity_rate"] == 10
+    runs[4]["metrics"]["goodput_pct"] = 97
+    runs[5]["metrics"]["tpot_p95_ms"] = 30.1
+    assert sweep.mark(sweep.aggregate(runs), slo)["slo_capacity_rate"] == 10
+    # a rejection-heavy seed: goodput counts the 429s as misses
+    runs[0]["metrics"].update(goodput_pct=60.0, rejected=4)
+    m = sweep.mark(sweep.aggregate(runs), slo)
+    assert m["slo_capacity_rate"] is None  # nothing holds the SLO
+    assert m["saturation_rate"] == 40
+    # only a TTFT term: TPOT is not checked
+    assert sweep.mark(sweep.aggregate(runs[3:]), {"ttft": 120.0})["slo_capacity_rate"] == 20
+    # no throughput at all: no saturation rate either
+    dead = [_sweep_run(r, 0, None, None, 0.0, 0.0, 10) for r in (1, 2)]
+    assert sweep.mark(sweep.aggregate(dead), slo) == {"saturation_rate": None, "slo_capacity_rate": None,
+                                                      "max_output_tok_s": 0.0}
+
+
+def test_sweep_plan_warms_the_pool_and_keeps_fresh_documents_apart():
+    args = cli.build_sweep_parser().parse_args(["--url", "u", "--out", "x", "--rates", "5,2", "--trace", "rag",
+                                                "--num-requests", "30", "--num-docs", "3", "--doc-tokens", "512",
+                                                "--hit-rate", "0.5", "--seed", "4"])
+
+    def make(rate, seed):
+        return cli.trace_from_args(argparse.Namespace(**{**vars(args), "rate": rate, "seed": seed}))
+
+    warmup, runs = sweep.plan(make, args.rates, args.seed, 2, 5, (3, 512))
+    assert [(r, s) for r, s, _ in runs] == [(2, 4), (2, 5), (5, 4), (5, 5)]
+    assert [w.hash_ids[0] for w in warmup] == [0, 1, 2, 0, 1]
+    assert [(w.arrival, w.input_tokens) for w in warmup] == [(r.arrival, r.input_tokens) for r in make(2, 6)[:5]]
+    for rate, seed, trace in runs:
+        base = make(rate, seed)
+        assert [(r.arrival, r.input_tokens, r.output_tokens) for r in trace] == \
+            [(r.arrival, r.input_tokens, r.output_tokens) for r in base]
+    fresh = [{r.hash_ids for r in t if r.hash_ids[0] >= 3} for _, _, t in runs]
+    assert all(fresh) and all(a.isdisjoint(b) for i, a in enumerate(fresh) for b in fresh[i + 1:])
+    with pytest.raises(SystemExit):
+        cli.main(["sweep", "--url", "u", "--out", "x", "--rates", "5", "--trace", "burstgpt-1"])
+    with pytest.raises(SystemExit):
+        cli.build_sweep_parser().parse_args(["--url", "u", "--out", "x", "--rates", "5,5"])
+
+
+def test_compare_two_sweeps(tmp_path, capsys):
+    slo = {"ttft": 120.0, "tpot": 30.0}
+    runs_a = [_sweep_run(r, s, 50 + r, 10, 100, 100 * r) for r in (1, 2) for s in (0, 1)]
+    runs_b = [_sweep_run(r, s, 100 + 10 * r, 20, 99, 90 * r) for r in (1, 2, 3) for s in (0, 1)]
+    pa, _ = sweep.write(tmp_path / "a", sweep.build({"model": "m", "trace": "rag"}, runs_a, slo))
+    pb, md = sweep.write(tmp_path / "b", sweep.build({"model": "m", "trace": "rag"}, runs_b, slo))
+    assert "## 3 req/s" in md.read_text() and "SLO capacity: 2 req/s" in md.read_text()
+    plot = tmp_path / "ab.png"
+    assert cli.main(["compare", str(pa), str(pb), "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert "a worst" in out and "b median" in out and "3 req/s" in out and "b: SLO capacity: 2 req/s" in out
+    assert plot.stat().st_size > 0
+    rep = report.write_report(tmp_path / "r", {"model": "m"}, report.summarize([_rec(0, 1, 2, 3)]), [])
+    with pytest.raises(SystemExit):
+        cli.main(["compare", str(pa), str(rep)])
+
+
+def test_sweep_against_the_stack(stack, tmp_path):
+    """2 rates x 2 seeds of a small rag trace on the tiny model, after a warm-up; the marks follow
+    their definitions on the measured numbers."""
+    out = tmp_path / "sweep"
+    rc = cli.main(["sweep", "--url", stack.base_url, "--trace", "rag", "--rates", "16,8", "--seeds", "2",
+                   "--seed", "11", "--num-requests", "5", "--num-docs", "2", "--doc-tokens", "512",
+                   "--question-tokens", "8:16", "--output-tokens", "3", "--warmup-requests", "2",
+                   "--slo", "ttft=20s,tpot=5s", "--time-limit", "120", "--no-progress", "--out", str(out)])
+    assert rc == 0
+    s = json.loads((out / "sweep.json").read_text())
+    assert s["kind"] == "laneserve-sweep" and s["meta"]["model"] == "tiny" and s["meta"]["warmup_requests"] == 2
+    assert s["meta"]["rates"] == [8, 16] and s["meta"]["seeds"] == [11, 12] and s["slo_ms"] == {"ttft": 20000.0,
+                                                                                             "tpot": 5000.0}
+    assert [(r["rate"], r["seed"]) for r in s["runs"]] == [(8, 11), (8, 12), (16, 11), (16, 12)]
+    for r in s["runs"]:
+        m = r["metrics"]
+        assert m["sent"] == 5 == m["finished"] and m["rejected"] == 0 and m["output_tok_s"] > 0
+        assert json.loads((out / r["dir"] / "report.json").read_text())["summary"]["sent"] == 5
+    assert [row["rate"] for row in s["rates"]] == [8, 16]
+    for row in s["rates"]:
+        mine = [r["metrics"] for r in s["runs"] if r["rate"] == row["rate"]]
+        for key, _, higher_is_worse in sweep.METRICS:
+            values = [m[key] for m in mine]
+            assert row[key]["worst"] == (max if higher_is_worse else min)(values)
+            assert row[key]["median"] == (min if higher_is_worse else max)(values)  # two seeds: the better one
+        assert row["holds_slo"] == (max(m["ttft_p95_ms"] for m in mine) <= 20000 and
+                                    max(m["tpot_p95_ms"] for m in mine) <= 5000 and
+                                    min(m["goodput_pct"] for m in mine) >= 95)
+    tput = {row["rate"]: row["output_tok_s"]["median"] for row in s["rates"]}
+    assert s["saturation_rate"] == max(r for r, v in tput.items() if v >= 0.97 * max(tput.values()))
+    inside = [row["rate"] for row in s["rates"] if row["holds_slo"]]
+    assert s["slo_capacity_rate"] == (max(inside) if inside else None)
+    assert "## 16 req/s" in (out / "sweep.md").read_text() and (out / "sweep.png").stat().st_size > 0

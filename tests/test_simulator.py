@@ -142,7 +142,7 @@ def test_cli_writes_a_summary(tmp_path):
     trace.write_text("".join(json.dumps({"timestamp": 0.05 * i, "input_length": 100 + i, "output_length": 10})
                              + "\n" for i in range(50)))
     out = tmp_path / "out.json"
-    assert main(["--trace", str(trace), "--json", str(out), "--limit", "40", "--speedup", "2",
+    assert main(["--trace", str(trace), "--time-unit", "s", "--json", str(out), "--limit", "40", "--speedup", "2",
                  "--config", '{"max_num_seqs": 8, "num_blocks": 256}']) == 0
     s = json.loads(out.read_text())
     assert s["requests"] == 40 and s["finish"] == {"LENGTH": 40} and s["output_tokens"] == 400
@@ -167,3 +167,58 @@ def test_in_process_path_equals_the_batcher_path(pipelined, workers):
     skip = {"schedulers"}
     assert {k: v for k, v in vars(fast).items() if k not in skip} == \
         {k: v for k, v in vars(checked).items() if k not in skip}
+
+
+RAG_FLAGS = ["--trace", "rag", "--rate", "1.5", "--burstiness", "1000", "--num-requests", "5", "--num-docs", "2",
+             "--doc-tokens", "512", "--question-tokens", "8:16", "--output-tokens", "2", "--hit-rate", "0.6"]
+
+
+def _rag_expected_hit_rate(flags: list[str]) -> float:
+    """Spaced arrivals: every request on a document seen before finds all of it cached, nothing more."""
+    from loadtest import cli as lt_cli
+
+    trace = lt_cli.make_trace(lt_cli.build_parser().parse_args(["--url", "u", "--out", "x", *flags]))
+    seen, hits = set(), 0
+    for r in trace:
+        hits += 512 * len(r.hash_ids) if r.hash_ids in seen else 0
+        seen.add(r.hash_ids)
+    return hits / sum(r.input_tokens for r in trace)
+
+
+def test_simulate_takes_the_loadtest_generator_flags(tmp_path):
+    """`laneserve simulate --trace rag` with loadtest's flags: the rag documents hit the prefix cache."""
+    out = tmp_path / "rag.json"
+    flags = [*RAG_FLAGS, "--num-requests", "40", "--seed", "3"]
+    assert main([*flags, "--json", str(out)]) == 0
+    s = json.loads(out.read_text())
+    assert s["requests"] == 40 and s["output_tokens"] == 80
+    expected = _rag_expected_hit_rate(flags)
+    assert 0.2 < expected < 0.95 and s["prefix_hit_rate"] == pytest.approx(expected, abs=1e-4)
+    assert main([*flags, "--json", str(out), "--limit", "10", "--speedup", "2"]) == 0
+    assert json.loads(out.read_text())["requests"] == 10
+
+
+def test_rag_prefix_hits_in_the_simulator_match_the_server(stack, tmp_path):
+    """The same rag flags replayed against the real stack and simulated: the same share of prompt tokens
+    comes from the prefix cache (the load client's prompts and the simulator's share the same blocks)."""
+    import re
+    import urllib.request
+
+    from loadtest import cli as lt_cli
+
+    def counters() -> tuple[float, float]:
+        text = urllib.request.urlopen(stack.url("/metrics"), timeout=10).read().decode()
+        return tuple(float(re.search(rf"^laneserve:prefix_cache_{k}_total (\S+)$", text, re.M).group(1))
+                     for k in ("hits", "queries"))
+
+    flags = [*RAG_FLAGS, "--seed", "23"]  # a seed no other test's documents use on the shared stack
+    hits0, queries0 = counters()
+    assert lt_cli.main(["--url", stack.base_url, *flags, "--slo", "", "--no-progress", "--no-plots",
+                        "--out", str(tmp_path / "run")]) == 0
+    hits1, queries1 = counters()
+    out = tmp_path / "sim.json"
+    assert main([*flags, "--json", str(out)]) == 0
+    sim = json.loads(out.read_text())["prefix_hit_rate"]
+    assert hits1 > hits0
+    assert (hits1 - hits0) / (queries1 - queries0) == pytest.approx(sim, abs=1e-4)
+    assert sim == pytest.approx(_rag_expected_hit_rate(flags), abs=1e-4)

@@ -3,14 +3,16 @@ generator statistics, prompt synthesis."""
 
 from __future__ import annotations
 
+import json
 import math
 import tomllib
 
 import numpy as np
 import pytest
 
-from loadtest.traces import (DATA_DIR, TRACE_NAMES, TraceRequest, gamma_bursts, load_trace, poisson, rag, save_trace,
-                             synth_token_ids)
+from loadtest.traces import (DATA_DIR, SHIPPED_TIME_UNITS, TRACE_NAMES, TraceRequest, TraceUnitError, gamma_bursts,
+                             load_trace, poisson, rag, rag_cover_pool, rag_doc_blocks, rag_fresh_docs_apart,
+                             replay_header, save_trace, synth_token_ids)
 
 TRACES = DATA_DIR
 
@@ -167,3 +169,85 @@ def test_shipped_data_is_documented_and_installed():
     globs = pyproject["tool"]["setuptools"]["package-data"]["loadtest"]
     packaged = {p for g in globs for p in DATA_DIR.parent.glob(g)}  # setuptools expands them the same way
     assert {p for p in DATA_DIR.rglob("*") if p.is_file()} <= packaged
+
+
+# ------------------------------------------------------------------ the timestamps' unit of a JSONL trace
+
+def _rows(path, rows, header=None):
+    with open(path, "w") as f:
+        if header is not None:
+            f.write(json.dumps(header) + "\n")
+        for t, h in rows:
+            f.write(json.dumps({"timestamp": t, "input_length": 10, "output_length": 2, "hash_ids": h}) + "\n")
+    return str(path)
+
+
+def test_trace_unit_from_the_header_line(tmp_path):
+    reqs = [TraceRequest(0.0, 600, 4, (1, 2)), TraceRequest(1.25, 700, 8, (1, 3))]
+    out = tmp_path / "x.jsonl"  # no *.replay.jsonl name: the header says the unit
+    save_trace(str(out), reqs)
+    assert json.loads(out.read_text().splitlines()[0]) == replay_header("s")
+    assert load_trace(str(out)) == reqs
+    ms = _rows(tmp_path / "ms.jsonl", [(0, [1]), (2500, [1, 2])], {"trace_format": "laneserve-replay",
+                                                                  "time_unit": "ms"})
+    assert [r.arrival for r in load_trace(ms)] == [0.0, 2.5]
+    bad = _rows(tmp_path / "bad.jsonl", [(0, [1])], {"trace_format": "laneserve-replay", "time_unit": "h"})
+    with pytest.raises(TraceUnitError, match="bad header"):
+        load_trace(bad)
+
+
+@pytest.mark.parametrize("name", ["mine.jsonl", "mine.replay.jsonl", "mooncake_mine.jsonl"])
+def test_an_unmarked_jsonl_is_an_error_that_names_the_fix(tmp_path, name):
+    """No header, not shipped: whatever its name and whether or not it has hash_ids, nothing is guessed."""
+    for rows in ([(0, [1]), (1500, [2])], [(0, []), (1.5, [])]):
+        path = _rows(tmp_path / name, rows)
+        with pytest.raises(TraceUnitError, match="--time-unit s or --time-unit ms.*trace_format"):
+            load_trace(path)
+
+
+def test_time_unit_flag_reads_an_unmarked_file_and_must_agree_with_a_marked_one(tmp_path):
+    path = _rows(tmp_path / "t.jsonl", [(0, [1]), (1500, [2])])
+    assert [r.arrival for r in load_trace(path, time_unit="ms")] == [0.0, 1.5]
+    assert [r.arrival for r in load_trace(path, time_unit="s")] == [0.0, 1500.0]
+    marked = tmp_path / "m.jsonl"
+    save_trace(str(marked), [TraceRequest(0.0, 5, 1), TraceRequest(2.0, 5, 1)])
+    assert [r.arrival for r in load_trace(str(marked), time_unit="s")] == [0.0, 2.0]
+    with pytest.raises(TraceUnitError, match="contradicts its header"):
+        load_trace(str(marked), time_unit="ms")
+    with pytest.raises(TraceUnitError, match="contradicts the shipped"):
+        load_trace("mooncake-conversation", time_unit="s")
+    with pytest.raises(TraceUnitError, match="applies to JSONL"):
+        load_trace("burstgpt-1", time_unit="s")
+    with pytest.raises(TraceUnitError, match="unknown time unit"):
+        load_trace(path, time_unit="us")
+
+
+def test_shipped_jsonl_traces_are_known_by_name_and_a_copy_elsewhere_is_not(tmp_path):
+    assert {p.name for p in DATA_DIR.glob("*.jsonl")} == set(SHIPPED_TIME_UNITS)
+    moon = load_trace("mooncake-conversation", limit=200)  # ms in the file
+    assert moon == load_trace(str(DATA_DIR / "mooncake_conversation_trace.jsonl"), limit=200)
+    assert moon[-1].arrival == pytest.approx(72, abs=2)  # the first 200 rows span 72 s (data README, section 5)
+    assert load_trace(str(DATA_DIR / "BurstGPT_1_first400.replay.jsonl"), time_unit="s")[-1].arrival > 37000
+    copy = tmp_path / "mooncake_conversation_trace.jsonl"
+    copy.write_bytes((DATA_DIR / "mooncake_conversation_trace.jsonl").read_bytes()[:20000].rsplit(b"\n", 1)[0])
+    with pytest.raises(TraceUnitError, match="not a shipped trace"):
+        load_trace(str(copy))
+    assert load_trace(str(copy), time_unit="ms") == load_trace("mooncake-conversation", limit=len(load_trace(
+        str(copy), time_unit="ms")))
+
+
+def test_rag_runs_share_the_pool_but_not_fresh_documents():
+    a = rag(10.0, 300, 4, 1000, 8, 2, 0.5, seed=1)
+    pooled = 4 * rag_doc_blocks(1000)
+    b1, b2 = rag_fresh_docs_apart(a, 4, 1000, run=1), rag_fresh_docs_apart(a, 4, 1000, run=2)
+    for x, y, z in zip(a, b1, b2):
+        assert (x.arrival, x.input_tokens, x.output_tokens) == (y.arrival, y.input_tokens, y.output_tokens)
+        if x.hash_ids[0] < pooled:
+            assert x.hash_ids == y.hash_ids == z.hash_ids
+        else:
+            assert len({x.hash_ids[0], y.hash_ids[0], z.hash_ids[0]}) == 3 and len(y.hash_ids) == len(x.hash_ids)
+    fresh = [r for r in b1 if r.hash_ids[0] >= pooled]
+    assert 100 < len(fresh) < 200 and len({r.hash_ids for r in fresh}) == len(fresh)
+    cover = rag_cover_pool(a[:10], 4, 1000)
+    assert [r.hash_ids[0] // rag_doc_blocks(1000) for r in cover] == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+    assert [r.input_tokens for r in cover] == [r.input_tokens for r in a[:10]]

@@ -105,6 +105,7 @@ class ModelRunner:
             raise ValueError("--overlap-steps on needs --tensor-parallel-size 1 (ranks broadcast sampled tokens)")
         self._in_flight: _InFlight | None = None
         self._outbox: list[P.StepOutput] = []
+        self._last_done = 0.0  # perf_counter when the last step's tokens reached the host
         self.graphs: DecodeGraphs | None = None  # captured below, after the pool exists
         self.kv_cache = self._allocate_kv_cache()
         self.num_blocks = self.kv_cache.num_blocks
@@ -240,7 +241,10 @@ class ModelRunner:
             out.sampled_token_ids = [[t] for t in tokens]
             if logprobs is not None:
                 out.logprobs = [[lp] if lp is not None else [] for lp in logprobs]
-        out.execute_time = time.perf_counter() - f.t0
+        # This step's own time: from its start, or from the end of the step before when they overlapped.
+        done = time.perf_counter()
+        out.execute_time = done - max(f.t0, self._last_done)
+        self._last_done = done
         self._outbox.append(out)
 
     def take_outputs(self) -> list[P.StepOutput]:

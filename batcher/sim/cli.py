@@ -1,6 +1,7 @@
 """`laneserve simulate` (also `python -m batcher.sim`): replay a trace through the scheduler in simulated time.
 
-Owns the command line: reading the trace (loadtest.traces) and the config, running
+Owns the command line: the trace (the flags and the trace of `laneserve loadtest`: loadtest.cli's
+add_trace_args / trace_from_args; --limit, --speedup) and the config, running
 engine.simulate(), printing / writing the summary, and --bench-step (the CPU cost of
 one schedule() + update() with 256 running decodes). Must not simulate anything itself.
 """
@@ -14,22 +15,26 @@ import time
 from pathlib import Path
 
 from batcher.config import BatcherConfig
+from batcher.cost_model import DEFAULT_COST_MODEL, CostModel
 from batcher.scheduler import Scheduler
-from batcher.sim.engine import DEFAULT_COST_MODEL, CostModel, SimWorker, TraceSimRequest, simulate, summarize
+from batcher.sim.engine import SimWorker, TraceSimRequest, simulate, summarize
 from laneserve.wire.protocol import AddRequest, SamplingParams
 
 
-def _requests_from_trace(path: str, limit: int | None, speedup: float, block_size: int) -> list[TraceSimRequest]:
-    from loadtest import traces  # the shared trace readers (format by file name/contents); numpy: loaded lazily
+def trace_requests(args: argparse.Namespace) -> list[TraceSimRequest]:
+    """The trace of `laneserve loadtest` for the same trace flags (loadtest.cli.trace_from_args), first
+    --limit rows, arrivals divided by --speedup. Each request's prompt is built when it arrives, by
+    traces.compact_token_ids: the prefix sharing of the prompts the load client sends (hash_ids blocks:
+    Mooncake's, rag's documents), so prefixes hit the simulated prefix cache as they hit the server's."""
+    from loadtest.cli import GENERATED, trace_from_args
 
-    if path == "synthetic":  # gamma bursts (shape 0.3) of short and >2k prompts, 5 req/s on average
-        trace = traces.gamma_bursts(rate=5.0, n=limit or 5000, burstiness=0.3, input_tokens=(64, 4096),
-                                    output_tokens=(16, 256))
-    else:
-        trace = traces.load_trace(path, limit=limit)
-    if limit is not None:
-        trace = trace[:limit]
-    return [TraceSimRequest(t.arrival / speedup, t, i) for i, t in enumerate(trace)]
+    trace = trace_from_args(args)
+    if args.limit is not None:
+        if args.trace in GENERATED and args.limit > len(trace):
+            raise SystemExit(f"error: --limit {args.limit} is more than the {len(trace)} requests of the generated "
+                             f"{args.trace!r} trace; set its length with --num-requests")
+        trace = trace[:args.limit]
+    return [TraceSimRequest(t.arrival / args.speedup, t, i) for i, t in enumerate(trace)]
 
 
 def _config(text: str | None) -> BatcherConfig:
@@ -44,30 +49,34 @@ def _config(text: str | None) -> BatcherConfig:
     return BatcherConfig(**{k: v for k, v in data.items() if k in known})
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    from loadtest.cli import add_trace_args
+
     ap = argparse.ArgumentParser(prog="laneserve simulate", description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", default="synthetic", help="a shipped trace's short name (azure-conv, azure-code, burstgpt-1, ...; "
-                                          "loadtest/data/README.md), a CSV/JSONL file, or 'synthetic'")
+    add_trace_args(ap)  # --trace, --time-unit and the generator flags: the same as laneserve loadtest's
     ap.add_argument("--config", help="BatcherConfig fields as JSON (inline or a file); may also set num_blocks, "
                                      "block_size, max_model_len, num_workers")
     ap.add_argument("--cost-model", default=str(DEFAULT_COST_MODEL), help="JSON with a, b, c, d (ms)")
     ap.add_argument("--json", help="write the summary here")
-    ap.add_argument("--limit", type=int, help="first N requests of the trace")
+    ap.add_argument("--limit", type=int,
+                    help="first N requests of the trace (of a generated one: at most --num-requests)")
     ap.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by X")
     ap.add_argument("--pipelined", action="store_true", help="keep 2 steps in flight per worker (async scheduling)")
-    ap.add_argument("--bench-step", action="store_true", help="time one schedule()+update() with 256 running")
-    args = ap.parse_args(argv)
+    ap.add_argument("--bench-step", action="store_true",
+                    help="time one schedule()+update() with 256 running (with --config's settings, e.g. SLO targets)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.bench_step:
-        print(json.dumps(bench_step(), indent=1))
+        print(json.dumps(bench_step(cfg=_config(args.config)), indent=1))
         return 0
     cfg = _config(args.config)
     extra = json.loads(Path(args.config).read_text() if args.config and not args.config.lstrip().startswith("{")
                        else (args.config or "{}"))
     block_size = int(extra.get("block_size", 16))
-    try:
-        reqs = _requests_from_trace(args.trace, args.limit, args.speedup, block_size)
-    except FileNotFoundError as e:
-        ap.error(str(e))
+    reqs = trace_requests(args)
     t0 = time.perf_counter()
     res = simulate(reqs, cfg, CostModel.load(args.cost_model), num_blocks=int(extra.get("num_blocks", 8192)),
                    block_size=block_size, max_model_len=int(extra.get("max_model_len", 32768)),
@@ -86,12 +95,13 @@ def _print(s: dict) -> None:
         v = s[name]
         print(f"  {name:8s} p50 {v['p50']:10.2f}  p95 {v['p95']:10.2f}  p99 {v['p99']:10.2f}")
     print(f"  throughput {s['throughput_tok_s']} tok/s, {s['requests_per_s']} req/s; preemptions "
-          f"{s['preemptions']}; gated {s['gated_prefills']}; prefix hit rate {s['prefix_hit_rate']:.1%}")
+          f"{s['preemptions']}; gated {s['gated_prefills']}; prefix hit rate {s['prefix_hit_rate']:.1%}"
+          + (f"; shed by SLO admission {s['rejected']}" if s.get("rejected") else ""))
 
 
-def bench_step(num_running: int = 256, repeats: int = 200) -> dict:
+def bench_step(num_running: int = 256, repeats: int = 200, cfg: BatcherConfig | None = None) -> dict:
     """CPU cost of one schedule() + update() with num_running decoding sequences (no prefill)."""
-    cfg = BatcherConfig()
+    cfg = cfg or BatcherConfig()
     sched = Scheduler(cfg, 65536, 16, 32768)
     worker = SimWorker(65536, 16)
     for i in range(num_running):

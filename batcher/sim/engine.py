@@ -2,8 +2,8 @@
 
 Owns the discrete-event loop (arrivals, aborts, one step in flight per worker, or with
 `pipelined` up to the scheduler's max_inflight_steps run back to back), the stand-in
-workers, the step-cost model `t = a + b*prefill_tokens + c*decode_seqs + d*kv_tokens_read`
-(ms), the tally of the deltas and the latency summary. The stand-in workers execute
+workers, the step times (batcher/cost_model.py's model, on the terms the scheduler
+records for each step), the tally of the deltas and the latency summary. The stand-in workers execute
 steps exactly as the ModelRunner contract says (per-request tokens / blocks /
 num_computed_tokens, sample one token when a request's tokens are all computed) with a
 deterministic "model": SimWorker from StepInputs, checking the scheduler's promises;
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from batcher.config import BatcherConfig
+from batcher.cost_model import CostModel
 from batcher.router import pick_worker
 from batcher.scheduler import Scheduled, Scheduler
 from laneserve.wire.protocol import AddRequest, FinishReason, SamplingParams, StepInput, StepOutput, TokenDelta
@@ -33,31 +34,7 @@ from laneserve.wire.protocol import AddRequest, FinishReason, SamplingParams, St
 if TYPE_CHECKING:
     from loadtest.traces import TraceRequest
 
-DEFAULT_COST_MODEL = Path(__file__).with_name("cost_model.json")
 NEAR_DONE = 8  # outputs left: the smallest default decode bucket
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Step time in ms: a + b*prefill_tokens + c*decode_seqs + d*kv_tokens_read.
-
-    h: host gap in ms between two steps under strict alternation (output send, update + schedule, input
-    send); pipelined (async scheduling) hides it behind the step before. 0 = folded into a.
-    """
-
-    a: float = 4.0
-    b: float = 0.06
-    c: float = 0.05
-    d: float = 0.0001
-    h: float = 0.0
-
-    @classmethod
-    def load(cls, path: str | Path) -> "CostModel":
-        data = json.loads(Path(path).read_text())
-        return cls(**{k: float(data[k]) for k in ("a", "b", "c", "d", "h") if k in data})
-
-    def step_seconds(self, prefill_tokens: int, decode_seqs: int, kv_tokens_read: int) -> float:
-        return (self.a + self.b * prefill_tokens + self.c * decode_seqs + self.d * kv_tokens_read) / 1000.0
 
 
 @dataclass
@@ -111,7 +88,8 @@ class SimWorker:
         self.reqs: dict[str, list] = {}  # id -> [token_ids, block_ids, num_computed]
         self.kv = [-1] * (num_blocks * block_size) if check_kv else None
 
-    def execute(self, step: StepInput) -> tuple[StepOutput, tuple[int, int, int]]:
+    def execute(self, step: StepInput) -> tuple[StepOutput, tuple[int, int, int, int, int]]:
+        """Run the step; returns its output and its cost-model terms as this worker saw them."""
         bs = self.block_size
         for rid in step.finished_req_ids:
             self.reqs.pop(rid, None)
@@ -126,7 +104,7 @@ class SimWorker:
         for cr in step.cached_reqs:
             self.reqs[cr.request_id][1].extend(cr.new_block_ids)
         ids, sampled = [], []
-        prefill_tokens = decode_seqs = kv_read = 0
+        prefill_tokens = attention = decode_seqs = kv_read = 0
         reqs, kv, token_fn, vocab = self.reqs, self.kv, self.token_fn, self.vocab
         for rid, n in step.num_scheduled_tokens.items():
             st = reqs[rid]
@@ -145,6 +123,7 @@ class SimWorker:
                 decode_seqs += 1
             else:
                 prefill_tokens += n
+                attention += n * done
             if not left:
                 # deterministic, never a stop token: outputs end by length
                 tok = token_fn(rid, toks) if token_fn is not None else sim_token(end, rid, vocab)
@@ -152,7 +131,7 @@ class SimWorker:
                 ids.append(rid)
                 sampled.append([tok])
         return (StepOutput(step=step.step, worker_id=0, request_ids=ids, sampled_token_ids=sampled),
-                (prefill_tokens, decode_seqs, kv_read))
+                (prefill_tokens, attention, decode_seqs, kv_read, 1 if prefill_tokens else 0))
 
 
 class InProcessScheduler(Scheduler):
@@ -168,23 +147,10 @@ class InProcessScheduler(Scheduler):
         self.finished_ids.clear()  # this worker keeps no per-request state to drop
         return step[0]
 
-    def update_step(self, plain: list[str]) -> list[TokenDelta]:
+    def update_step(self, plain: list[str], now: float) -> list[TokenDelta]:
         """update() for the oldest step in flight, its tokens sim_token()'s. The deltas of one token that neither
         start nor end their request go in `plain` as request ids instead (cheaper to count)."""
-        return self._apply(sample=sim_token, plain=plain)
-
-
-def run_in_process(scheduled: list[Scheduled]) -> tuple[int, int, int]:
-    """What SimWorker.execute() computes for a step, read off the scheduler's record of it: the cost model's
-    inputs (prefill tokens, decode sequences, K/V tokens read)."""
-    tokens = decode_seqs = kv_read = 0
-    for rec in scheduled:
-        n, done = rec.num_tokens, rec.done
-        tokens += n
-        kv_read += done
-        if n == 1 and done != 1:  # a decode: one token onto computed ones (done == 1: a one-token prompt)
-            decode_seqs += 1
-    return tokens - decode_seqs, decode_seqs, kv_read
+        return self._apply(now, sample=sim_token, plain=plain)
 
 
 # ---------------------------------------------------------------------- results
@@ -206,6 +172,7 @@ class SimResult:
     near_done_to_free: list[float] = field(default_factory=list)
     preemptions: int = 0
     gated_prefills: int = 0
+    rejected: int = 0  # shed by predictive SLO admission (never started)
     prefix_queries: int = 0
     prefix_hits: int = 0
     schedulers: list = field(default_factory=list)
@@ -289,7 +256,7 @@ class _Fleet:
         self.free_at = dict.fromkeys(scheds, 0.0)  # when the worker is done with the steps it holds
         self.pipelined = pipelined
         self.host_gap = 0.0 if pipelined else cost.h / 1000.0
-        self.step_seconds = cost.step_seconds
+        self.step_ms = cost.step_ms
 
     def start(self, w: int, now: float) -> None:
         """Schedule steps on worker w while it has room: one, or with `pipelined` up to max_inflight_steps."""
@@ -301,16 +268,17 @@ class _Fleet:
                 if scheduled is None:
                     return
                 out = None  # update_step() samples the tokens
-                pf, dec, kv = run_in_process(scheduled)
             else:
                 step = sched.schedule(now)
                 if step is None:
                     return
-                out, (pf, dec, kv) = self.sim_workers[w].execute(step)  # now: the state the worker would see
-            dt = self.step_seconds(pf, dec, kv)
+                out, seen = self.sim_workers[w].execute(step)  # now: the state the worker would see
+                assert seen == sched.in_flight[-1][2], f"step {step.step}: the worker ran {seen}"
+            features = sched.in_flight[-1][2]  # the scheduler's terms of the step
+            dt = self.step_ms(*features) / 1000.0
             res.steps += 1
-            res.prefill_tokens += pf
-            res.decode_tokens += dec
+            res.prefill_tokens += features[0]
+            res.decode_tokens += features[2]
             bm = sched.bm
             res.block_seconds += (bm.num_blocks - bm.num_free) * dt
             outs.append(out)
@@ -322,7 +290,7 @@ class _Fleet:
         out = self.busy[w].popleft()
         if out is None:
             plain: list[str] = []
-            deltas = self.scheds[w].update_step(plain)
+            deltas = self.scheds[w].update_step(plain, now)
             if deltas:
                 self.tally.deliver(deltas, now)
             self.tally.deliver_plain(plain, now)
@@ -347,7 +315,8 @@ def simulate(requests: Sequence[SimRequest | TraceSimRequest], cfg: BatcherConfi
     """
     in_process = not (sim_worker or check_kv)
     sched_type = InProcessScheduler if in_process else Scheduler
-    scheds = {w: sched_type(cfg, num_blocks, block_size, max_model_len, warm_prefixes) for w in range(num_workers)}
+    scheds = {w: sched_type(cfg, num_blocks, block_size, max_model_len, warm_prefixes, cost=cost)
+              for w in range(num_workers)}
     sim_workers = None if in_process else {w: SimWorker(num_blocks, block_size, check_kv) for w in scheds}
     res = SimResult(schedulers=list(scheds.values()))
     tally = _Tally(res)
@@ -378,8 +347,11 @@ def simulate(requests: Sequence[SimRequest | TraceSimRequest], cfg: BatcherConfi
             msg = AddRequest(request_id=rid, prompt_token_ids=r.prompt(), params=params, arrival_time=now)
             w = pick_worker(scheds, msg.prompt_token_ids) if num_workers > 1 else 0
             owner[rid] = w
+            shed = scheds[w].add_request(msg, now)
+            if shed is not None:  # predictive SLO admission: the client gets a 429
+                res.rejected += 1
+                continue
             tally.arrived(rid, now, params.max_tokens)
-            scheds[w].add_request(msg)
             fleet.start(w, now)
         elif kind == 2:
             w = owner.get(payload)
@@ -428,6 +400,7 @@ def summarize(res: SimResult) -> dict:
         "throughput_tok_s": round(total_out / res.duration, 1) if res.duration > 0 else 0.0,
         "requests_per_s": round(sum(res.finish.values()) / res.duration, 3) if res.duration > 0 else 0.0,
         "prefill_tokens": res.prefill_tokens, "preemptions": res.preemptions, "gated_prefills": res.gated_prefills,
+        "rejected": res.rejected,
         "prefix_hit_rate": round(res.prefix_hits / res.prefix_queries, 4) if res.prefix_queries else 0.0,
         "block_seconds_per_request": round(res.block_seconds / max(1, sum(res.finish.values())), 4),
         "near_done_to_free_ms": pcts(res.near_done_to_free),

@@ -53,7 +53,9 @@ class AddRequest(Msg):
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
-    priority: int = 0
+    priority: int = 0  # lower goes first (vLLM's rule)
+    slo_ttft_ms: float = 0.0  # this request's targets; 0 = the batcher's --slo-ttft-ms / --slo-tpot-ms
+    slo_tpot_ms: float = 0.0
 
 
 class AbortRequests(Msg):
@@ -104,6 +106,10 @@ class EngineStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     gated_prefills: int = 0  # admissions deferred by burst gating
     preemptions: int = 0
     steps: int = 0
+    steps_timed: int = 0  # steps whose execute_time came back, and the sums over them of
+    step_ms_predicted: float = 0.0  # the cost model's prediction (before it learned from that step)
+    step_ms_measured: float = 0.0  # and the worker's measure
+    slo_shed: int = 0  # requests refused by predictive SLO admission
 
 
 class Pong(Msg):
@@ -178,7 +184,8 @@ class StepOutput(Msg):
     sampled_token_ids: list[list[int]] = []
     logprobs: list[list[TokenLogprobs]] | None = None  # parallel to request_ids when asked
     error: str | None = None
-    execute_time: float = 0.0  # seconds spent in the forward + sampling
+    execute_time: float = 0.0  # seconds the worker spent on this step alone (from its start, or the end of the
+    # step before when they overlap, to its tokens on the host): what the batcher's cost model learns from
 
 
 class Heartbeat(Msg):

@@ -1,0 +1,150 @@
+"""SLO-driven step composition: TTFT deadlines, TPOT budgets, and the time each step may take.
+
+Owns the per-request targets (`assign`), the order of the waiting queue (`order_waiting`: least
+deadline slack first, then the shortest), the step's time allowance (`latest_step_end`: the
+latest end that keeps every running request's TPOT within budget) and predictive admission
+(`predicted_ttft`). The scheduler turns the allowance into prefill tokens with the step-cost
+model (batcher/cost_model.py). Pure: times are the scheduler's clock (seconds), passed in.
+
+Rules (docs/scheduling.md, "SLO scheduling"):
+- TPOT is an average over a request's outputs, so a step may run long when every request it
+  delays is ahead of its budget: request r, with its first token at f, m outputs once this step
+  is done and a TPOT budget tau, allows this step to end by f + tau*(m-1+h) - h*t_dec, where h =
+  min(outputs left, TPOT_HORIZON) tokens still to come at the decode-only step time t_dec. The
+  horizon bounds how much of a long request's future a burst may borrow against.
+- Waiting requests are served by (priority, starved first, feasible first, slack, uncached
+  tokens): slack = deadline - (start + own prefill time); one that can no longer meet its
+  deadline goes behind those that can (it is a miss either way), until it has waited
+  `max_gated_wait_s` past its deadline (no starvation).
+- Admission (`--slo-admission reject`): a request whose predicted TTFT, behind everything
+  already waiting, exceeds ADMISSION_MARGIN x its TTFT target is shed at once (retryable).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+from batcher.config import BatcherConfig
+from batcher.cost_model import CostModel
+from batcher.request import Request
+from laneserve.sampling import check_slo_target
+
+TPOT_HORIZON = 64  # outputs ahead a step may borrow TPOT slack against
+ADMISSION_MARGIN = 1.25  # shed when the predicted TTFT exceeds this x the target
+MIN_PREFILL_TOKENS = 2048  # prefill tokens a step may take whatever the TPOT slack: the default budget (no worse)
+COALESCE_FRACTION = 0.5  # new prefills may wait for company until this share of their TTFT target is used
+
+
+class SloPolicy:
+    def __init__(self, cfg: BatcherConfig):
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            why = check_slo_target(name, getattr(cfg, name))
+            if why:
+                raise ValueError(why)
+        if cfg.slo_admission not in ("off", "reject"):
+            raise ValueError(f"slo_admission must be 'off' or 'reject', got {cfg.slo_admission!r}")
+        self.ttft = cfg.slo_ttft_ms / 1000.0
+        self.tpot = cfg.slo_tpot_ms / 1000.0
+        self.reject = cfg.slo_admission == "reject"
+        self.starve_after = cfg.max_gated_wait_s
+        self.enabled = bool(self.ttft or self.tpot)  # some request may still bring its own targets
+        self.shed = 0  # requests refused by predictive admission
+
+    def assign(self, req: Request, priority: int, ttft_ms: float, tpot_ms: float, now: float | None) -> None:
+        """A request's targets: its own (ms, 0 = the server's) or the server's; its deadline once `now` is known."""
+        req.priority = priority
+        ttft = ttft_ms / 1000.0 if ttft_ms else self.ttft
+        req.tpot = tpot_ms / 1000.0 if tpot_ms else self.tpot
+        if ttft_ms or tpot_ms:
+            self.enabled = True
+        req.deadline = ttft if ttft else None  # relative until stamped
+        if now is not None:
+            self.stamp(req, now)
+
+    @staticmethod
+    def stamp(req: Request, now: float) -> None:
+        """Make the deadline absolute: the request arrived at `now` (scheduler clock)."""
+        req.arrived_at = now
+        if req.deadline is not None:
+            req.deadline += now
+
+    @staticmethod
+    def latest_step_end(decodes: Iterable[Request], decode_step_s: float) -> float:
+        """The latest end of the step being composed that keeps every decoding request's TPOT within budget
+        (inf: none has a budget, or none has its first token yet)."""
+        latest = math.inf
+        for r in decodes:
+            tpot, f = r.tpot, r.first_token_at
+            if not tpot or f is None:
+                continue
+            m = len(r.token_ids) - r.num_prompt_tokens + r.num_output_placeholders
+            h = r.max_num_tokens - len(r.token_ids) - r.num_output_placeholders
+            if h > TPOT_HORIZON:
+                h = TPOT_HORIZON
+            end = f + tpot * (m - 1 + h) - h * decode_step_s
+            if end < latest:
+                latest = end
+        return latest
+
+    def order_waiting(self, waiting: list[Request], start: float, cost: CostModel, overhead_per_token: float
+                      ) -> bool:
+        """Sort `waiting` (in place) for service; True if, served in that order from `start`, one of them
+        misses its deadline: the queue is under pressure (the long-prompt gate closes)."""
+        def own_s(r: Request) -> float:
+            u = r.uncached_estimate
+            return (cost.chunk_ms(u, r.compute_target - u) + u * overhead_per_token) / 1000.0
+
+        keys = {}
+        for r in waiting:
+            d = r.deadline
+            if r.internal:  # warm prefixes (start-up only) stay first
+                keys[r.request_id] = (-math.inf,)
+                continue
+            if d is None:  # no TTFT target: after those with one that can still make it
+                keys[r.request_id] = (r.priority, 1, 0, math.inf, r.uncached_estimate)
+                continue
+            slack = d - start - own_s(r)
+            starved = r.num_preemptions > 0 or start - d > self.starve_after
+            keys[r.request_id] = (r.priority, not starved, slack < 0, slack if not starved else d, r.uncached_estimate)
+        waiting.sort(key=lambda r: keys[r.request_id])
+        t = start
+        for r in waiting:
+            t += own_s(r)
+            if r.deadline is not None and t > r.deadline and keys[r.request_id][2] == 0:
+                return True
+        return False
+
+    @staticmethod
+    def due(waiting: Iterable[Request], start: float, cost: CostModel, decode_step_ms: float, budget: int) -> bool:
+        """Must waiting prefills start in the step being composed (a decode-only one so far)? Yes when one has no
+        TTFT target, when they fill the step's token budget, or when one of them, waiting through one more
+        decode-only step, would start after COALESCE_FRACTION of its target: their first tokens then come
+        back well inside the target while steps with a prefill, each paying the eager-step cost g, stay few."""
+        total = 0
+        ms = cost.g
+        earliest = math.inf
+        for r in waiting:
+            if r.internal or r.deadline is None or r.arrived_at is None:
+                return True
+            u = r.uncached_estimate
+            total += u
+            ms += cost.chunk_ms(u, r.compute_target - u)
+            due = r.arrived_at + COALESCE_FRACTION * (r.deadline - r.arrived_at)
+            if due < earliest:
+                earliest = due
+        if total >= budget:
+            return True
+        return start + (decode_step_ms + ms) / 1000.0 > earliest
+
+    def predicted_ttft(self, req: Request, waiting: Iterable[Request], start: float, now: float, cost: CostModel,
+                       overhead_per_token: float) -> float:
+        """When req's first token would come back, served after every waiting request of its priority or
+        better (seconds from now)."""
+        t = start
+        for r in waiting:
+            if r.priority <= req.priority:
+                u = r.uncached_estimate
+                t += (cost.chunk_ms(u, r.compute_target - u) + u * overhead_per_token) / 1000.0
+        u = req.uncached_estimate
+        return t + (cost.chunk_ms(u, req.compute_target - u) + u * overhead_per_token) / 1000.0 - now

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Capacity under the SLO, policy against policy, in one device call (docs/perf.md, issue 19):
+# for each policy, one server (7B shape, dummy weights) and one `laneserve loadtest sweep` of the
+# bursty RAG replay (a warm-up, then each rate and seed); prints each sweep's table, keeps
+# sweep_NAME.json, the fitted step-cost model cost_NAME.json (with its samples) and the server log.
+# Usage (repo root, on the GPU machine):
+#   OUT=dir RATES=8,12,16,20,24 SEEDS=3 bash workers/tools/slo_bench.sh "default:" \
+#     "slo:--slo-ttft-ms 120 --slo-tpot-ms 30 --max-num-batched-tokens 8192"
+# Each argument is NAME:SERVE_ARGS. LOAD_ARGS overrides the replay's shape; PROMPT_MODE is ids or text.
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+source "$(dirname "$0")/device_env.sh"
+LOAD_ARGS=${LOAD_ARGS:---trace rag --num-requests 600 --burstiness 0.5 --num-docs 16 --doc-tokens 1536 \
+--question-tokens 256:512 --output-tokens 128:256 --hit-rate 0.8}
+MODEL=$(python3 -c 'import tempfile; from workers.tools.bench import write_dummy_model_dir as w; print(w(tempfile.mkdtemp()))')
+mkdir -p /tmp/slo_bench
+for spec in "$@"; do
+  name=${spec%%:*}; args=${spec#*:}
+  python3 -m laneserve.cli --log-level WARNING serve --model "$MODEL" --load-format dummy --dtype bfloat16 \
+    --port 8011 --cost-model-out "$OUT/cost_$name.json" $args > "$OUT/serve_$name.log" 2>&1 &
+  SERVE=$!
+  for _ in $(seq 600); do grep -q "laneserve ready" "$OUT/serve_$name.log" && break; kill -0 $SERVE || break; sleep 0.5; done
+  python3 -m laneserve.cli loadtest sweep --url http://127.0.0.1:8011 $LOAD_ARGS --rates ${RATES:-8,12,16,20,24} \
+    --seeds ${SEEDS:-2} --prompt-mode ${PROMPT_MODE:-ids} --slo ttft=120ms,tpot=30ms --no-progress --no-plots \
+    --out "/tmp/slo_bench/$name" > "/tmp/slo_bench/$name.txt" 2>&1
+  cp "/tmp/slo_bench/$name/sweep.json" "$OUT/sweep_$name.json" && cat "/tmp/slo_bench/$name/sweep.md" \
+    || tail -20 "/tmp/slo_bench/$name.txt"
+  curl -s http://127.0.0.1:8011/metrics | grep -E "^laneserve:(step_time|prefix_cache_hit_rate|num_slo|num_preempt|num_gated)"
+  kill -INT $SERVE; wait $SERVE
+  grep -i "error\|traceback" "$OUT/serve_$name.log" | head -5
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], 'fitted', {k: d[k] for k in 'abcdeg'})" \
+    "$OUT/cost_$name.json" "$name"
+done
