@@ -56,7 +56,8 @@ class BatcherConfig:
         "off | reject: with reject, a request whose predicted TTFT exceeds 1.25x its target is refused at once "
         "(429 + Retry-After) so the others keep theirs"))
     cost_model: str = field(default="", metadata=flag(
-        "step-cost model JSON (a, b, c, d, e in ms) the scheduler starts from ('' = the shipped H200 fit); "
+        "step-cost model JSON (a, b, c, d and optionally e, g: ms terms, batcher/cost_model.py) the scheduler "
+        "starts from ('' = the shipped H200 fit); "
         "refitted online from the workers' step times"))
     cost_model_out: str = field(default="", metadata=flag(
         "write worker 0's online-fitted step-cost model here every 10 s and at exit (for `laneserve simulate "

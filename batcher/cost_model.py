@@ -21,6 +21,7 @@ The terms of a step (batcher/scheduler.py's `step_features`):
 from __future__ import annotations
 
 import json
+import math
 from collections import deque
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -48,11 +49,23 @@ class CostModel:
 
     @classmethod
     def load(cls, path: str | Path = DEFAULT_COST_MODEL) -> CostModel:
-        data = json.loads(Path(path).read_text())
+        """A model from JSON: a, b, c, d required, e, g, h optional, each a finite number >= 0 (ValueError
+        naming the file otherwise; OSError if it can't be read)."""
         try:
-            return cls(**{k: float(data[k]) for k in ("a", "b", "c", "d", "e", "g", "h") if k in data})
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{path}: a cost model needs numbers a, b, c, d (e, g, h optional): {exc}") from None
+            data = json.loads(Path(path).read_text())
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+            missing = [k for k in "abcd" if k not in data]
+            if missing:
+                raise ValueError(f"missing {', '.join(missing)}")
+            values = {k: data[k] for k in ("a", "b", "c", "d", "e", "g", "h") if k in data}
+            for k, v in values.items():
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                    raise ValueError(f"{k} must be a finite number >= 0, got {v!r}")
+        except ValueError as exc:  # json.JSONDecodeError is one
+            raise ValueError(f"{path}: not a usable cost model (a, b, c, d, and optionally e, g, h: "
+                             f"ms terms): {exc}") from None
+        return cls(**{k: float(v) for k, v in values.items()})
 
     def save(self, path: str | Path, **extra) -> None:
         Path(path).write_text(json.dumps(asdict(self) | extra, indent=1) + "\n")

@@ -31,6 +31,7 @@ from laneserve.wire.protocol import (AddRequest, CachedReq, EngineStats, FinishR
                                      StepInput, StepOutput, TokenDelta)
 
 WARM_PREFIX_ID = "__warm__/"  # internal requests that fill the warm prefix pool
+MAX_STEP_S = 60.0  # a step time reported above this is not learned from (a stall, or a bogus figure)
 MAX_INFLIGHT_STEPS = 2  # with --async-scheduling: the worker runs one step while the next one waits in its socket
 _WARM_PARAMS = SamplingParams(max_tokens=1)
 
@@ -153,9 +154,11 @@ class Scheduler:
         req = Request(msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival_time, self.max_len)
         self.slo.assign(req, msg.priority, msg.slo_ttft_ms, msg.slo_tpot_ms, now)
         if self.slo.reject and req.deadline is not None and now is not None:
-            ttft = self.slo.predicted_ttft(req, self.waiting, max(now, self.busy_until), now, self.fit.model,
-                                           self._overhead_per_token())
-            if ttft > (req.deadline - now) * ADMISSION_MARGIN:
+            ttft, alone = self.slo.predicted_ttft(req, self.waiting, self.running.values(),
+                                                  max(now, self.busy_until), now, self.fit.model,
+                                                  self._overhead_per_token())
+            limit = (req.deadline - now) * ADMISSION_MARGIN
+            if ttft > limit and alone <= limit:  # the queue makes it late (alone, a retry would not help)
                 self.slo.shed += 1
                 return (f"predicted time to first token {ttft * 1000:.0f} ms exceeds {ADMISSION_MARGIN}x the "
                         f"target of {(req.deadline - now) * 1000:.0f} ms: the server is at its SLO capacity")
@@ -485,7 +488,7 @@ class Scheduler:
         if out.error is not None:
             in_flight.popleft()
             raise StepFailed(f"worker error: {out.error.splitlines()[-1]}")
-        if out.execute_time > 0:
+        if 0.0 < out.execute_time < MAX_STEP_S:  # a worker's figure: a NaN or a wild one must not wipe the fit
             self.fit.observe(in_flight[0][2], out.execute_time * 1000.0)
         return self._apply(now, out)
 

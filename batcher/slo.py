@@ -13,11 +13,15 @@ Rules (docs/scheduling.md, "SLO scheduling"):
   min(outputs left, TPOT_HORIZON) tokens still to come at the decode-only step time t_dec. The
   horizon bounds how much of a long request's future a burst may borrow against.
 - Waiting requests are served by (priority, starved first, feasible first, slack, uncached
-  tokens): slack = deadline - (start + own prefill time); one that can no longer meet its
-  deadline goes behind those that can (it is a miss either way), until it has waited
-  `max_gated_wait_s` past its deadline (no starvation).
-- Admission (`--slo-admission reject`): a request whose predicted TTFT, behind everything
-  already waiting, exceeds ADMISSION_MARGIN x its TTFT target is shed at once (retryable).
+  tokens): slack = deadline - (start + own prefill time); one late by more than the admission
+  margin allows goes behind those that can still make it (it is a miss either way) until it is a
+  whole target past its deadline (then it goes first: no starvation). Requests without a TTFT
+  target keep their queue order, after those with one.
+- Coalescing (`due`): new prefills wait in a decode-only step for company while each would still
+  start before COALESCE_FRACTION of its target is used.
+- Admission (`--slo-admission reject`): a request whose predicted TTFT, behind the running
+  prefills and everything waiting of its priority or better, exceeds ADMISSION_MARGIN x its
+  target is shed at once (retryable); one whose own prefill alone would exceed it is served.
 """
 
 from __future__ import annotations
@@ -47,7 +51,6 @@ class SloPolicy:
         self.ttft = cfg.slo_ttft_ms / 1000.0
         self.tpot = cfg.slo_tpot_ms / 1000.0
         self.reject = cfg.slo_admission == "reject"
-        self.starve_after = cfg.max_gated_wait_s
         self.enabled = bool(self.ttft or self.tpot)  # some request may still bring its own targets
         self.shed = 0  # requests refused by predictive admission
 
@@ -101,17 +104,21 @@ class SloPolicy:
             if r.internal:  # warm prefixes (start-up only) stay first
                 keys[r.request_id] = (-math.inf,)
                 continue
-            if d is None:  # no TTFT target: after those with one that can still make it
-                keys[r.request_id] = (r.priority, 1, 0, math.inf, r.uncached_estimate)
+            if d is None:  # no TTFT target: after those with one that can still make it, in queue order
+                keys[r.request_id] = (r.priority, 1, 0, math.inf, 0)
                 continue
+            target = d - r.arrived_at
             slack = d - start - own_s(r)
-            starved = r.num_preemptions > 0 or start - d > self.starve_after
-            keys[r.request_id] = (r.priority, not starved, slack < 0, slack if not starved else d, r.uncached_estimate)
+            # Late by more than admission tolerates: behind those that can still make it, until it is a whole
+            # target past its deadline (then first: waiting twice its target is the longest anyone waits).
+            late = slack < -(ADMISSION_MARGIN - 1.0) * target
+            starved = r.num_preemptions > 0 or start - d > target
+            keys[r.request_id] = (r.priority, not starved, late, slack if not starved else d, r.uncached_estimate)
         waiting.sort(key=lambda r: keys[r.request_id])
         t = start
         for r in waiting:
             t += own_s(r)
-            if r.deadline is not None and t > r.deadline and keys[r.request_id][2] == 0:
+            if r.deadline is not None and t > r.deadline and not keys[r.request_id][2]:
                 return True
         return False
 
@@ -137,14 +144,20 @@ class SloPolicy:
             return True
         return start + (decode_step_ms + ms) / 1000.0 > earliest
 
-    def predicted_ttft(self, req: Request, waiting: Iterable[Request], start: float, now: float, cost: CostModel,
-                       overhead_per_token: float) -> float:
-        """When req's first token would come back, served after every waiting request of its priority or
-        better (seconds from now)."""
+    def predicted_ttft(self, req: Request, waiting: Iterable[Request], running: Iterable[Request], start: float,
+                       now: float, cost: CostModel, overhead_per_token: float) -> tuple[float, float]:
+        """When req's first token would come back (seconds from now): served after the prefills of the running
+        requests and of every waiting request of its priority or better; and its own prefill alone."""
+        def own_s(r: Request, u: int) -> float:
+            return (cost.chunk_ms(u, r.compute_target - u) + u * overhead_per_token) / 1000.0
+
         t = start
+        for r in running:
+            left = r.compute_target - r.num_computed_tokens
+            if left > 1:
+                t += own_s(r, left)
         for r in waiting:
             if r.priority <= req.priority:
-                u = r.uncached_estimate
-                t += (cost.chunk_ms(u, r.compute_target - u) + u * overhead_per_token) / 1000.0
-        u = req.uncached_estimate
-        return t + (cost.chunk_ms(u, req.compute_target - u) + u * overhead_per_token) / 1000.0 - now
+                t += own_s(r, r.uncached_estimate)
+        alone = (cost.g + cost.a) / 1000.0 + own_s(req, req.uncached_estimate)
+        return t - now + alone, alone
