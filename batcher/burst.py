@@ -13,7 +13,9 @@ not compared with ours). A burst is on while EITHER
 Either test is off when its threshold is 0.
 
 Gate (only while a burst is on, or with SLO targets while the waiting queue
-served in order would miss a deadline, and only when `burst_gating`): a prompt with
+served in order would miss a deadline, and only when `burst_gating`; with SLO
+targets the scheduler also lets a prompt through once holding it would make it
+miss its own deadline, batcher/slo.py `may_hold`): a prompt with
 more than `long_prefill_threshold` uncached tokens is held back while at least
 `min_active_decodes` requests are active (running with at most the threshold
 left to compute: decoding, or finishing a short prefill). Its prefill chunks

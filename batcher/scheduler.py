@@ -257,14 +257,14 @@ class Scheduler:
             # The gate's burst state, asked for only here (scheduling the running ones left the queue as it was).
             self.gate.detector.observe(now, len(self.waiting) - self.num_internal)
             if not self.slo.enabled:
-                self._admit_waiting(now, flight, budget, active)
+                self._admit_waiting(now, start, flight, budget, active)
             else:
                 self._order_waiting(now, start)
                 # Coalescing: a step with no prefill replays a CUDA graph, one with any prefill runs eagerly
                 # (cost model's g), so new prefills wait for company while their deadlines allow.
                 if self.mixed_paid or not num_running or self.slo.due(self.waiting, start, self.fit.model,
                                                                       self.decode_part_ms, budget):
-                    self._admit_waiting(now, flight, budget, active)
+                    self._admit_waiting(now, start, flight, budget, active)
         # An empty step carries finished ids to the worker, or error deltas back through update() (a step
         # already in flight brings those back anyway).
         if not flight and not self.finished_ids and (not self.pending or self.in_flight):
@@ -425,7 +425,7 @@ class Scheduler:
                 return False
         return True
 
-    def _admit_waiting(self, now: float, flight: list[Scheduled], budget: int, active: int) -> None:
+    def _admit_waiting(self, now: float, start: float, flight: list[Scheduled], budget: int, active: int) -> None:
         held: list[Request] = []
         waiting = self.waiting
         bm = self.bm
@@ -439,7 +439,9 @@ class Scheduler:
                 self.slo.stamp(req, now)
             hit_blocks = bm.lookup(req)
             req.uncached_estimate = uncached = req.compute_target - hit_blocks * self.block_size
-            if not req.internal and self.gate.holds(now, uncached, req.seen_at, active):
+            if not req.internal and self.gate.holds(now, uncached, req.seen_at, active) and (
+                    not self.slo.enabled or self.slo.may_hold(req, start, self.fit.model, self._overhead_per_token(),
+                                                              self.decode_part_ms / 1000.0)):
                 if req.gated_since is None:
                     req.gated_since = now
                     self.gated_prefills += 1

@@ -17,6 +17,8 @@ Rules (docs/scheduling.md, "SLO scheduling"):
   margin allows goes behind those that can still make it (it is a miss either way) until it is a
   whole target past its deadline (then it goes first: no starvation). Requests without a TTFT
   target keep their queue order, after those with one.
+- The long-prompt gate (batcher/burst.py) may hold a prompt with a TTFT target only while it
+  would still make its deadline after one more step (`may_hold`).
 - Coalescing (`due`): new prefills wait in a decode-only step for company while each would still
   start before COALESCE_FRACTION of its target is used.
 - Admission (`--slo-admission reject`): a request whose predicted TTFT, behind the running
@@ -38,6 +40,12 @@ TPOT_HORIZON = 64  # outputs ahead a step may borrow TPOT slack against
 ADMISSION_MARGIN = 1.25  # shed when the predicted TTFT exceeds this x the target
 MIN_PREFILL_TOKENS = 2048  # prefill tokens a step may take whatever the TPOT slack: the default budget (no worse)
 COALESCE_FRACTION = 0.5  # new prefills may wait for company until this share of their TTFT target is used
+
+
+def prefill_s(r: Request, uncached: int, cost: CostModel, overhead_per_token: float) -> float:
+    """Predicted seconds of r's prefill of `uncached` tokens after its cached ones, with the decode work those
+    tokens' steps carry (overhead_per_token ms each)."""
+    return (cost.chunk_ms(uncached, r.compute_target - uncached) + uncached * overhead_per_token) / 1000.0
 
 
 class SloPolicy:
@@ -95,8 +103,7 @@ class SloPolicy:
         """Sort `waiting` (in place) for service; True if, served in that order from `start`, one of them
         misses its deadline: the queue is under pressure (the long-prompt gate closes)."""
         def own_s(r: Request) -> float:
-            u = r.uncached_estimate
-            return (cost.chunk_ms(u, r.compute_target - u) + u * overhead_per_token) / 1000.0
+            return prefill_s(r, r.uncached_estimate, cost, overhead_per_token)
 
         keys = {}
         for r in waiting:
@@ -123,6 +130,13 @@ class SloPolicy:
         return False
 
     @staticmethod
+    def may_hold(req: Request, start: float, cost: CostModel, overhead_per_token: float, step_s: float) -> bool:
+        """May the long-prompt gate hold req for another step? Only while it would still make its deadline
+        after one (always, for a request without a TTFT target: the gate's own time limit applies)."""
+        d = req.deadline
+        return d is None or start + step_s + prefill_s(req, req.uncached_estimate, cost, overhead_per_token) < d
+
+    @staticmethod
     def due(waiting: Iterable[Request], start: float, cost: CostModel, decode_step_ms: float, budget: int) -> bool:
         """Must waiting prefills start in the step being composed (a decode-only one so far)? Yes when one has no
         TTFT target, when they fill the step's token budget, or when one of them, waiting through one more
@@ -136,7 +150,7 @@ class SloPolicy:
                 return True
             u = r.uncached_estimate
             total += u
-            ms += cost.chunk_ms(u, r.compute_target - u)
+            ms += 1000.0 * prefill_s(r, u, cost, 0.0)
             due = r.arrived_at + COALESCE_FRACTION * (r.deadline - r.arrived_at)
             if due < earliest:
                 earliest = due
@@ -148,16 +162,13 @@ class SloPolicy:
                        now: float, cost: CostModel, overhead_per_token: float) -> tuple[float, float]:
         """When req's first token would come back (seconds from now): served after the prefills of the running
         requests and of every waiting request of its priority or better; and its own prefill alone."""
-        def own_s(r: Request, u: int) -> float:
-            return (cost.chunk_ms(u, r.compute_target - u) + u * overhead_per_token) / 1000.0
-
         t = start
         for r in running:
             left = r.compute_target - r.num_computed_tokens
             if left > 1:
-                t += own_s(r, left)
+                t += prefill_s(r, left, cost, overhead_per_token)
         for r in waiting:
             if r.priority <= req.priority:
-                t += own_s(r, r.uncached_estimate)
-        alone = (cost.g + cost.a) / 1000.0 + own_s(req, req.uncached_estimate)
+                t += prefill_s(r, r.uncached_estimate, cost, overhead_per_token)
+        alone = (cost.g + cost.a) / 1000.0 + prefill_s(req, req.uncached_estimate, cost, overhead_per_token)
         return t - now + alone, alone

@@ -709,3 +709,26 @@ def test_simulator_with_slo_is_deterministic_and_differs_from_without():
     # the batcher's path (StepInputs through a contract-checking SimWorker) makes the same decisions
     checked = simulate(reqs, slo, TPOT_COST, check_kv=True)
     assert _fields(checked) == _fields(a)
+
+
+# ---------------------------------------------------------------------- the long-prompt gate on predicted slack
+def test_the_gate_lets_a_long_prompt_through_before_it_misses_its_deadline():
+    """A burst (100 arrivals in 1.3 s: over the detector's 5/s, and 40 long decodes active) holds a >threshold prompt.
+    Without targets it waits until --max-gated-wait-s; with a TTFT target the gate lets it go once another step
+    of holding would make it miss its deadline, so its TTFT stays near the target."""
+    gate = dict(long_prefill_threshold=256, min_active_decodes=1, burst_queue_depth=0, burst_arrival_rate=5.0,
+                burst_window_s=2.0, max_gated_wait_s=2.0)
+    cost = CostModel(a=4.0, b=0.02, c=0.01, d=0.0, g=2.0)
+    reqs = [SimRequest(0.001 * i, tokens(i, 64), 400) for i in range(40)]  # short, long-running decodes
+    reqs += [SimRequest(0.05 + 0.02 * i, tokens(100 + i, 64), 4) for i in range(60)]  # the burst goes on
+    reqs.append(SimRequest(0.06, tokens(999, 1500), 4))  # the long one (request r100)
+
+    def long_ttft(**kw) -> float:
+        res = simulate(reqs, cfg(**gate, **kw), cost)
+        assert res.gated_prefills >= 1 and res.finish == {"LENGTH": len(reqs)}
+        return res.ttft_of["r100"]
+
+    held = long_ttft()
+    let_go = long_ttft(slo_ttft_ms=300.0)
+    assert held > 1.5  # held for most of max_gated_wait_s
+    assert let_go < 0.3 + 0.05  # its deadline, plus at most a step

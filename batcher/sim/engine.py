@@ -161,6 +161,7 @@ class SimResult:
     e2e: list[float] = field(default_factory=list)
     finish: dict[str, int] = field(default_factory=dict)  # finish reason name -> count
     output_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens received
+    ttft_of: dict[str, float] = field(default_factory=dict)  # request id -> its TTFT (finished by STOP or LENGTH)
     first_chunk_cached: dict[str, int] = field(default_factory=dict)
     duration: float = 0.0
     steps: int = 0
@@ -227,6 +228,7 @@ class _Tally:
                     res.output_tokens[rid] = n
                 if p.first_at is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
                     res.ttft.append(p.first_at - p.arrival)
+                    res.ttft_of[rid] = p.first_at - p.arrival
                     res.e2e.append(now - p.arrival)
                     if n > 1:
                         res.tpot.append((now - p.first_at) / (n - 1))
