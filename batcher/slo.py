@@ -158,7 +158,8 @@ class SloPolicy:
             return True
         return start + (decode_step_ms + ms) / 1000.0 > earliest
 
-    def predicted_ttft(self, req: Request, waiting: Iterable[Request], running: Iterable[Request], start: float,
+    @staticmethod
+    def predicted_ttft(req: Request, waiting: Iterable[Request], running: Iterable[Request], start: float,
                        now: float, cost: CostModel, overhead_per_token: float) -> tuple[float, float]:
         """When req's first token would come back (seconds from now): served after the prefills of the running
         requests and of every waiting request of its priority or better; and its own prefill alone."""
