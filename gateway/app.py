@@ -77,7 +77,7 @@ def auth_middleware(api_key: str):
 
 
 def create_app(cfg: GatewayConfig, tokenizer: ModelTokenizer | None = None) -> web.Application:
-    tok = tokenizer or load_tokenizer(cfg.model, cfg.served_model_name, cfg.max_model_len)
+    tok = tokenizer or load_tokenizer(cfg.model, cfg.served_model_name, cfg.max_model_len, cfg.tokenizer)
     middlewares = [error_middleware]
     if cfg.api_key:
         middlewares.append(auth_middleware(cfg.api_key))

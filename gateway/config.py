@@ -13,8 +13,12 @@ class GatewayConfig:
     port: int = field(default=8000, metadata=flag("HTTP port"))
     batcher_address: str = shared("batcher_address")
     model: str = shared("model")
-    served_model_name: str = field(default="", metadata=flag("model id in the API; default 'tiny' or the dir's name"))
+    served_model_name: str = field(default="", metadata=flag(
+        "model id in the API; default 'tiny', the dir's name or the .gguf file's stem"))
     max_model_len: int = shared("max_model_len")
+    tokenizer: str = field(default="", metadata=flag(
+        "an HF tokenizer dir (tokenizer.json + tokenizer_config.json) to use instead of the model's own tokenizer; "
+        "the model still sets the context length ('' = the model's)"))
     api_key: str = field(default="", metadata=flag(
         "require 'Authorization: Bearer KEY' on every route but /health and /metrics ('' = open)"))
     max_body_bytes: int = field(default=16 * 1024 * 1024, metadata=flag("largest request body accepted (413 above)"))

@@ -4,6 +4,9 @@
 `load_tokenizer(DIR)` reads an HF checkpoint: tokenizer.json (via `tokenizers`),
 tokenizer_config.json (chat template rendered with jinja2 the way `transformers` does, bos/eos),
 generation_config.json (extra eos ids) and config.json (max_position_embeddings, vocab_size).
+`load_tokenizer(FILE.gguf)` (or `smollm2-135m-instruct`, or a dir with one .gguf) rebuilds the tokenizer from the
+GGUF metadata (gateway/gguf_tokenizer.py) and takes the context length from it as the worker does.
+`--tokenizer DIR` swaps in an HF tokenizer dir for any model.
 Incremental detokenization and stop strings live in gateway/detokenizer.py.
 Must not import zmq, aiohttp or torch.
 """
@@ -19,6 +22,7 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from gateway import gguf_tokenizer
 from laneserve import modelspec
 
 CHATML_TEMPLATE = (
@@ -116,22 +120,9 @@ def _compile(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable char map, which tokenizers' ByteLevel pre-tokenizer applies."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
 def build_tiny_tokenizer() -> Tokenizer:
     """Byte-level: token id == byte value for 0..255, then the tiny spec's special tokens from 256 on."""
-    byte_char = _bytes_to_unicode()
+    byte_char = gguf_tokenizer.bytes_to_unicode()
     tok = Tokenizer(models.BPE(vocab={byte_char[b]: b for b in range(256)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
@@ -169,18 +160,116 @@ def _as_ids(value) -> list[int]:
     return [value] if isinstance(value, int) else [v for v in value if isinstance(v, int)]
 
 
-def load_tokenizer(model: str, served_model_name: str = "", max_model_len: int = 0) -> ModelTokenizer:
-    """The tokenizer for `tiny` or an HF checkpoint directory; max_model_len > 0 lowers the model's context limit
-    (as the worker does: laneserve.modelspec.resolve_max_model_len)."""
-    if model == "tiny":
-        tok = tiny_tokenizer(served_model_name or "tiny")
-    else:
-        tok = _load_dir(model, served_model_name)
+def load_tokenizer(model: str, served_model_name: str = "", max_model_len: int = 0,
+                   tokenizer: str = "") -> ModelTokenizer:
+    """The tokenizer for `tiny`, an HF checkpoint directory or a GGUF file (its name, path, or a directory holding
+    one: laneserve.gguf_file.resolve_model); `tokenizer` (--tokenizer DIR) swaps in an HF tokenizer directory while
+    the model still gives the context limit, vocabulary size and eos ids. max_model_len > 0 lowers the model's
+    context limit (as the worker does: laneserve.modelspec.resolve_max_model_len)."""
     try:
+        if model == "tiny":
+            tok = tiny_tokenizer(served_model_name or "tiny")
+            if tokenizer:
+                tok = _override(tok, tokenizer)
+        else:
+            from laneserve import gguf_file  # numpy via gguf, still torch-free
+
+            path = gguf_file.resolve_model(model)
+            name = served_model_name or _model_id(model, path)
+            if tokenizer:
+                tok = _override(_model_limits(path, name), tokenizer)
+            elif gguf_file.is_gguf(path):
+                tok = _load_gguf(path, name)
+            else:
+                tok = _load_dir(path, name)
         tok.max_model_len = modelspec.resolve_max_model_len(tok.max_model_len, max_model_len)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # ModelConfigError, GGUFError, a bad --max-model-len, unreadable files
         raise SystemExit(str(exc)) from None
     return tok
+
+
+def _model_id(model: str, path: str) -> str:
+    from laneserve import gguf_file
+
+    if model == gguf_file.SMOLLM2:
+        return model
+    if path.endswith(".gguf"):
+        return os.path.basename(path)[: -len(".gguf")]
+    return os.path.basename(os.path.normpath(path))
+
+
+def _model_limits(path: str, name: str) -> ModelTokenizer:
+    """What the model (not its tokenizer) fixes: vocab_size, max_model_len, eos ids; no tokenizer yet."""
+    from laneserve import gguf_file
+
+    if gguf_file.is_gguf(path):
+        mc = modelspec.load_model_config(path)
+        vocab, max_len, eos = mc.vocab_size, mc.max_position_embeddings, mc.eos_token_ids
+    else:
+        mcfg = _read_json(os.path.join(path, "config.json"))
+        text_cfg = mcfg.get("text_config", mcfg)
+        gcfg = _read_json(os.path.join(path, "generation_config.json"))
+        vocab = int(text_cfg.get("vocab_size") or 0)
+        max_len = modelspec.max_position_embeddings(text_cfg)
+        eos = tuple(dict.fromkeys(_as_ids(gcfg.get("eos_token_id")) + _as_ids(text_cfg.get("eos_token_id"))))
+    return ModelTokenizer(tokenizer=None, model_id=name, vocab_size=vocab,  # type: ignore[arg-type]
+                          max_model_len=max_len, eos_token_ids=tuple(eos))
+
+
+def _override(model: ModelTokenizer, tokenizer_dir: str) -> ModelTokenizer:
+    """--tokenizer DIR: the HF tokenizer in DIR, with the model's limits and its eos ids added to DIR's."""
+    if not os.path.isdir(tokenizer_dir):
+        raise SystemExit(f"--tokenizer {tokenizer_dir}: not a directory (an HF tokenizer dir with tokenizer.json)")
+    tok = _load_dir(tokenizer_dir, model.model_id)
+    tok.vocab_size = max(model.vocab_size, tok.tokenizer.get_vocab_size(with_added_tokens=True))
+    tok.max_model_len = model.max_model_len
+    tok.eos_token_ids = tuple(dict.fromkeys(tok.eos_token_ids + model.eos_token_ids))
+    return tok
+
+
+# Turn-end tokens a chat template may close a reply with; generation also stops at them when the template uses one
+# (llama.cpp treats them as end-of-generation too; HF's eos is the file's eos_token_id).
+TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+
+
+def _load_gguf(path: str, name: str) -> ModelTokenizer:
+
+    from laneserve import gguf_file
+
+    try:
+        md = gguf_file.metadata(path)
+    except gguf_file.GGUFError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a reader that got past the header can still trip on bad data
+        raise gguf_file.GGUFError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+    mc = modelspec.load_model_config(path)  # the worker's rule: the same context length and vocabulary
+    tokenizer = gguf_tokenizer.build(path, md)
+    tokens = md["tokenizer.ggml.tokens"]
+
+    def token(key: str) -> tuple[str | None, int | None]:
+        i = md.get(f"tokenizer.ggml.{key}")
+        return (tokens[i], int(i)) if isinstance(i, int) and 0 <= i < len(tokens) else (None, None)
+
+    bos, bos_id = token("bos_token_id")
+    eos, eos_id = token("eos_token_id")
+    template = md.get("tokenizer.chat_template")
+    eos_ids = [eos_id] if eos_id is not None else []
+    for key in ("eot_token_id", "eom_token_id"):
+        if token(key)[1] is not None:
+            eos_ids.append(token(key)[1])
+    for text in TURN_END_TOKENS:
+        i = tokenizer.token_to_id(text)
+        if template and text in template and i is not None and i != bos_id:
+            eos_ids.append(i)
+    extra = {name_: t for name_, key in (("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"))
+             if (t := token(key)[0]) is not None}
+    # transformers: a SentencePiece vocabulary adds bos unless the file says otherwise; byte-level only when it says so
+    add_bos = md.get("tokenizer.ggml.add_bos_token", md.get("tokenizer.ggml.model") == "llama")
+    return ModelTokenizer(tokenizer=tokenizer, model_id=name,
+                          vocab_size=max(mc.vocab_size, tokenizer.get_vocab_size(with_added_tokens=True)),
+                          max_model_len=mc.max_position_embeddings, eos_token_ids=tuple(dict.fromkeys(eos_ids)),
+                          bos_token=bos, eos_token=eos, bos_token_id=bos_id, chat_template=template,
+                          template_vars=extra, add_bos_token=bool(add_bos) and bos_id is not None)
 
 
 def _load_dir(path: str, served_model_name: str) -> ModelTokenizer:

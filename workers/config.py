@@ -14,13 +14,14 @@ class WorkerConfig:
     model: str = shared("model")
     device: str = field(default="auto", metadata=flag("auto | cpu | cuda | cuda:N"))
     dtype: str = field(default="auto", metadata=flag("auto | float32 | bfloat16 | float16"))
-    load_format: str = field(default="auto", metadata=flag("auto | safetensors | dummy (random weights)"))
+    load_format: str = field(default="auto", metadata=flag("auto | safetensors | gguf | dummy (random weights)"))
     seed: int = field(default=0, metadata=flag("seed of the tiny/dummy weights"))
     max_model_len: int = shared("max_model_len")
     max_num_seqs: int = shared("max_num_seqs")
     max_num_batched_tokens: int = shared("max_num_batched_tokens")
     kv_cache_memory: str = field(default="", metadata=flag(
-        "KV pool size, e.g. 256MiB or 4GiB; empty = 256MiB on CPU, --gpu-memory-utilization on CUDA"))
+        "KV pool size, e.g. 256MiB or 4GiB; empty = on CPU 256MiB or room for two --max-model-len sequences, "
+        "whichever is more; on CUDA --gpu-memory-utilization"))
     gpu_memory_utilization: float = field(default=0.9, metadata=flag(
         "share of GPU memory for weights + activations + KV pool (measured after a warm-up forward)"))
     kv_cache_dtype: str = field(default="auto", metadata=flag(

@@ -2,7 +2,8 @@
 
 Owns the checks a bad checkpoint fails at start-up (one clear error naming the file and
 tensor, never a traceback deep in a forward) and the weight sources: safetensors files
-(sharded via model.safetensors.index.json too), seeded random weights for `tiny`, and
+(sharded via model.safetensors.index.json too), GGUF files (dequantized to float32 by
+workers/gguf_loader.py, one tensor at a time), seeded random weights for `tiny`, and
 `--load-format dummy` (random weights, real shapes, for benchmarks). Tensors are read
 one at a time with safe_open and copied straight into the target dtype and device, so at
 most one tensor is staged, never a whole host copy; a tensor-parallel rank reads only its
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
+import time
 
 import torch
 
@@ -21,8 +24,9 @@ from laneserve.modelspec import ModelConfig
 from workers.model.llama import LlamaForCausalLM
 from workers.model.random_weights import init_random_
 
+log = logging.getLogger("laneserve.worker")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # tensors some checkpoints carry that the model recomputes or shares
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -72,6 +76,16 @@ def load_model(model: str, model_cfg: ModelConfig, dtype: torch.dtype, device: t
     tp_size > 1: this rank's shard only (LlamaForCausalLM.shard_dims says what is sliced)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format {load_format!r}: choose {', '.join(LOAD_FORMATS)}")
+    if model != "tiny":
+        from laneserve import gguf_file
+
+        model = gguf_file.resolve_model(model)  # a GGUF name or a directory holding one .gguf: that file
+        if load_format == "auto":
+            load_format = "gguf" if model.endswith(".gguf") else "safetensors"
+        elif load_format == "gguf" and not gguf_file.is_gguf(model):
+            raise WeightLoadError(f"--load-format gguf: {model} is not a .gguf file")
+        elif load_format == "safetensors" and model.endswith(".gguf"):
+            raise WeightLoadError(f"--load-format safetensors: {model} is a GGUF file; use auto or gguf")
     with torch.device("meta"):
         net = LlamaForCausalLM(model_cfg, tp_size)
     net = net.to(dtype).to_empty(device=device)
@@ -87,6 +101,8 @@ def load_model(model: str, model_cfg: ModelConfig, dtype: torch.dtype, device: t
     elif load_format == "dummy":
         # per-shard random weights: same on every rank, not the TP=1 model's (benchmarks only)
         init_random_(net, torch.Generator(device=device).manual_seed(seed))
+    elif load_format == "gguf":
+        load_gguf(net, model, tp_rank, tp_size)
     else:
         load_safetensors(net, model, tp_rank, tp_size)
     net.fuse_projections()  # q/k/v and gate/up into one GEMM each, once every part is filled
@@ -178,6 +194,51 @@ def load_safetensors(net: LlamaForCausalLM, path: str, tp_rank: int = 0, tp_size
     if problems:
         more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
         raise WeightLoadError(f"checkpoint {path} does not match its config:\n  " + "\n  ".join(problems[:10]) + more)
+
+
+@torch.no_grad()
+def load_gguf(net: LlamaForCausalLM, path: str, tp_rank: int = 0, tp_size: int = 1) -> float:
+    """Copy every GGUF tensor, dequantized to float32 under its HF name (workers.gguf_loader), into its
+    parameter, checking names and shapes as load_safetensors does; this rank's slice under TP.
+    Logs the load (dequantization) time once and returns it in seconds."""
+    from laneserve import gguf_file
+    from workers.gguf_loader import GGUFWeightError, hf_tensors
+
+    start = time.perf_counter()
+    params = dict(net.named_parameters())
+    dims = net.shard_dims()
+    tied = net.config.tie_word_embeddings
+    loaded: set[str] = set()
+    problems: list[str] = []
+    try:
+        for name, w in hf_tensors(path):
+            if tied and name == "lm_head.weight":
+                continue
+            param = params.get(name)
+            if param is None:
+                problems.append(f"unexpected tensor {name!r}")
+                continue
+            want = _full_shape(param, dims[name], tp_size)
+            if tuple(w.shape) != want:
+                problems.append(f"tensor {name!r} has shape {list(w.shape)}, its metadata implies {list(want)}")
+                continue
+            t = torch.from_numpy(w)
+            param.copy_(t if tp_size == 1 or dims[name] is None else t[_index(dims[name], want, tp_rank, tp_size)])
+            loaded.add(name)
+    except GGUFWeightError as e:
+        raise WeightLoadError(str(e)) from None
+    problems += [f"tensor {name!r} (shape {list(_full_shape(params[name], dims[name], tp_size))}) is missing"
+                 for name in params if name not in loaded]
+    if problems:  # one line, like every GGUF error
+        more = f"; ... and {len(problems) - 5} more" if len(problems) > 5 else ""
+        raise WeightLoadError(f"{path} does not match its metadata: " + "; ".join(problems[:5]) + more)
+    elapsed = time.perf_counter() - start
+    counts: dict[str, int] = {}
+    for t in gguf_file.reader(path).tensors:
+        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    log.info("GGUF %s: %d tensors (%s) dequantized and loaded in %.2f s", os.path.basename(path), len(loaded),
+             ", ".join(f"{n} {k}" for k, n in sorted(counts.items())), elapsed)
+    return elapsed
 
 
 def _full_shape(param: torch.Tensor, dim: int | None, tp_size: int) -> tuple[int, ...]:

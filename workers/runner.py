@@ -130,12 +130,13 @@ class ModelRunner:
         mc = self.model_config
         per_block = bytes_per_block(mc.num_layers, self.num_kv_heads, mc.head_dim, self.kv_dtype)
         budget = parse_bytes(self.cfg.kv_cache_memory)  # per rank: each holds num_kv_heads/T heads
-        if not budget:
-            budget = self._measure_gpu_budget() if self.device.type == "cuda" else DEFAULT_CPU_KV_BYTES
+        need = -(-self.max_model_len // BLOCK_SIZE)
+        if not budget:  # CPU: 256 MiB, or room for two full-length sequences if that is more
+            budget = (self._measure_gpu_budget() if self.device.type == "cuda"
+                      else max(DEFAULT_CPU_KV_BYTES, 2 * need * per_block))
         num_blocks = budget // per_block
         if self.tp_size > 1:  # block ids are the group's: every rank needs every block
             num_blocks = min_across_ranks(num_blocks, self.device)
-        need = -(-self.max_model_len // BLOCK_SIZE)
         if num_blocks < need:
             raise ValueError(f"KV cache budget {budget / 2**20:.0f} MiB holds {num_blocks} blocks, fewer than the "
                              f"{need} one {self.max_model_len}-token sequence needs: raise --kv-cache-memory "

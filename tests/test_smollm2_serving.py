@@ -1,0 +1,79 @@
+"""A real trained model end to end: SmolLM2-135M-Instruct (GGUF, Q4_1) served over HTTP on CPU, checked against
+`transformers` loading the same file, and for answers that make sense."""
+
+from __future__ import annotations
+
+import os
+
+import aiohttp
+import pytest
+
+from tests.stack import Stack
+
+gguf_file = pytest.importorskip("laneserve.gguf_file")
+pytest.importorskip("gguf")
+try:
+    PATH = gguf_file.resolve_model(gguf_file.SMOLLM2)
+except gguf_file.GGUFError as e:  # the package is not installed: the Makefile installs it
+    pytest.skip(str(e), allow_module_level=True)
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+]
+
+
+@pytest.fixture(scope="module")
+def stack():
+    s = Stack("--model", gguf_file.SMOLLM2, timeout=180.0)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_reference):
+    return smollm2_reference
+
+
+def greedy(reference, prompt: str, n: int) -> str:
+    """n argmax steps with nothing banned (as ignore_eos: an EOS may come out, and is not text)."""
+    import torch
+
+    tok, model = reference
+    ids = tok(prompt, return_tensors="pt").input_ids
+    out = []
+    with torch.no_grad():
+        past, step = None, ids
+        for _ in range(n):
+            res = model(step, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            step = res.logits[:, -1:].argmax(-1)
+            out.append(int(step))
+    return tok.decode(out, skip_special_tokens=True)
+
+
+async def test_greedy_text_equals_transformers(stack, reference):
+    async with aiohttp.ClientSession() as s:
+        for prompt in PROMPTS:
+            body = {"model": gguf_file.SMOLLM2, "prompt": prompt, "max_tokens": 32, "temperature": 0,
+                    "ignore_eos": True}
+            async with s.post(stack.url("/v1/completions"), json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                out = await resp.json()
+            assert out["usage"]["completion_tokens"] == 32
+            assert out["choices"][0]["text"] == greedy(reference, prompt, 32), prompt
+
+
+async def test_chat_answers_paris_and_stops_on_eos(stack):
+    body = {"model": gguf_file.SMOLLM2, "temperature": 0, "max_tokens": 64,
+            "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}]}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(stack.url("/v1/chat/completions"), json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            out = await resp.json()
+    choice = out["choices"][0]
+    assert "Paris" in choice["message"]["content"]
+    assert choice["finish_reason"] == "stop"  # the model's <|im_end|> (its EOS), well before max_tokens
+    assert out["usage"]["completion_tokens"] < 64
