@@ -147,15 +147,20 @@ class _LogitTap:
         return logits
 
 
-def compare_kv(ref, test, prompt: list[int], n_new: int, chunk: int = 2048) -> dict:
+def compare_kv(ref, test, prompt: list[int], n_new: int, chunk: int = 2048, targets: list[int] | None = None
+               ) -> dict:
     """Greedy decode n_new tokens with `ref` (float KV); `test` (int8 KV) is teacher-forced onto the
     same tokens, so every position compares logits over the same context. Returns the max abs logit
-    difference, the share of positions whose argmax agrees, and the logits' spread for scale."""
+    difference, the share of positions whose argmax agrees, and the logits' spread for scale. With
+    `targets` (the text after the prompt) both are teacher-forced onto the text instead, and the text's
+    perplexity under float and int8 KV is added."""
     taps = _LogitTap(ref.model), _LogitTap(test.model)
     step = 0
     for r in (ref, test):
         step = prefill(r, prompt, chunk, rid="cmp", n_new=n_new)
-    for _ in range(n_new - 1):
+    for i in range(n_new - 1):
+        if targets is not None:
+            ref.requests["cmp"].token_ids[-1] = targets[i]
         test.requests["cmp"].token_ids[-1] = ref.requests["cmp"].token_ids[-1]  # teacher forcing
         for r in (ref, test):
             out = r.execute(P.StepInput(step=step, num_scheduled_tokens={"cmp": 1}))
@@ -166,9 +171,16 @@ def compare_kv(ref, test, prompt: list[int], n_new: int, chunk: int = 2048) -> d
         r.execute(P.StepInput(step=step, finished_req_ids=["cmp"]))
         r.model.compute_logits = taps[0].inner if r is ref else taps[1].inner
     a, b = torch.cat(taps[0].rows), torch.cat(taps[1].rows)
-    return {"positions": a.shape[0], "max_abs_logit_diff": (a - b).abs().max().item(),
-            "greedy_agreement": (a.argmax(-1) == b.argmax(-1)).float().mean().item(),
-            "logit_std": a.std().item()}
+    out = {"positions": a.shape[0], "max_abs_logit_diff": (a - b).abs().max().item(),
+           "greedy_agreement": (a.argmax(-1) == b.argmax(-1)).float().mean().item(),
+           "logit_std": a.std().item()}
+    if targets is not None:  # the text's own next tokens: its perplexity under each KV
+        t = torch.tensor(targets[:a.shape[0]])
+        for name, rows in (("perplexity_float_kv", a), ("perplexity_int8_kv", b)):
+            logp = torch.log_softmax(rows[:len(t)].double(), -1)
+            out[name] = math.exp(-logp[torch.arange(len(t)), t].mean().item())
+        out["perplexity_increase"] = out["perplexity_int8_kv"] / out["perplexity_float_kv"] - 1
+    return out
 
 
 # ------------------------------------------------------------------------------------------ CLI
@@ -212,6 +224,13 @@ def main(argv: list[str] | None = None) -> int:
         test = make_runner(args.model, span, kv_cache_dtype="int8", kv_scales=args.out, **kw)
         print("calibrate-kv: int8 vs float KV, teacher-forced:", json.dumps(compare_kv(ref, test, prompt,
                                                                                         args.eval_tokens)))
+        seq = seqs[-1]
+        if len(seq) > args.eval_tokens:  # the text's last eval_tokens, after the rest: its perplexity under each KV
+            head, text = seq[:-args.eval_tokens], seq[-args.eval_tokens:]
+            ref, test = (make_runner(args.model, len(seq) + 1, **kw),
+                         make_runner(args.model, len(seq) + 1, kv_cache_dtype="int8", kv_scales=args.out, **kw))
+            print("calibrate-kv: int8 vs float KV on the text:", json.dumps(compare_kv(
+                ref, test, head, args.eval_tokens, targets=text)))
     return 0
 
 
