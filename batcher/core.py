@@ -33,7 +33,7 @@ import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
 from batcher.config import BatcherConfig
-from batcher.cost_model import CostModel
+from batcher.cost_model import DEFAULT_COST_MODEL, CostModel
 from batcher.router import pick_worker
 from batcher.scheduler import Scheduler, StepFailed, StepOrderError
 from batcher.slo import SloPolicy
@@ -65,7 +65,7 @@ class Batcher:
             raise SystemExit(f"--on-worker-loss must be fail or requeue, got {cfg.on_worker_loss!r}")
         try:  # the policy's settings and the cost model, checked before anything listens
             SloPolicy(cfg)
-            self.cost_prior = CostModel.load(cfg.cost_model) if cfg.cost_model else CostModel.load()
+            self.cost_prior = CostModel.load(cfg.cost_model or DEFAULT_COST_MODEL)
         except (ValueError, OSError) as exc:
             raise SystemExit(f"batcher: {exc}") from None
         key = cfg.curve_server_secret_key

@@ -24,7 +24,7 @@ import msgspec
 from batcher.block_manager import BlockManager
 from batcher.burst import LongPromptGate
 from batcher.config import BatcherConfig, load_warm_prefixes
-from batcher.cost_model import CostModel, Features, OnlineCostFit
+from batcher.cost_model import DEFAULT_COST_MODEL, CostModel, Features, OnlineCostFit
 from batcher.request import Request, Status, blocks_for
 from batcher.slo import ADMISSION_MARGIN, MIN_PREFILL_TOKENS, SloPolicy
 from laneserve.wire.protocol import (AddRequest, CachedReq, EngineStats, FinishReason, NewReq, SamplingParams,
@@ -102,7 +102,7 @@ class Scheduler:
         self.grown: list[Request] = []  # running requests given blocks in the step being composed (schedule() sends)
         self.slo = SloPolicy(cfg)
         # The step-cost model (cost, else --cost-model, else the shipped fit), learned online from the worker.
-        self.fit = OnlineCostFit(cost or (CostModel.load(cfg.cost_model) if cfg.cost_model else CostModel.load()))
+        self.fit = OnlineCostFit(cost or CostModel.load(cfg.cost_model or DEFAULT_COST_MODEL))
         self.decode_part_ms = 0.0  # the last composed step's cost without its prefills
         self.time_left: float | None = None  # ms of prefill the step being composed may still take (None: no cap)
         self.floor_left = 0  # prefill tokens it takes even past time_left

@@ -236,12 +236,7 @@ def _load_gguf(path: str, name: str) -> ModelTokenizer:
 
     from laneserve import gguf_file
 
-    try:
-        md = gguf_file.metadata(path)
-    except gguf_file.GGUFError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a reader that got past the header can still trip on bad data
-        raise gguf_file.GGUFError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+    md = gguf_file.metadata(path)  # GGUFError naming the file if it can't be read
     mc = modelspec.load_model_config(path)  # the worker's rule: the same context length and vocabulary
     tokenizer = gguf_tokenizer.build(path, md)
     tokens = md["tokenizer.ggml.tokens"]

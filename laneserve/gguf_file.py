@@ -67,11 +67,20 @@ def reader(path: str):
 
 @functools.lru_cache(maxsize=4)
 def metadata(path: str) -> dict[str, Any]:
-    """The key/value metadata: strings as str, numbers as int/float, arrays as lists (of str or numbers)."""
+    """The key/value metadata: strings as str, numbers as int/float, arrays as lists (of str or numbers);
+    GGUFError naming the file when it can't be read."""
+    fields = reader(path).fields
+    try:
+        return _decode_fields(fields)
+    except Exception as e:  # noqa: BLE001 - a reader that got past the header can still trip on bad data
+        raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def _decode_fields(fields) -> dict[str, Any]:
     from gguf import GGUFValueType
 
     out: dict[str, Any] = {}
-    for key, f in reader(path).fields.items():
+    for key, f in fields.items():
         if not f.types:
             continue
         kind = f.types[0]

@@ -5,9 +5,9 @@ dequantized with the gguf package's numpy code to float32, then cast to the serv
 undoing llama.cpp's q/k row permutation (convert_hf_to_gguf.py permutes attn_q/attn_k rows of
 llama and mistral for its interleaved RoPE; qwen2 files are not permuted). GGUF lists dims
 innermost first (tensor.shape = [ne0, ne1]); the numpy data is [ne1, ne0], HF's [out, in].
-Metadata and the ModelConfig come from laneserve.gguf_file. Tensors are dequantized one at a
-time; workers.loader.load_gguf copies them in (under tensor parallelism each rank dequantizes
-the whole tensor and keeps its slice). Errors are GGUFWeightError, one line naming the file;
+Metadata comes from laneserve.gguf_file, the head counts from the model config. Tensors are
+dequantized one at a time; workers.loader.load_gguf copies them in (under tensor parallelism
+each rank dequantizes the whole tensor and keeps its slice). Errors are GGUFWeightError, one line naming the file;
 the loader re-raises them as its WeightLoadError.
 """
 
@@ -19,7 +19,6 @@ from collections.abc import Iterator
 import numpy as np
 
 from laneserve import gguf_file
-from laneserve.modelspec import load_model_config
 
 # the types the gguf package dequantizes in numpy and transformers' GGUF loader also reads
 SUPPORTED_TYPE_NAMES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
@@ -87,19 +86,18 @@ def dequantize_tensor(path: str, tensor) -> np.ndarray:
     return out if out.flags.writeable else out.copy()  # F32 data is a view of the read-only memory map
 
 
-def hf_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, float32 array) for every tensor of the file, q/k unpermuted; unknown names pass through
-    (the caller reports them)."""
+def hf_tensors(path: str, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, float32 array) for every tensor of the file, q/k unpermuted (the model config's head
+    counts); unknown names pass through (the caller reports them)."""
     reader = gguf_file.reader(path)
     arch = gguf_file.metadata(path).get("general.architecture")
-    cfg = load_model_config(path)  # unsupported architecture: GGUFError naming the file
     for tensor in reader.tensors:
         if tensor.name in _IGNORED:
             continue
         name = hf_name(tensor.name) or tensor.name
         w = dequantize_tensor(path, tensor)
         if arch in PERMUTED_ARCHS and name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = unpermute(w, cfg.num_heads)
+            w = unpermute(w, num_heads)
         elif arch in PERMUTED_ARCHS and name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = unpermute(w, cfg.num_kv_heads)
+            w = unpermute(w, num_kv_heads)
         yield name, w

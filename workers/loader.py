@@ -211,7 +211,7 @@ def load_gguf(net: LlamaForCausalLM, path: str, tp_rank: int = 0, tp_size: int =
     loaded: set[str] = set()
     problems: list[str] = []
     try:
-        for name, w in hf_tensors(path):
+        for name, w in hf_tensors(path, net.config.num_heads, net.config.num_kv_heads):
             if tied and name == "lm_head.weight":
                 continue
             param = params.get(name)
