@@ -10,8 +10,16 @@ uncached-first (the most recently freed first), then least recently freed (LRU
 eviction). Pinned blocks (the warm prefix pool) hold an extra reference and are
 never evicted.
 
+Held blocks (`free_blocks(req, fence)`, `release_held()`): with two lanes of steps running
+at once (`--lanes streams`) a freed block that a step still in flight may write must not be
+handed out before that step is done, or the other lane's step could write it first and the
+late write clobber it. The caller names a fence (its last step number in flight); the freed
+blocks without a hash (the ones in flight steps can still write: a hashed block is complete
+and never written again) wait on `held` until release_held() says every step up to the fence
+is done.
+
 Must not do I/O or know about scheduling policy. Invariant (`check()`): every
-block is in exactly one of {free lists, referenced}: free + used == total, and
+block is in exactly one of {free lists, held, referenced}: free + held + used == total, and
 a free block is on the cached free list iff it has a hash.
 
 Speed (the simulator frees, registers and evicts millions of blocks): the LRU
@@ -49,6 +57,8 @@ class BlockManager:
         self.free_cached: deque[int] = deque()
         self.stale: dict[int, int] = {}
         self.num_stale = 0
+        self.held: deque[tuple[int, list[int]]] = deque()  # (fence, blocks) in fence order: free_blocks(fence=)
+        self.num_held = 0
         self.queries = 0  # tokens looked up in the prefix cache
         self.hits = 0  # of which were found
 
@@ -212,11 +222,13 @@ class BlockManager:
             self.chain_hashes(req.token_ids, full, req.block_hashes, start, register=req.block_ids)
         req.num_registered_blocks = full
 
-    def free_blocks(self, req: Request) -> None:
+    def free_blocks(self, req: Request, fence: int | None = None) -> None:
         """Drop the request's references; tail blocks first so they are evicted first (vLLM): cached ones join
-        the LRU end, uncached ones the top of the stack (so its head block is reused first)."""
+        the LRU end, uncached ones the top of the stack (so its head block is reused first). With a fence the
+        uncached ones are held instead, until release_held() passes the fence (module docstring)."""
         ref, hashes = self.ref, self.hash
-        uncached, lru = self.free_uncached, self.free_cached
+        lru = self.free_cached
+        uncached = self.free_uncached if fence is None else []
         for bid in reversed(req.block_ids):
             r = ref[bid] - 1
             ref[bid] = r
@@ -225,10 +237,21 @@ class BlockManager:
                     uncached.append(bid)
                 else:
                     lru.append(bid)  # most recently freed, evicted last
+        if fence is not None and uncached:
+            self.held.append((fence, uncached))
+            self.num_held += len(uncached)
         if self.num_stale > self.num_blocks:  # hits on free blocks, and few evictions to pass their entries
             self._compact_lru()
         req.block_ids = []
         req.num_registered_blocks = 0
+
+    def release_held(self, fence: float) -> None:
+        """Free the held blocks whose fence is below `fence` (the caller's oldest step still in flight)."""
+        held = self.held
+        while held and held[0][0] < fence:
+            blocks = held.popleft()[1]
+            self.free_uncached += blocks
+            self.num_held -= len(blocks)
 
     def _compact_lru(self) -> None:
         """Drop the stale entries of free_cached; the others keep their order."""
@@ -261,9 +284,11 @@ class BlockManager:
                 free_cached.append(bid)
         assert not any(stale.values()), "a stale entry counted for a block not in free_cached"
         free = self.free_uncached + free_cached
+        held = [bid for _, blocks in self.held for bid in blocks]
+        assert len(held) == self.num_held and all(self.ref[b] == 0 and self.hash[b] is NO_HASH for b in held)
         assert all(r >= 0 for r in self.ref), "negative refcount"
-        assert used + len(free) == self.num_blocks, (used, len(free), self.num_blocks)
-        assert len(set(free)) == len(free), "a block is free twice"
+        assert used + len(free) + len(held) == self.num_blocks, (used, len(free), len(held), self.num_blocks)
+        assert len(set(free + held)) == len(free) + len(held), "a block is free twice"
         assert all(self.ref[b] == 0 for b in free), "a free block is referenced"
         assert all(self.hash[b] is NO_HASH for b in self.free_uncached), "a cached block on the uncached list"
         assert all(self.hash[b] is not NO_HASH for b in free_cached), "an uncached block on the cached list"

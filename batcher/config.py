@@ -44,6 +44,11 @@ class BatcherConfig:
     async_scheduling: bool = field(default=True, metadata=flag(
         "schedule step N+1 while the worker runs step N (2 steps in flight per worker), hiding the batcher's "
         "update/schedule and the socket round trip from the GPU"))
+    lanes: str = field(default="auto", metadata=flag(
+        "auto | mixed | streams: mixed runs each step's decodes and prefill chunks as one forward; streams sends "
+        "them as two lanes of steps that a CUDA worker runs at once, decodes on a high-priority stream, so decodes "
+        "stop waiting for long prefills; auto: streams for a worker that runs lanes on their own streams (CUDA, "
+        "tensor parallel 1), else mixed (docs/lanes.md)"))
     # SLO scheduling (batcher/slo.py, docs/scheduling.md "SLO scheduling"); 0 = no target
     slo_ttft_ms: float = field(default=0.0, metadata=flag(
         "p95 time-to-first-token target in ms (0 = none): waiting prompts are served by deadline slack and the "

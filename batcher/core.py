@@ -20,6 +20,7 @@ Must not import torch.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import os
@@ -33,9 +34,9 @@ import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
 from batcher.config import BatcherConfig
-from batcher.cost_model import DEFAULT_COST_MODEL, CostModel
+from batcher.cost_model import CostModel, default_cost_model
 from batcher.router import pick_worker
-from batcher.scheduler import Scheduler, StepFailed, StepOrderError
+from batcher.scheduler import LANES, Scheduler, StepFailed, StepOrderError
 from batcher.slo import SloPolicy
 from laneserve.sampling import MAX_PRIORITY, check_sampling, check_slo_target
 from laneserve.wire import protocol as P
@@ -63,9 +64,13 @@ class Batcher:
         self.ctx = zmq.asyncio.Context()
         if cfg.on_worker_loss not in ("fail", "requeue"):
             raise SystemExit(f"--on-worker-loss must be fail or requeue, got {cfg.on_worker_loss!r}")
+        if cfg.lanes not in LANES:
+            raise SystemExit(f"--lanes must be one of {', '.join(LANES)}, got {cfg.lanes!r}")
         try:  # the policy's settings and the cost model, checked before anything listens
             SloPolicy(cfg)
-            self.cost_prior = CostModel.load(cfg.cost_model or DEFAULT_COST_MODEL)
+            # the scheduler's prior per lanes (a worker's, with --lanes auto, known when it is ready)
+            self.cost_prior = {lanes: CostModel.load(cfg.cost_model or default_cost_model(lanes))
+                               for lanes in ("mixed", "streams")}
         except (ValueError, OSError) as exc:
             raise SystemExit(f"batcher: {exc}") from None
         key = cfg.curve_server_secret_key
@@ -154,10 +159,14 @@ class Batcher:
         self.reannounced.pop(ident, None)
         if msg.worker_id in self.workers:
             await self.worker_lost(msg.worker_id, "worker restarted")
-        sched = Scheduler(self.cfg, msg.num_blocks, msg.block_size, msg.max_model_len, cost=self.cost_prior)
+        lanes = self.cfg.lanes
+        if lanes == "auto":
+            lanes = "streams" if msg.concurrent_lanes else "mixed"
+        sched = Scheduler(dataclasses.replace(self.cfg, lanes=lanes), msg.num_blocks, msg.block_size,
+                          msg.max_model_len, cost=self.cost_prior[lanes])
         self.workers[msg.worker_id] = WorkerSlot(msg.worker_id, ident, sched, vocab_size=msg.vocab_size)
-        log.info("worker %d ready: %s, %d KV blocks of %d tokens, max_model_len %d", msg.worker_id, msg.model,
-                 msg.num_blocks, msg.block_size, msg.max_model_len)
+        log.info("worker %d ready: %s, %d KV blocks of %d tokens, max_model_len %d, %s lanes", msg.worker_id,
+                 msg.model, msg.num_blocks, msg.block_size, msg.max_model_len, lanes)
 
     async def step_output(self, ident: bytes, msg: P.StepOutput) -> None:
         slot = self.workers.get(msg.worker_id)
@@ -380,7 +389,8 @@ class Batcher:
             return
         wid = min(self.workers)
         fit = self.workers[wid].scheduler.fit
-        fit.model.save(self.cfg.cost_model_out, _comment=(
+        fit.model.save(self.cfg.cost_model_out, lanes="streams" if self.workers[wid].scheduler.streams else "mixed",
+                       _comment=(
             f"fitted online by the batcher from worker {wid}'s step times over its last {len(fit.rows)} of "
             f"{fit.steps} timed steps (batcher/cost_model.py); a, b, c, d, e, g in ms; samples: that window as "
             f"[prefill_tokens, prefix_attention, decode_seqs, kv_tokens_read, mixed, measured ms]"),

@@ -27,6 +27,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 DEFAULT_COST_MODEL = Path(__file__).with_name("cost_model.json")
+STREAMS_COST_MODEL = Path(__file__).with_name("cost_model_streams.json")  # learned with --lanes streams
+
+
+def default_cost_model(lanes: str) -> Path:
+    """The shipped prior for a scheduler with these lanes: a streams server's steps run beside the other
+    lane's, and its model is learned that way (docs/lanes.md)."""
+    return STREAMS_COST_MODEL if lanes == "streams" else DEFAULT_COST_MODEL
 
 Features = tuple[int, int, int, int, int]  # prefill_tokens, prefix_attention, decode_seqs, kv_tokens_read, mixed
 

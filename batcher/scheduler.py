@@ -7,7 +7,11 @@ decodes first then chunked prefill, decode buckets, burst gating
 and the order of the steps in flight: async scheduling schedules up to
 `max_inflight_steps` steps before their outputs come back; `update()` takes the
 oldest one's (it raises StepOrderError on any other, and drops the outputs of
-the steps that `fail_all()` made void). Pure: no I/O (except reading the
+the steps that `fail_all()` made void). With `--lanes streams` (docs/lanes.md) steps come in two
+lanes, decode-only and prefill-only, that the worker runs at once: up to max_inflight_steps decode
+steps and one prefill step in flight, outputs in order within each lane; a request is never in
+both lanes' steps in flight, and a freed block a step in flight may still write is held until
+that step is done (batcher/block_manager.py). Pure: no I/O (except reading the
 --warm-prefix file once at construction), no asyncio, time is passed in. Must
 not know about sockets or the simulator. Policy choices: docs/scheduling.md.
 """
@@ -24,15 +28,16 @@ import msgspec
 from batcher.block_manager import BlockManager
 from batcher.burst import LongPromptGate
 from batcher.config import BatcherConfig, load_warm_prefixes
-from batcher.cost_model import DEFAULT_COST_MODEL, CostModel, Features, OnlineCostFit
+from batcher.cost_model import CostModel, Features, OnlineCostFit, default_cost_model
 from batcher.request import Request, Status, blocks_for
 from batcher.slo import ADMISSION_MARGIN, MIN_PREFILL_TOKENS, SloPolicy
-from laneserve.wire.protocol import (AddRequest, CachedReq, EngineStats, FinishReason, NewReq, SamplingParams,
-                                     StepInput, StepOutput, TokenDelta)
+from laneserve.wire.protocol import (LANE_DECODE, LANE_MIXED, LANE_PREFILL, AddRequest, CachedReq, EngineStats,
+                                     FinishReason, NewReq, SamplingParams, StepInput, StepOutput, TokenDelta)
 
 WARM_PREFIX_ID = "__warm__/"  # internal requests that fill the warm prefix pool
 MAX_STEP_S = 60.0  # a step time reported above this is not learned from (a stall, or a bogus figure)
 MAX_INFLIGHT_STEPS = 2  # with --async-scheduling: the worker runs one step while the next one waits in its socket
+LANES = ("auto", "mixed", "streams")  # BatcherConfig.lanes
 _WARM_PARAMS = SamplingParams(max_tokens=1)
 
 
@@ -97,12 +102,16 @@ class Scheduler:
             warm_prefixes = load_warm_prefixes(cfg.warm_prefix) if cfg.warm_prefix else []
         self.warm_prefixes = warm_prefixes
         self.max_inflight_steps = MAX_INFLIGHT_STEPS if cfg.async_scheduling else 1
+        if cfg.lanes not in LANES:
+            raise ValueError(f"lanes must be one of {', '.join(LANES)}, got {cfg.lanes!r}")
+        self.streams = cfg.lanes == "streams"  # auto: the batcher asks the worker; without one (simulator) mixed
+        self.prefill_lane = LANE_PREFILL if self.streams else LANE_MIXED  # the lane prompts are computed in
         self.step_no = 0  # these survive fail_all()
         self.void: set[int] = set()  # steps that were in flight at a fail_all(): update() drops their outputs
         self.grown: list[Request] = []  # running requests given blocks in the step being composed (schedule() sends)
         self.slo = SloPolicy(cfg)
         # The step-cost model (cost, else --cost-model, else the shipped fit), learned online from the worker.
-        self.fit = OnlineCostFit(cost or CostModel.load(cfg.cost_model or DEFAULT_COST_MODEL))
+        self.fit = OnlineCostFit(cost or CostModel.load(cfg.cost_model or default_cost_model(cfg.lanes)))
         self.decode_part_ms = 0.0  # the last composed step's cost without its prefills
         self.time_left: float | None = None  # ms of prefill the step being composed may still take (None: no cap)
         self.floor_left = 0  # prefill tokens it takes even past time_left
@@ -120,12 +129,17 @@ class Scheduler:
         self.running: dict[str, Request] = {}  # insertion order = admission order
         self.finished_ids: list[str] = []  # for the next StepInput: the worker drops their state
         self.pending: list[TokenDelta] = []  # deltas made outside update() (rejections), sent with the next
-        # (step number, its requests, its cost-model terms, its predicted ms), oldest first
-        self.in_flight: deque[tuple[int, list[Scheduled], Features, float]] = deque()
-        self.busy_until = 0.0  # when the worker is predicted to be done with the steps in flight
+        # (step number, its requests, its cost-model terms, its predicted ms, its lane), oldest first
+        self.in_flight: deque[tuple[int, list[Scheduled], Features, float, int]] = deque()
+        self.busy = [0.0, 0.0, 0.0]  # per lane: when the worker is predicted to be done with its steps in flight
         self.new_arrivals = 0
         self.num_internal = 0
         self._queue_warm_prefixes()
+
+    @property
+    def busy_until(self) -> float:
+        """When the worker is predicted to be done with the steps in flight of the lane prompts are computed in."""
+        return self.busy[self.prefill_lane]
 
     # ------------------------------------------------------------------ intake
     def reject_reason(self, msg: AddRequest) -> str | None:
@@ -237,23 +251,39 @@ class Scheduler:
             req.num_sent_blocks = len(req.block_ids)
         finished, self.finished_ids = self.finished_ids, []
         return StepInput(step=self.step_no, new_reqs=new_reqs, cached_reqs=cached_reqs,
-                         num_scheduled_tokens=num_scheduled, finished_req_ids=finished)
+                         num_scheduled_tokens=num_scheduled, finished_req_ids=finished, lane=self.in_flight[-1][4])
 
     def _next_step(self, now: float) -> tuple[list[Scheduled], int] | None:
         """Decide the next step and commit it (in_flight, and each request's state); returns its requests in run
-        order, admissions last, and how many come before the admissions. None: no step."""
-        if len(self.in_flight) >= self.max_inflight_steps:
-            return None
+        order, admissions last, and how many come before the admissions. None: no step. With two lanes: a
+        prefill step when none is in flight and there is prefill work, else a decode step when fewer than
+        max_inflight_steps are in flight."""
+        if not self.streams:
+            if len(self.in_flight) >= self.max_inflight_steps:
+                return None
+            return self._compose(now, LANE_MIXED)
+        decoding = sum(1 for entry in self.in_flight if entry[4] == LANE_DECODE)
+        if decoding == len(self.in_flight):  # no prefill step in flight
+            step = self._compose(now, LANE_PREFILL)
+            if step is not None:
+                return step
+        if decoding < self.max_inflight_steps:
+            return self._compose(now, LANE_DECODE)
+        return None
+
+    def _compose(self, now: float, lane: int) -> tuple[list[Scheduled], int] | None:
+        """_next_step() for one lane."""
         if self.new_arrivals:  # stamped with the clock of the first schedule() that sees them
             self.gate.detector.arrived(now, self.new_arrivals)
             self.new_arrivals = 0
-        start = self.busy_until if self.busy_until > now else now  # when this step will start on the worker
+        busy = self.busy[lane]
+        start = busy if busy > now else now  # when this step will start on the worker
         budget = self.cfg.max_num_batched_tokens
         flight: list[Scheduled] = []
         self.grown.clear()
-        budget, active, preempted = self._schedule_running(flight, budget, start)
+        budget, active, preempted = self._schedule_running(flight, budget, start, lane)
         num_running = len(flight)
-        if self.waiting and not preempted:  # admitting while evicting would just thrash
+        if self.waiting and not preempted and lane != LANE_DECODE:  # admitting while evicting would just thrash
             # The gate's burst state, asked for only here (scheduling the running ones left the queue as it was).
             self.gate.detector.observe(now, len(self.waiting) - self.num_internal)
             if not self.slo.enabled:
@@ -266,14 +296,17 @@ class Scheduler:
                                                                       self.decode_part_ms, budget):
                     self._admit_waiting(now, start, flight, budget, active)
         # An empty step carries finished ids to the worker, or error deltas back through update() (a step
-        # already in flight brings those back anyway).
-        if not flight and not self.finished_ids and (not self.pending or self.in_flight):
+        # already in flight brings those back anyway); with two lanes a decode step does.
+        if not flight and (lane == LANE_PREFILL or not self.finished_ids and (not self.pending or self.in_flight)):
             return None
         self.step_no += 1
         features = step_features(flight)
         predicted = self.fit.model.step_ms(*features)
-        self.busy_until = start + predicted / 1000.0
-        self.in_flight.append((self.step_no, flight, features, predicted))
+        self.busy[lane] = start + predicted / 1000.0
+        self.in_flight.append((self.step_no, flight, features, predicted, lane))
+        if lane == LANE_PREFILL:  # no decode step takes them until this step's output is applied
+            for rec in flight:
+                rec.req.prefill_step = self.step_no
         return flight, num_running
 
     # ------------------------------------------------------------------ SLO (batcher/slo.py)
@@ -350,20 +383,29 @@ class Scheduler:
                 lane.clear()
         return decodes, prefills
 
-    def _schedule_running(self, flight: list[Scheduled], budget: int, start: float) -> tuple[int, int, bool]:
+    def _schedule_running(self, flight: list[Scheduled], budget: int, start: float,
+                          lane: int = LANE_MIXED) -> tuple[int, int, bool]:
         """Schedule running requests in run order; preempt from the back of that order when blocks run out.
 
         The back is the newest request of the highest-remaining bucket: the one that would hold its blocks
         longest, while a nearly finished sequence is about to give its blocks back anyway. Each request is
         committed to the step as it gets its place (samples: its tokens are all computed then; warm prefixes
-        never sample): _make_room only takes requests after it in the order.
+        never sample): _make_room only takes requests after it in the order. A decode step of two lanes takes
+        the decodes only (not those whose last prefill chunk is in flight), a prefill step the prefills only;
+        either may preempt any running request.
         """
         decodes, prefills = self._run_order()
+        run_decodes, run_prefills = decodes, prefills
+        if lane == LANE_DECODE:
+            run_decodes = decodes = [r for r in decodes if not r.prefill_step]
+            run_prefills = ()
+        elif lane == LANE_PREFILL:
+            run_decodes = ()
         bs = self.block_size
         threshold = self.cfg.long_prefill_threshold
         preemptions_before = self.preemptions
         grown = self.grown
-        for req in decodes:  # one token each
+        for req in run_decodes:  # one token each
             if budget <= 0:
                 break
             done = req.num_computed_tokens + 1
@@ -377,11 +419,12 @@ class Scheduler:
                 req.num_output_placeholders += 1
             flight.append(Scheduled(req, 1, done, samples, req.epoch))
             budget -= 1
-        active = len(flight) if threshold >= 1 else 0  # scheduled with at most threshold tokens left to compute
+        # scheduled (or, two lanes, decoding) with at most threshold tokens left to compute
+        active = (len(decodes) if lane == LANE_PREFILL else len(flight)) if threshold >= 1 else 0
         if self.slo.enabled:
             self._prefill_time(flight, start)
         # Then prefills. None if the loop above stopped: the budget is spent, or _make_room took them all.
-        for req, left in prefills:
+        for req, left in run_prefills:
             if budget <= 0:
                 break
             n = self._chunk(left, budget, req.num_computed_tokens)
@@ -481,32 +524,59 @@ class Scheduler:
         StepFailed when the worker failed the step: either way the worker's K/V state is unknown, and the caller
         fails its requests (fail_all(str(exc)): the ERROR deltas' text)."""
         in_flight = self.in_flight
-        if not in_flight or out.step != in_flight[0][0]:
+        i = self._oldest_of_lane(out.step)
+        if i is None:
             if out.step in self.void:
                 self.void.remove(out.step)
                 return None
-            raise StepOrderError(f"worker {out.worker_id} returned step {out.step}, "
-                                 f"expected {in_flight[0][0] if in_flight else None}")
+            oldest = {}
+            for entry in in_flight:
+                oldest.setdefault(entry[4], entry[0])
+            raise StepOrderError(f"worker {out.worker_id} returned step {out.step}, expected "
+                                 f"{' or '.join(map(str, sorted(oldest.values()))) or None}")
         if out.error is not None:
-            in_flight.popleft()
+            del in_flight[i]
             raise StepFailed(f"worker error: {out.error.splitlines()[-1]}")
         if 0.0 < out.execute_time < MAX_STEP_S:  # a worker's figure: a NaN or a wild one must not wipe the fit
-            self.fit.observe(in_flight[0][2], out.execute_time * 1000.0)
-        return self._apply(now, out)
+            self.fit.observe(in_flight[i][2], out.execute_time * 1000.0)
+        return self._apply(now, out, index=i)
+
+    def _oldest_of_lane(self, step: int) -> int | None:
+        """The place in in_flight of `step` if it is the oldest step in flight of its lane, else None."""
+        in_flight = self.in_flight
+        if in_flight and in_flight[0][0] == step:
+            return 0
+        lanes_before = set()
+        for i, entry in enumerate(in_flight):
+            if entry[0] == step:
+                return None if entry[4] in lanes_before else i
+            lanes_before.add(entry[4])
+        return None
 
     def _apply(self, now: float, out: StepOutput | None = None, *, sample: Callable[[int, str], int] | None = None,
-               plain: list[str] | None = None) -> list[TokenDelta]:
+               plain: list[str] | None = None, index: int = 0) -> list[TokenDelta]:
         """Apply the oldest step in flight: offer the K/V it computed to the prefix cache, append the tokens it
         sampled (stop checks), finish the warm prefixes it completed. Returns the deltas in schedule order.
 
         The tokens come from the worker's StepOutput `out` (rows in any order: the worker groups them for its
         kernels) or, for a worker in this process (the simulator's), from sample(the request's
         num_computed_tokens after the step, its id), called in schedule order; with `plain`, the deltas of one
-        token that neither start nor end their request go there as request ids instead.
+        token that neither start nor end their request go there as request ids instead. index: the step's
+        place in in_flight (two lanes: the oldest of its lane).
         """
         in_flight = self.in_flight
-        flight = in_flight.popleft()[1]
-        self.busy_until = now + sum(entry[3] for entry in in_flight) / 1000.0
+        if index:
+            step_no, flight, _, _, lane = in_flight[index]
+            del in_flight[index]
+        else:
+            step_no, flight, _, _, lane = in_flight.popleft()
+        self.busy[lane] = now + sum(entry[3] for entry in in_flight if entry[4] == lane) / 1000.0
+        if lane == LANE_PREFILL:
+            for rec in flight:
+                if rec.req.prefill_step == step_no:
+                    rec.req.prefill_step = 0
+        if self.bm.held:
+            self.bm.release_held(in_flight[0][0] if in_flight else math.inf)
         deltas, self.pending = self.pending, []
         bs = self.block_size
         bm = self.bm
@@ -585,12 +655,16 @@ class Scheduler:
         """Running (or preempted-then-aborted) -> gone; its blocks go back to the pool."""
         self.running.pop(req.request_id, None)
         self.requests.pop(req.request_id, None)
-        self.bm.free_blocks(req)
+        self.bm.free_blocks(req, self._fence())
         req.status = Status.FINISHED
         req.epoch += 1
         if req.on_worker:
             self.finished_ids.append(req.request_id)
             req.on_worker = False
+
+    def _fence(self) -> int | None:
+        """Two lanes with steps in flight: the last step number sent (blocks freed now wait for it); else None."""
+        return self.step_no if self.streams and self.in_flight else None
 
     def _finish_warm(self, req: Request) -> None:
         self.bm.cache_full_blocks(req)
@@ -601,7 +675,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         """Recompute preemption: drop the K/V, requeue at the front; resumed later as a NewReq."""
         self.running.pop(req.request_id)
-        self.bm.free_blocks(req)
+        self.bm.free_blocks(req, self._fence())
         req.status = Status.WAITING
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0  # tokens sampled for it by steps in flight are dropped (epoch changes)

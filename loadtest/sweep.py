@@ -28,6 +28,7 @@ KIND = "laneserve-sweep"
 METRICS = (
     ("ttft_p95_ms", "TTFT p95 ms", True),
     ("tpot_p95_ms", "TPOT p95 ms", True),
+    ("itl_p95_ms", "ITL p95 ms", True),
     ("goodput_pct", "goodput %", False),
     ("output_tok_s", "output tok/s", False),
     ("rejected", "rejected", True),
@@ -76,6 +77,7 @@ def plan(make_trace: Callable[[float, int], list[traces.TraceRequest]], rates: l
 def run_metrics(summary: dict) -> dict:
     """The sweep's metrics of one run, from report.summarize()'s summary."""
     return {"ttft_p95_ms": summary["ttft_ms"]["p95"], "tpot_p95_ms": summary["tpot_ms"]["p95"],
+            "itl_p95_ms": summary["itl_ms"]["p95"],
             "goodput_pct": 100.0 * summary["goodput"], "output_tok_s": summary["output_tok_s"],
             "rejected": summary["rejected"], "sent": summary["sent"], "finished": summary["finished"],
             "errored": summary["errored"]}
@@ -99,12 +101,12 @@ def aggregate(runs: list[dict]) -> list[dict]:
         row: dict = {"rate": rate, "seeds": [r["seed"] for r in group]}
         for key, _, higher_is_worse in METRICS:
             def bad(r: dict) -> float:
-                return _badness(r["metrics"][key], higher_is_worse)
+                return _badness(r["metrics"].get(key), higher_is_worse)
 
             worst = max(group, key=bad)  # of equal ones, the lowest seed
-            median = sorted(group, key=bad)[(len(group) - 1) // 2]
-            row[key] = {"worst": worst["metrics"][key], "worst_seed": worst["seed"],
-                        "median": median["metrics"][key], "median_seed": median["seed"]}
+            median = sorted(group, key=bad)[(len(group) - 1) // 2]  # (a sweep.json older than a metric: None)
+            row[key] = {"worst": worst["metrics"].get(key), "worst_seed": worst["seed"],
+                        "median": median["metrics"].get(key), "median_seed": median["seed"]}
         rows.append(row)
     return rows
 
@@ -167,15 +169,17 @@ def markdown(sweep: dict) -> str:
            f"{', '.join(map(str, m.get('seeds', [])))}; warm-up {m.get('warmup_requests', 0)} requests; "
            f"SLO `{m.get('slo')}`.", ""]
     out += [f"- {line}" for line in mark_lines(sweep)] + [""]
-    out += ["| rate | TTFT p95 ms (worst / median) | TPOT p95 ms | goodput % | output tok/s | rejected | holds SLO |",
-            "|---:|---:|---:|---:|---:|---:|---|"]
+    out += ["| rate | TTFT p95 ms (worst / median) | TPOT p95 ms | ITL p95 ms | goodput % | output tok/s | rejected "
+            "| holds SLO |", "|---:|---:|---:|---:|---:|---:|---:|---|"]
     for row in sweep["rates"]:
-        cells = [f"{_fmt(row[k]['worst'])} / {_fmt(row[k]['median'])}" for k, _, _ in METRICS]
+        cells = [f"{_fmt(row[k]['worst'])} / {_fmt(row[k]['median'])}" if k in row else "-" for k, _, _ in METRICS]
         out.append(f"| {row['rate']:g} | " + " | ".join(cells) + f" | {'yes' if row['holds_slo'] else 'no'} |")
     for row in sweep["rates"]:
         out += ["", f"## {row['rate']:g} req/s", "", "| metric | worst seed | median seed |", "|---|---:|---:|"]
         for key, label, _ in METRICS:
-            c = row[key]
+            c = row.get(key)
+            if c is None:  # a sweep.json from before this metric
+                continue
             out.append(f"| {label} | {_fmt(c['worst'])} (seed {c['worst_seed']}) | "
                        f"{_fmt(c['median'])} (seed {c['median_seed']}) |")
     return "\n".join(out) + "\n"
@@ -207,7 +211,8 @@ def print_sweeps(sweeps: list[dict], names: list[str], console=None) -> None:
         for key, label, _ in METRICS:
             cells = []
             for row in rows:
-                cells += ["-", "-"] if row is None else [f"{_fmt(row[key]['worst'])} (s{row[key]['worst_seed']})",
+                cells += ["-", "-"] if row is None or key not in row else [
+                    f"{_fmt(row[key]['worst'])} (s{row[key]['worst_seed']})",
                                                          f"{_fmt(row[key]['median'])} (s{row[key]['median_seed']})"]
             t.add_row(label, *cells)
         t.add_row("holds SLO", *[c for row in rows for c in (("-", "") if row is None else
@@ -249,7 +254,7 @@ def run(warmup: list[traces.TraceRequest], runs: list[tuple[float, int, list[tra
                      "metrics": metrics})
         console.print(f"rate {rate:g} seed {seed}: sent {metrics['sent']} finished {metrics['finished']} "
                       f"rejected {metrics['rejected']}  TTFT p95 {_fmt(metrics['ttft_p95_ms'])} ms  "
-                      f"TPOT p95 {_fmt(metrics['tpot_p95_ms'])} ms  goodput {metrics['goodput_pct']:.1f}%  "
+                      f"TPOT p95 {_fmt(metrics['tpot_p95_ms'])} ms  ITL p95 {_fmt(metrics['itl_p95_ms'])} ms  goodput {metrics['goodput_pct']:.1f}%  "
                       f"{_fmt(metrics['output_tok_s'])} output tok/s")
         if meta.get("interrupted"):  # Ctrl-C: keep what was measured, run no more
             console.print("[yellow]interrupted: the sweep stops here")

@@ -44,8 +44,11 @@ class Stack:
     def __init__(self, *flags: str, timeout: float = 120.0, env: dict[str, str] | None = None):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "laneserve.cli", "--log-level", "WARNING", "serve", "--device", "cpu",
-               "--port", str(self.port), *flags]
+        # WORKER_TEST_DEVICE=cuda (tests/helpers_models.py) serves on the GPU too, in fp32 like the model checks
+        device = os.environ.get("WORKER_TEST_DEVICE", "cpu")
+        level = (env or {}).get("LANESERVE_LOG_LEVEL", "WARNING")
+        cmd = [sys.executable, "-m", "laneserve.cli", "--log-level", level, "serve", "--device", device,
+               *(["--dtype", "float32"] if device != "cpu" else []), "--port", str(self.port), *flags]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, **(env or {})})
         self.lines: list[str] = []

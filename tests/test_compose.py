@@ -198,8 +198,10 @@ def test_batcher_binds_the_ports_its_clients_connect_to():
 
 
 def test_cpu_profile_runs_the_same_configuration_as_the_tests():
-    """tests/stack.py starts `laneserve serve --device cpu`; the cpu profile runs its three components."""
-    assert '"serve", "--device", "cpu"' in (REPO / "tests" / "stack.py").read_text()
+    """tests/stack.py starts `laneserve serve --device cpu` (unless WORKER_TEST_DEVICE says otherwise); the cpu
+    profile runs its three components."""
+    stack = (REPO / "tests" / "stack.py").read_text()
+    assert 'device = os.environ.get("WORKER_TEST_DEVICE", "cpu")' in stack and '"serve", "--device", device' in stack
     serve = build_parser().parse_args(["serve", "--device", "cpu"])
     compose = load("compose.yaml", env={})["services"]
     cpu = {n for n, s in compose.items() if "cpu" in s.get("profiles", [])}

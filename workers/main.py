@@ -3,7 +3,9 @@
 Owns the socket loop only; the model, KV pool and sampling live in workers.runner.
 Blocking and single-threaded on purpose, the GPU is the bottleneck. With overlapped steps
 (ModelRunner.submit; --overlap-steps) at most one step is in flight: when the next StepInput is
-already queued it is launched before the one in flight is collected and reported.
+already queued it is launched before the one in flight is collected and reported. With two
+lanes on their own streams (--lanes streams) one step of each lane may be in flight: the loop
+then waits for neither, but polls the socket and the lanes' events in turn.
 Liveness (docs/reliability.md): a Heartbeat every HEARTBEAT_S while idle; a batcher that does
 not know this worker (it restarted) answers with Reannounce, and the worker then forgets every
 request and registers again with WorkerReady. ZeroMQ reconnects to a restarted batcher by itself.
@@ -41,13 +43,14 @@ def run(cfg: WorkerConfig) -> None:
     ready = P.encode(P.WorkerReady(worker_id=cfg.worker_id, num_blocks=runner.num_blocks,
                                    block_size=runner.block_size, max_model_len=runner.max_model_len,
                                    protocol_version=P.PROTOCOL_VERSION, model=runner.model_name,
-                                   vocab_size=runner.model_config.vocab_size))
+                                   vocab_size=runner.model_config.vocab_size,
+                                   concurrent_lanes=bool(runner.lane_streams)))
     sock.send(ready)
     log.info("worker %d ready: %d KV blocks", cfg.worker_id, runner.num_blocks)
     try:
         while not stopping:
             if runner.in_flight and not sock.poll(0):  # no step queued behind the one in flight: finish it
-                for out in finish(runner, cfg.worker_id):
+                for out in finish(runner, cfg.worker_id, wait=not runner.concurrent):
                     sock.send(P.encode(out))
                 continue
             if not sock.poll(int(HEARTBEAT_S * 1000)):
@@ -86,10 +89,13 @@ def submit(runner, step: P.StepInput, worker_id: int) -> list[P.StepOutput]:
         return _failed(runner, worker_id, traceback.format_exc(limit=4), step.step)
 
 
-def finish(runner, worker_id: int) -> list[P.StepOutput]:
-    """Wait for the step in flight and return its output."""
+def finish(runner, worker_id: int, wait: bool = True) -> list[P.StepOutput]:
+    """Wait for the steps in flight and return their outputs (wait=False: only those done already)."""
     try:
-        runner.flush()
+        if wait:
+            runner.flush()
+        else:
+            runner.flush_ready()
         return runner.take_outputs()
     except Exception:
         log.exception("step in flight failed")

@@ -15,6 +15,15 @@ wastes little. A decode-only step replayed as a CUDA graph keeps the order it go
 pads the whole batch to one captured size and the kernel reads each row's length on the
 device, so an order would buy nothing there.
 
+Lanes (StepInput.lane, docs/lanes.md): a LANE_MIXED step runs on the current stream, after the step
+before it. With `--lanes streams` the batcher sends decode steps (LANE_DECODE) and prefill steps
+(LANE_PREFILL); on CUDA each lane has its own stream, decode at high priority, and its own step in
+flight, so a decode step launches (and its CUDA graph replays) while a long prefill chunk runs. The
+batcher keeps the lanes apart: no request is in both lanes' steps in flight, and no block one lane's
+step in flight writes is handed to the other lane; so nothing orders the two streams but the host
+(each lane's sampled tokens come back through their own event). Elsewhere (CPU, tensor parallel)
+the lanes' steps run one after the other, which is always correct.
+
 Tensor parallel (cfg.tensor_parallel_size T > 1, docs/tensor_parallel.md): every rank runs a
 ModelRunner on the same StepInputs; each holds its shard of the weights and a KV pool of its
 num_kv_heads/T heads, sized to the smallest pool any rank can hold. Rank 0 alone computes logits
@@ -35,6 +44,7 @@ import torch.distributed as dist
 
 from laneserve.modelspec import load_model_config, resolve_max_model_len
 from laneserve.wire import protocol as P
+from laneserve.wire.protocol import LANE_DECODE, LANE_MIXED, LANE_PREFILL
 from workers.attention import AttentionMetadata, get_backend
 from workers.collectives import broadcast_tokens, min_across_ranks, rank_device
 from workers.config import WorkerConfig
@@ -67,6 +77,7 @@ class _InFlight:
     """A launched step whose sampled tokens may still be on the device."""
 
     step: int
+    lane: int
     reqs: list[RequestState]  # the requests that sample, in row order
     sampled: Sampled | None  # device tokens (None: nothing samples, or TP's already-collected tokens)
     t0: float
@@ -103,9 +114,15 @@ class ModelRunner:
             cfg.overlap_steps == "auto" and self.device.type == "cuda" and self.tp_size == 1)
         if self.overlap and self.tp_size != 1:
             raise ValueError("--overlap-steps on needs --tensor-parallel-size 1 (ranks broadcast sampled tokens)")
-        self._in_flight: _InFlight | None = None
+        self._flights: dict[int, _InFlight] = {}  # lane -> its step in flight
         self._outbox: list[P.StepOutput] = []
-        self._last_done = 0.0  # perf_counter when the last step's tokens reached the host
+        self._last_done = dict.fromkeys((LANE_MIXED, LANE_DECODE, LANE_PREFILL), 0.0)  # per lane: perf_counter
+        # when its last step's tokens reached the host
+        self.lane_streams: dict[int, torch.cuda.Stream] = {}
+        if self.device.type == "cuda" and self.tp_size == 1:
+            high = torch.cuda.Stream.priority_range()[1]  # the numerically lowest: the highest priority
+            self.lane_streams = {LANE_DECODE: torch.cuda.Stream(self.device, priority=high),
+                                 LANE_PREFILL: torch.cuda.Stream(self.device, priority=0)}
         self.graphs: DecodeGraphs | None = None  # captured below, after the pool exists
         self.kv_cache = self._allocate_kv_cache()
         self.num_blocks = self.kv_cache.num_blocks
@@ -186,7 +203,7 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget every request and any step in flight (after a failed step the batcher fails them all)."""
         self.requests.clear()
-        self._in_flight = None
+        self._flights.clear()
         self._outbox.clear()
 
     def execute(self, step: P.StepInput) -> P.StepOutput:
@@ -202,10 +219,18 @@ class ModelRunner:
     # this forward runs: the host's per-step work (output, socket, next input) hides behind the GPU.
     @property
     def in_flight(self) -> bool:
-        return self._in_flight is not None
+        return bool(self._flights)
+
+    @property
+    def concurrent(self) -> bool:
+        """Steps of the two lanes may be in flight on their own streams: wait for neither (flush_ready)."""
+        return bool(self.lane_streams) and LANE_MIXED not in self._flights
 
     def submit(self, step: P.StepInput) -> None:
         t0 = time.perf_counter()
+        lane = step.lane
+        if lane not in self._last_done:
+            raise ValueError(f"unknown lane {lane}")
         for rid in step.finished_req_ids:
             self.requests.pop(rid, None)
         for r in step.new_reqs:
@@ -214,25 +239,38 @@ class ModelRunner:
                 len(r.prompt_token_ids), list(r.block_ids), r.num_computed_tokens)
         for c in step.cached_reqs:
             self.requests[c.request_id].block_ids.extend(c.new_block_ids)
+        # A lane's steps run in order: a mixed step after everything, a decode or prefill step after its lane's.
+        lanes = None if lane == LANE_MIXED or not self.lane_streams else (lane,)
         if not step.num_scheduled_tokens:
-            self.flush()
+            self.flush(lanes)
             self._outbox.append(P.StepOutput(step=step.step, worker_id=self.cfg.worker_id))
             return
-        with torch.inference_mode():
-            pending = self._pending_rows(step.num_scheduled_tokens)
+        stream = self.lane_streams.get(lane)
+        with torch.inference_mode(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            pending = self._pending_rows(step.num_scheduled_tokens, lane)
             if pending is None:
-                self.flush()  # this step needs the tokens of the one in flight on the host
-            sampled_reqs, logits_fn = self._run(step.num_scheduled_tokens, pending)
-            self.flush()
-            self._in_flight = self._sample(step.step, sampled_reqs, logits_fn, t0)
+                self.flush(lanes)  # this step needs the tokens of the one in flight on the host
+            sampled_reqs, logits_fn = self._run(step.num_scheduled_tokens, pending, lane)
+            self.flush(lanes)
+            self._flights[lane] = self._sample(step.step, lane, sampled_reqs, logits_fn, t0)
         if not self.overlap:
             self.flush()
 
-    def flush(self) -> None:
-        """Collect the tokens of the step in flight (waits for its sampling) and queue its output."""
-        f, self._in_flight = self._in_flight, None
-        if f is None:
-            return
+    def flush(self, lanes: tuple[int, ...] | None = None) -> None:
+        """Collect the tokens of the steps in flight (of `lanes`, default all; waits for their sampling) and
+        queue their outputs, oldest first."""
+        for f in sorted((f for f in self._flights.values() if lanes is None or f.lane in lanes),
+                        key=lambda f: f.step):
+            self._collect(f)
+
+    def flush_ready(self) -> None:
+        """Collect the steps in flight whose tokens are on the host already (no wait)."""
+        for f in sorted(self._flights.values(), key=lambda f: f.step):
+            if f.sampled is None or f.sampled.ready():
+                self._collect(f)
+
+    def _collect(self, f: _InFlight) -> None:
+        del self._flights[f.lane]
         out = P.StepOutput(step=f.step, worker_id=self.cfg.worker_id)
         if f.reqs:
             tokens, logprobs = f.collected or f.sampled.collect()
@@ -242,10 +280,10 @@ class ModelRunner:
             out.sampled_token_ids = [[t] for t in tokens]
             if logprobs is not None:
                 out.logprobs = [[lp] if lp is not None else [] for lp in logprobs]
-        # This step's own time: from its start, or from the end of the step before when they overlapped.
+        # This step's own time: from its start, or from the end of its lane's step before when they overlapped.
         done = time.perf_counter()
-        out.execute_time = done - max(f.t0, self._last_done)
-        self._last_done = done
+        out.execute_time = done - max(f.t0, self._last_done[f.lane])
+        self._last_done[f.lane] = done
         self._outbox.append(out)
 
     def take_outputs(self) -> list[P.StepOutput]:
@@ -254,15 +292,15 @@ class ModelRunner:
 
     def abandon(self) -> list[int]:
         """After submit() raised: the steps started whose outputs will not come; forgets everything."""
-        lost = [self._in_flight.step] if self._in_flight is not None else []
+        lost = sorted(f.step for f in self._flights.values())
         self.reset()
         return lost
 
-    def _pending_rows(self, scheduled: dict[str, int]) -> dict[str, int] | None:
-        """With a step in flight: for a decode-only step that can run before its tokens reach the host,
-        request id -> row of the in-flight step's tokens, for the requests whose input is that token.
+    def _pending_rows(self, scheduled: dict[str, int], lane: int) -> dict[str, int] | None:
+        """With a step of this lane in flight: for a decode-only step that can run before its tokens reach the
+        host, request id -> row of the in-flight step's tokens, for the requests whose input is that token.
         None when there is nothing in flight, or the step must wait for the host to have the tokens."""
-        f = self._in_flight
+        f = self._flights.get(lane)
         if f is None or not self.overlap or f.sampled is None:
             return None
         rows = {id(r): i for i, r in enumerate(f.reqs)}
@@ -292,14 +330,14 @@ class ModelRunner:
                                                          for r in reqs], src, prev)
         return reqs, lambda: logits
 
-    def _sample(self, step: int, reqs: list[RequestState], logits_fn, t0: float) -> _InFlight:
+    def _sample(self, step: int, lane: int, reqs: list[RequestState], logits_fn, t0: float) -> _InFlight:
         """Launch sampling of one token per request (appended when the step is flushed). Under TP only
         rank 0 computes logits and samples; the token ids are broadcast so every rank appends the same
         ones. A sampling error on rank 0 is broadcast too (as -1s), so the step fails on every rank alike."""
         if not reqs:
-            return _InFlight(step, [], None, t0)
+            return _InFlight(step, lane, [], None, t0)
         if self.tp_size == 1:
-            return _InFlight(step, reqs, sample_on_device(logits_fn(), [r.sample_row for r in reqs]), t0)
+            return _InFlight(step, lane, reqs, sample_on_device(logits_fn(), [r.sample_row for r in reqs]), t0)
         tokens = logprobs = None
         if self.tp_rank == 0:
             try:
@@ -308,16 +346,16 @@ class ModelRunner:
                 broadcast_tokens(None, len(reqs), 0, self.device)
                 raise
         tokens = broadcast_tokens(tokens, len(reqs), self.tp_rank, self.device)
-        return _InFlight(step, reqs, None, t0, collected=(tokens, logprobs))
+        return _InFlight(step, lane, reqs, None, t0, collected=(tokens, logprobs))
 
     def _scales_ready(self) -> bool:
         """Dynamic int8 scales are set by the first eager forward; a graph replay cannot set them."""
         return self.kv_cache.scales is None or self.kv_cache.scales.ready
 
-    def _run(self, scheduled: dict[str, int], pending: dict[str, int] | None):
+    def _run(self, scheduled: dict[str, int], pending: dict[str, int] | None, lane: int = LANE_MIXED):
         """The forward of one step -> (the requests that sample, a function returning their logits).
-        pending: request id -> row of the in-flight step's device tokens holding its input token."""
-        prev = self._in_flight.sampled.tokens if pending else None
+        pending: request id -> row of the in-flight step's (of this lane) device tokens holding its input token."""
+        prev = self._flights[lane].sampled.tokens if pending else None
         if self.graphs is not None and len(scheduled) <= self.graphs.sizes[-1] and self._scales_ready() and all(
                 n == 1 and self.requests[rid].num_computed_tokens + 1 >= len(self.requests[rid].token_ids)
                 for rid, n in scheduled.items()):

@@ -131,6 +131,10 @@ class Sampled:
             self.event.record()
         self.host = parts
 
+    def ready(self) -> bool:
+        """Whether collect() would return at once."""
+        return self.event is None or self.event.query()
+
     def collect(self) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         if self.event is not None:
             self.event.synchronize()

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from batcher.config import BatcherConfig
-from batcher.cost_model import DEFAULT_COST_MODEL, CostModel
+from batcher.cost_model import CostModel, default_cost_model
 from batcher.scheduler import Scheduler
 from batcher.sim.engine import SimWorker, TraceSimRequest, simulate, summarize
 from laneserve.wire.protocol import AddRequest, SamplingParams
@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_trace_args(ap)  # --trace, --time-unit and the generator flags: the same as laneserve loadtest's
     ap.add_argument("--config", help="BatcherConfig fields as JSON (inline or a file); may also set num_blocks, "
                                      "block_size, max_model_len, num_workers")
-    ap.add_argument("--cost-model", default=str(DEFAULT_COST_MODEL), help="JSON with a, b, c, d (ms)")
+    ap.add_argument("--cost-model", help="JSON with a, b, c, d (ms); default: the shipped H200 fit for the "
+                    "config's lanes (batcher/cost_model.json, or cost_model_streams.json with lanes streams)")
     ap.add_argument("--json", help="write the summary here")
     ap.add_argument("--limit", type=int,
                     help="first N requests of the trace (of a generated one: at most --num-requests)")
@@ -78,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     block_size = int(extra.get("block_size", 16))
     reqs = trace_requests(args)
     t0 = time.perf_counter()
-    res = simulate(reqs, cfg, CostModel.load(args.cost_model), num_blocks=int(extra.get("num_blocks", 8192)),
+    cost = CostModel.load(args.cost_model or default_cost_model(cfg.lanes))
+    res = simulate(reqs, cfg, cost, num_blocks=int(extra.get("num_blocks", 8192)),
                    block_size=block_size, max_model_len=int(extra.get("max_model_len", 32768)),
                    num_workers=int(extra.get("num_workers", 1)), pipelined=args.pipelined)
     summary = summarize(res) | {"wall_s": round(time.perf_counter() - t0, 2)}

@@ -1,7 +1,9 @@
 """The simulator's engine: a trace replayed through the real Scheduler in simulated time.
 
 Owns the discrete-event loop (arrivals, aborts, one step in flight per worker, or with
-`pipelined` up to the scheduler's max_inflight_steps run back to back), the stand-in
+`pipelined` up to the scheduler's max_inflight_steps run back to back; with `--lanes streams`
+the two lanes' steps run at once, each lane's in order, each step taking the cost model's time:
+a model learned on a streams server has the lanes' sharing of the GPU in its step times), the stand-in
 workers, the step times (batcher/cost_model.py's model, on the terms the scheduler
 records for each step), the tally of the deltas and the latency summary. The stand-in workers execute
 steps exactly as the ModelRunner contract says (per-request tokens / blocks /
@@ -29,7 +31,8 @@ from batcher.config import BatcherConfig
 from batcher.cost_model import CostModel
 from batcher.router import pick_worker
 from batcher.scheduler import Scheduled, Scheduler
-from laneserve.wire.protocol import AddRequest, FinishReason, SamplingParams, StepInput, StepOutput, TokenDelta
+from laneserve.wire.protocol import (LANE_DECODE, LANE_PREFILL, AddRequest, FinishReason, SamplingParams, StepInput,
+                                     StepOutput, TokenDelta)
 
 if TYPE_CHECKING:
     from loadtest.traces import TraceRequest
@@ -77,7 +80,9 @@ class SimWorker:
     """Executes StepInputs like workers/runner.py would, minus the model; checks the scheduler's promises.
 
     With check_kv, it also keeps the token id written in every K/V slot and verifies, for every
-    prefix-cache hit, that the slots the scheduler claims are computed hold exactly those tokens.
+    prefix-cache hit, that the slots the scheduler claims are computed hold exactly those tokens; and, for
+    two lanes, that no step writes or reads a block another lane's step still in flight wrote (`done()`
+    ends a step), the race the block manager's held blocks prevent.
     """
 
     def __init__(self, num_blocks: int, block_size: int, check_kv: bool = False, vocab: int = 32000,
@@ -87,6 +92,20 @@ class SimWorker:
         self.token_fn = token_fn  # (request_id, tokens so far) -> next token; default never a stop token
         self.reqs: dict[str, list] = {}  # id -> [token_ids, block_ids, num_computed]
         self.kv = [-1] * (num_blocks * block_size) if check_kv else None
+        self.writer: dict[int, tuple[int, int]] = {}  # check_kv: block -> (lane, step) of its last write
+        self.open: set[int] = set()  # steps executed whose output is not applied yet
+
+    def done(self, step: int) -> None:
+        """The step's output was applied: the GPU is done with it."""
+        self.open.discard(step)
+
+    def _touch(self, block: int, step: StepInput, write: bool) -> None:
+        lane, step_no = self.writer.get(block, (step.lane, 0))
+        if lane != step.lane and step_no in self.open:
+            raise AssertionError(f"step {step.step} (lane {step.lane}) {'writes' if write else 'reads'} block "
+                                 f"{block} that step {step_no} (lane {lane}) still in flight writes")
+        if write:
+            self.writer[block] = (step.lane, step.step)
 
     def execute(self, step: StepInput) -> tuple[StepOutput, tuple[int, int, int, int, int]]:
         """Run the step; returns its output and its cost-model terms as this worker saw them."""
@@ -100,6 +119,7 @@ class SimWorker:
                 for pos in range(nr.num_computed_tokens):
                     slot = nr.block_ids[pos // bs] * bs + pos % bs
                     assert self.kv[slot] == toks[pos], f"prefix hit of {nr.request_id} at {pos}: stale K/V"
+                    self._touch(slot // bs, step, write=False)
             self.reqs[nr.request_id] = [toks, list(nr.block_ids), nr.num_computed_tokens]
         for cr in step.cached_reqs:
             self.reqs[cr.request_id][1].extend(cr.new_block_ids)
@@ -117,6 +137,7 @@ class SimWorker:
             if kv is not None:
                 for pos in range(done, end):
                     kv[blocks[pos // bs] * bs + pos % bs] = toks[pos]
+                    self._touch(blocks[pos // bs], step, write=True)
             st[2] = end
             kv_read += end
             if n == 1 and done:
@@ -130,6 +151,7 @@ class SimWorker:
                 toks.append(tok)
                 ids.append(rid)
                 sampled.append([tok])
+        self.open.add(step.step)
         return (StepOutput(step=step.step, worker_id=0, request_ids=ids, sampled_token_ids=sampled),
                 (prefill_tokens, attention, decode_seqs, kv_read, 1 if prefill_tokens else 0))
 
@@ -147,10 +169,13 @@ class InProcessScheduler(Scheduler):
         self.finished_ids.clear()  # this worker keeps no per-request state to drop
         return step[0]
 
-    def update_step(self, plain: list[str], now: float) -> list[TokenDelta]:
-        """update() for the oldest step in flight, its tokens sim_token()'s. The deltas of one token that neither
-        start nor end their request go in `plain` as request ids instead (cheaper to count)."""
-        return self._apply(now, sample=sim_token, plain=plain)
+    def update_step(self, plain: list[str], now: float, step: int | None = None) -> list[TokenDelta]:
+        """update() for the oldest step in flight (two lanes: `step`, the oldest of its lane), its tokens
+        sim_token()'s. The deltas of one token that neither start nor end their request go in `plain` as request
+        ids instead (cheaper to count)."""
+        index = 0 if step is None else self._oldest_of_lane(step)
+        assert index is not None, f"step {step} is not the oldest of its lane"
+        return self._apply(now, sample=sim_token, plain=plain, index=index)
 
 
 # ---------------------------------------------------------------------- results
@@ -259,21 +284,25 @@ class _Fleet:
         self.pipelined = pipelined
         self.host_gap = 0.0 if pipelined else cost.h / 1000.0
         self.step_ms = cost.step_ms
+        # two lanes: when each lane of each worker is done with its steps (no host gap: the lanes hide it)
+        self.lane_free = {w: {LANE_DECODE: 0.0, LANE_PREFILL: 0.0} for w, s in scheds.items() if s.streams}
 
     def start(self, w: int, now: float) -> None:
-        """Schedule steps on worker w while it has room: one, or with `pipelined` up to max_inflight_steps."""
+        """Schedule steps on worker w while it has room: one, or with `pipelined` up to max_inflight_steps (two
+        lanes: as many as the scheduler gives)."""
         sched, outs, res = self.scheds[w], self.busy[w], self.res
+        lanes = self.lane_free.get(w)
         depth = sched.max_inflight_steps if self.pipelined else 1
-        while len(outs) < depth:
+        while lanes is not None or len(outs) < depth:
             if self.sim_workers is None:
                 scheduled = sched.schedule_step(now)
                 if scheduled is None:
-                    return
+                    break
                 out = None  # update_step() samples the tokens
             else:
                 step = sched.schedule(now)
                 if step is None:
-                    return
+                    break
                 out, seen = self.sim_workers[w].execute(step)  # now: the state the worker would see
                 assert seen == sched.in_flight[-1][2], f"step {step.step}: the worker ran {seen}"
             features = sched.in_flight[-1][2]  # the scheduler's terms of the step
@@ -283,16 +312,28 @@ class _Fleet:
             res.decode_tokens += features[2]
             bm = sched.bm
             res.block_seconds += (bm.num_blocks - bm.num_free) * dt
+            if lanes is not None:
+                step_no, lane = sched.in_flight[-1][0], sched.in_flight[-1][4]
+                lanes[lane] = done_at = max(now, lanes[lane]) + dt
+                heappush(self.events, (done_at, 0, w, (step_no, out)))
+                continue
             outs.append(out)
             self.free_at[w] = done_at = max(now, self.free_at[w]) + dt + self.host_gap
             heappush(self.events, (done_at, 0, w, None))
 
-    def step_done(self, w: int, now: float) -> None:
-        """The oldest step of worker w is done: apply its output, hand the deltas to the tally."""
-        out = self.busy[w].popleft()
+    def step_done(self, w: int, now: float, step_out: tuple | None = None) -> None:
+        """The oldest step of worker w (two lanes: step_out's (step number, output), the oldest of its lane) is
+        done: apply its output, hand the deltas to the tally."""
+        step = None
+        if step_out is None:
+            out = self.busy[w].popleft()
+        else:
+            step, out = step_out
+            if self.sim_workers is not None:
+                self.sim_workers[w].done(step)
         if out is None:
             plain: list[str] = []
-            deltas = self.scheds[w].update_step(plain, now)
+            deltas = self.scheds[w].update_step(plain, now, step)
             if deltas:
                 self.tally.deliver(deltas, now)
             self.tally.deliver_plain(plain, now)
@@ -361,7 +402,7 @@ def simulate(requests: Sequence[SimRequest | TraceSimRequest], cfg: BatcherConfi
                 tally.deliver(scheds[w].abort_requests([payload]), now)
                 fleet.start(w, now)
         else:
-            fleet.step_done(seq, now)
+            fleet.step_done(seq, now, payload)
             fleet.start(seq, now)
         if not events and next_arrival is None:  # idle everywhere: anything still unfinished would hang
             for w in scheds:

@@ -138,6 +138,9 @@ class CachedReq(msgspec.Struct, array_like=True, gc=False):
     new_block_ids: list[int]
 
 
+LANE_MIXED, LANE_DECODE, LANE_PREFILL = 0, 1, 2  # StepInput.lane
+
+
 class StepInput(Msg):
     """One forward: new requests in full, running ones as a diff.
 
@@ -146,9 +149,15 @@ class StepInput(Msg):
     num_computed_tokens. When they reach the end of r's tokens the worker
     samples one token and appends it. finished_req_ids (finished, aborted or
     preempted since the last step) are dropped before anything else.
+
+    lane (`--lanes`, docs/lanes.md): LANE_MIXED, one forward after the other (every step before);
+    with `--lanes streams` the batcher sends LANE_DECODE steps (decodes only) and LANE_PREFILL steps
+    (prefill chunks only), which a CUDA worker runs on a high- and a low-priority stream at once:
+    steps of one lane run in order, and their outputs come back in order within each lane.
     """
 
     step: int
+    lane: int = 0
     new_reqs: list[NewReq] = []
     cached_reqs: list[CachedReq] = []
     num_scheduled_tokens: dict[str, int] = {}
@@ -175,6 +184,7 @@ class WorkerReady(Msg):
     protocol_version: int
     model: str = ""
     vocab_size: int = 0  # 0 = unknown; else the batcher rejects token ids outside [0, vocab_size)
+    concurrent_lanes: bool = False  # it runs LANE_DECODE and LANE_PREFILL steps at once (--lanes auto: streams)
 
 
 class StepOutput(Msg):
