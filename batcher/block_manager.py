@@ -217,7 +217,8 @@ class BlockManager:
             return
         bs = self.block_size
         start = req.num_registered_blocks
-        full = (req.num_computed_tokens if num_tokens is None else num_tokens) // bs
+        # (not past its known tokens: a speculative step computes K/V for drafts that are not its tokens yet)
+        full = min(req.num_computed_tokens if num_tokens is None else num_tokens, len(req.token_ids)) // bs
         if full > start:  # lookup() keyed them up to its first miss (and at least up to start)
             self.chain_hashes(req.token_ids, full, req.block_hashes, start, register=req.block_ids)
         req.num_registered_blocks = full

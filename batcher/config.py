@@ -44,11 +44,18 @@ class BatcherConfig:
     async_scheduling: bool = field(default=True, metadata=flag(
         "schedule step N+1 while the worker runs step N (2 steps in flight per worker), hiding the batcher's "
         "update/schedule and the socket round trip from the GPU"))
-    lanes: str = field(default="auto", metadata=flag(
-        "auto | mixed | streams: mixed runs each step's decodes and prefill chunks as one forward; streams sends "
+    lanes: str = field(default="mixed", metadata=flag(
+        "mixed | streams | auto: mixed runs each step's decodes and prefill chunks as one forward; streams sends "
         "them as two lanes of steps that a CUDA worker runs at once, decodes on a high-priority stream, so decodes "
         "stop waiting for long prefills; auto: streams for a worker that runs lanes on their own streams (CUDA, "
         "tensor parallel 1), else mixed (docs/lanes.md)"))
+    # speculative decoding (batcher/spec.py, docs/speculative.md)
+    speculative: str = field(default="off", metadata=flag(
+        "off | ngram: prompt-lookup drafts for greedy requests, verified in one forward (exact); how many per "
+        "step (0 to --num-speculative-tokens) follows from the step-cost model and the measured acceptance"))
+    num_speculative_tokens: int = field(default=4, metadata=flag("the most draft tokens a step verifies per request"))
+    prompt_lookup_min: int = field(default=2, metadata=flag("ngram: the shortest suffix n-gram looked up"))
+    prompt_lookup_max: int = field(default=4, metadata=flag("ngram: the longest suffix n-gram looked up"))
     # SLO scheduling (batcher/slo.py, docs/scheduling.md "SLO scheduling"); 0 = no target
     slo_ttft_ms: float = field(default=0.0, metadata=flag(
         "p95 time-to-first-token target in ms (0 = none): waiting prompts are served by deadline slack and the "

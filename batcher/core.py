@@ -38,6 +38,7 @@ from batcher.cost_model import CostModel, default_cost_model
 from batcher.router import pick_worker
 from batcher.scheduler import LANES, Scheduler, StepFailed, StepOrderError
 from batcher.slo import SloPolicy
+from batcher.spec import SpecPolicy
 from laneserve.sampling import MAX_PRIORITY, check_sampling, check_slo_target
 from laneserve.wire import protocol as P
 from laneserve.wire import transport
@@ -68,6 +69,7 @@ class Batcher:
             raise SystemExit(f"--lanes must be one of {', '.join(LANES)}, got {cfg.lanes!r}")
         try:  # the policy's settings and the cost model, checked before anything listens
             SloPolicy(cfg)
+            SpecPolicy(cfg.speculative, cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
             # the scheduler's prior per lanes (a worker's, with --lanes auto, known when it is ready)
             self.cost_prior = {lanes: CostModel.load(cfg.cost_model or default_cost_model(lanes))
                                for lanes in ("mixed", "streams")}
@@ -162,8 +164,13 @@ class Batcher:
         lanes = self.cfg.lanes
         if lanes == "auto":
             lanes = "streams" if msg.concurrent_lanes else "mixed"
-        sched = Scheduler(dataclasses.replace(self.cfg, lanes=lanes), msg.num_blocks, msg.block_size,
-                          msg.max_model_len, cost=self.cost_prior[lanes])
+        speculative = self.cfg.speculative
+        if speculative not in ("", "off") and not msg.speculative:
+            log.warning("worker %d cannot verify drafts (tensor parallel): no speculative decoding there",
+                        msg.worker_id)
+            speculative = "off"
+        sched = Scheduler(dataclasses.replace(self.cfg, lanes=lanes, speculative=speculative), msg.num_blocks,
+                          msg.block_size, msg.max_model_len, cost=self.cost_prior[lanes])
         self.workers[msg.worker_id] = WorkerSlot(msg.worker_id, ident, sched, vocab_size=msg.vocab_size)
         log.info("worker %d ready: %s, %d KV blocks of %d tokens, max_model_len %d, %s lanes", msg.worker_id,
                  msg.model, msg.num_blocks, msg.block_size, msg.max_model_len, lanes)

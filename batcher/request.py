@@ -26,7 +26,7 @@ class Request:
                  "internal", "on_worker", "first_delta_sent", "num_sent_blocks", "admit_seq", "seen_at",
                  "gated_since", "num_preemptions", "epoch", "num_registered_blocks", "num_output_placeholders",
                  "max_num_tokens", "length_limit", "stop_check_from", "priority", "deadline", "tpot",
-                 "first_token_at", "uncached_estimate", "arrived_at", "prefill_step")
+                 "first_token_at", "uncached_estimate", "arrived_at", "prefill_step", "ngrams")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float = 0.0, max_len: int = 1 << 62, internal: bool = False):
@@ -72,6 +72,7 @@ class Request:
         self.first_token_at: float | None = None
         self.uncached_estimate = len(prompt_token_ids)
         self.prefill_step = 0  # two lanes: the prefill step in flight that computes some of it (0: none)
+        self.ngrams = None  # speculative decoding: its batcher.spec.NgramIndex, made when first drafted for
 
     # ------------------------------------------------------------------ sizes
     @property

@@ -31,6 +31,7 @@ from batcher.config import BatcherConfig, load_warm_prefixes
 from batcher.cost_model import CostModel, Features, OnlineCostFit, default_cost_model
 from batcher.request import Request, Status, blocks_for
 from batcher.slo import ADMISSION_MARGIN, MIN_PREFILL_TOKENS, SloPolicy
+from batcher.spec import GREEDY_TEMPERATURE, SpecPolicy
 from laneserve.wire.protocol import (LANE_DECODE, LANE_MIXED, LANE_PREFILL, AddRequest, CachedReq, EngineStats,
                                      FinishReason, NewReq, SamplingParams, StepInput, StepOutput, TokenDelta)
 
@@ -56,10 +57,17 @@ class Scheduled(msgspec.Struct, frozen=True, gc=False):
     epoch: int  # its epoch when scheduled: the step is void for it once it is preempted or finished
 
 
-def step_features(flight: list[Scheduled]) -> Features:
+def step_features(flight: list[Scheduled], drafts: dict[str, list[int]] | None = None) -> Features:
     """A step's cost-model terms (batcher/cost_model.py): prefill tokens, their attention over the context
-    before them, decode rows (one token onto computed ones), K/V tokens read, whether it has any prefill."""
+    before them, decode rows (one token onto computed ones), K/V tokens read, whether it has any prefill. A
+    request verifying drafts is decode rows, one per token (as the worker runs it: workers/runner.py)."""
     prefill = attention = decodes = kv = 0
+    if drafts:
+        spec = [rec for rec in flight if rec.req.request_id in drafts]
+        flight = [rec for rec in flight if rec.req.request_id not in drafts]
+        for rec in spec:
+            decodes += rec.num_tokens
+            kv += rec.num_tokens * rec.done
     for rec in flight:
         n, done = rec.num_tokens, rec.done
         kv += done
@@ -110,6 +118,10 @@ class Scheduler:
         self.void: set[int] = set()  # steps that were in flight at a fail_all(): update() drops their outputs
         self.grown: list[Request] = []  # running requests given blocks in the step being composed (schedule() sends)
         self.slo = SloPolicy(cfg)
+        self.spec = SpecPolicy(cfg.speculative, cfg.num_speculative_tokens, cfg.prompt_lookup_min,
+                               cfg.prompt_lookup_max)
+        self.spec_k = 0  # draft tokens per request in the step being composed (0: no speculation)
+        self.drafts: dict[str, list[int]] = {}  # its drafts, for its StepInput
         # The step-cost model (cost, else --cost-model, else the shipped fit), learned online from the worker.
         self.fit = OnlineCostFit(cost or CostModel.load(cfg.cost_model or default_cost_model(cfg.lanes)))
         self.decode_part_ms = 0.0  # the last composed step's cost without its prefills
@@ -129,8 +141,9 @@ class Scheduler:
         self.running: dict[str, Request] = {}  # insertion order = admission order
         self.finished_ids: list[str] = []  # for the next StepInput: the worker drops their state
         self.pending: list[TokenDelta] = []  # deltas made outside update() (rejections), sent with the next
-        # (step number, its requests, its cost-model terms, its predicted ms, its lane), oldest first
-        self.in_flight: deque[tuple[int, list[Scheduled], Features, float, int]] = deque()
+        # (step number, its requests, its cost-model terms, its predicted ms, its lane, its drafts or None),
+        # oldest first
+        self.in_flight: deque[tuple[int, list[Scheduled], Features, float, int, dict | None]] = deque()
         self.busy = [0.0, 0.0, 0.0]  # per lane: when the worker is predicted to be done with its steps in flight
         self.new_arrivals = 0
         self.num_internal = 0
@@ -251,15 +264,22 @@ class Scheduler:
             req.num_sent_blocks = len(req.block_ids)
         finished, self.finished_ids = self.finished_ids, []
         return StepInput(step=self.step_no, new_reqs=new_reqs, cached_reqs=cached_reqs,
-                         num_scheduled_tokens=num_scheduled, finished_req_ids=finished, lane=self.in_flight[-1][4])
+                         num_scheduled_tokens=num_scheduled, finished_req_ids=finished, lane=self.in_flight[-1][4],
+                         spec_token_ids=self.in_flight[-1][5] or {})
 
     def _next_step(self, now: float) -> tuple[list[Scheduled], int] | None:
         """Decide the next step and commit it (in_flight, and each request's state); returns its requests in run
         order, admissions last, and how many come before the admissions. None: no step. With two lanes: a
         prefill step when none is in flight and there is prefill work, else a decode step when fewer than
-        max_inflight_steps are in flight."""
+        max_inflight_steps are in flight. A step that speculates is the only one in flight of its lane: its
+        drafts come from the tokens known, and what it accepts decides where the next one starts."""
+        limit = self.max_inflight_steps
+        if self.spec.enabled:
+            self.spec_k = self._choose_k()
+            if self.spec_k or any(entry[5] for entry in self.in_flight):
+                limit = 1
         if not self.streams:
-            if len(self.in_flight) >= self.max_inflight_steps:
+            if len(self.in_flight) >= limit:
                 return None
             return self._compose(now, LANE_MIXED)
         decoding = sum(1 for entry in self.in_flight if entry[4] == LANE_DECODE)
@@ -267,9 +287,18 @@ class Scheduler:
             step = self._compose(now, LANE_PREFILL)
             if step is not None:
                 return step
-        if decoding < self.max_inflight_steps:
+        if decoding < limit:
             return self._compose(now, LANE_DECODE)
         return None
+
+    def _choose_k(self) -> int:
+        """Draft tokens per request for the next step (batcher/spec.py), from the requests decoding now."""
+        batch = context = 0
+        for r in self.running.values():
+            if len(r.token_ids) > r.num_prompt_tokens:  # decoding (or about to)
+                batch += 1
+                context += r.num_computed_tokens
+        return self.spec.choose_k(batch, context, self.fit.model, self.cfg.max_num_seqs)
 
     def _compose(self, now: float, lane: int) -> tuple[list[Scheduled], int] | None:
         """_next_step() for one lane."""
@@ -300,10 +329,11 @@ class Scheduler:
         if not flight and (lane == LANE_PREFILL or not self.finished_ids and (not self.pending or self.in_flight)):
             return None
         self.step_no += 1
-        features = step_features(flight)
+        features = step_features(flight, self.drafts)
         predicted = self.fit.model.step_ms(*features)
         self.busy[lane] = start + predicted / 1000.0
-        self.in_flight.append((self.step_no, flight, features, predicted, lane))
+        drafts, self.drafts = self.drafts, {}
+        self.in_flight.append((self.step_no, flight, features, predicted, lane, drafts or None))
         if lane == LANE_PREFILL:  # no decode step takes them until this step's output is applied
             for rec in flight:
                 rec.req.prefill_step = self.step_no
@@ -405,6 +435,9 @@ class Scheduler:
         threshold = self.cfg.long_prefill_threshold
         preemptions_before = self.preemptions
         grown = self.grown
+        if self.spec_k and run_decodes:
+            budget = self._schedule_drafts(flight, budget, run_decodes, decodes, prefills)
+            run_decodes = ()
         for req in run_decodes:  # one token each
             if budget <= 0:
                 break
@@ -441,6 +474,40 @@ class Scheduler:
                 active += 1
         return budget, active, self.preemptions != preemptions_before
 
+    def _schedule_drafts(self, flight: list[Scheduled], budget: int, run_decodes: list[Request],
+                         decodes: list[Request], prefills: list[tuple[Request, int]]) -> int:
+        """The decode loop of _schedule_running when the step speculates: a greedy request whose tokens are all
+        known on the host gets its last token plus up to spec_k drafts (batcher/spec.py) to verify, any other
+        one its one token. Returns the budget left."""
+        bs = self.block_size
+        spec = self.spec
+        for req in run_decodes:
+            if budget <= 0:
+                break
+            drafts = []
+            p = req.params
+            if (not req.internal and not req.num_output_placeholders and p.temperature < GREEDY_TEMPERATURE
+                    and p.logprobs is None and p.repetition_penalty == 1.0 and not p.frequency_penalty
+                    and not p.presence_penalty and len(req.token_ids) - req.num_prompt_tokens >= p.min_tokens):
+                if req.ngrams is None:
+                    req.ngrams = spec.index()
+                room = min(self.spec_k, budget - 1, req.length_limit - len(req.token_ids) - 1)
+                drafts = req.ngrams.propose(req.token_ids, room)
+            n = 1 + len(drafts)
+            done = req.num_computed_tokens + n
+            if done > len(req.block_ids) * bs:
+                if not self._make_room(req, n, decodes, prefills):
+                    break
+                self.grown.append(req)
+            req.num_computed_tokens = done
+            if not req.internal:
+                req.num_output_placeholders += 1
+            flight.append(Scheduled(req, n, done, not req.internal, req.epoch))
+            if drafts:
+                self.drafts[req.request_id] = drafts
+            budget -= n
+        return budget
+
     @staticmethod
     def _commit_chunk(flight: list[Scheduled], req: Request, n: int, left: int) -> None:
         """Put n of the `left` tokens req has to compute into the step (the decode loop above inlines the
@@ -453,8 +520,12 @@ class Scheduler:
 
     def _make_room(self, req: Request, n: int, decodes: list[Request], prefills: list[tuple[Request, int]]) -> bool:
         """Blocks for n more tokens of req, preempting from the back of the run order (decodes, then prefills);
-        False if req lost its place."""
-        while not self.bm.allocate(req, n):
+        False if req lost its place. Blocks held for steps in flight (two lanes) come back when those are done:
+        while they would cover the need, req waits for them instead of preempting or failing."""
+        bm = self.bm
+        while not bm.allocate(req, n):
+            if bm.num_held and bm.blocks_needed(req, n) <= bm.num_free + bm.num_held:
+                return False
             victim = prefills.pop()[0] if prefills else decodes.pop()
             if victim is req and not decodes and not prefills:
                 if len(self.running) > 1:  # others hold blocks but wait on steps in flight: they end soon
@@ -566,10 +637,10 @@ class Scheduler:
         """
         in_flight = self.in_flight
         if index:
-            step_no, flight, _, _, lane = in_flight[index]
+            step_no, flight, _, _, lane, drafts = in_flight[index]
             del in_flight[index]
         else:
-            step_no, flight, _, _, lane = in_flight.popleft()
+            step_no, flight, _, _, lane, drafts = in_flight.popleft()
         self.busy[lane] = now + sum(entry[3] for entry in in_flight if entry[4] == lane) / 1000.0
         if lane == LANE_PREFILL:
             for rec in flight:
@@ -577,6 +648,8 @@ class Scheduler:
                     rec.req.prefill_step = 0
         if self.bm.held:
             self.bm.release_held(in_flight[0][0] if in_flight else math.inf)
+        if drafts:  # the requests whose drafts this output verifies (not made void since)
+            verified = [rec for rec in flight if rec.req.request_id in drafts and rec.req.epoch == rec.epoch]
         deltas, self.pending = self.pending, []
         bs = self.block_size
         bm = self.bm
@@ -630,7 +703,25 @@ class Scheduler:
             deltas.append(delta)
         # Rows left in `rows` are tokens for requests that finished, were aborted or preempted meanwhile: dropped
         # (with steps in flight a request that stopped in step N has one more token coming from step N+1).
+        if drafts:
+            self._settle_drafts(verified, drafts)
         return deltas
+
+    def _settle_drafts(self, verified: list[Scheduled], drafts: dict[str, list[int]]) -> None:
+        """After a speculative step's tokens are appended: each request still running that verified drafts has
+        K/V for its last token and the accepted drafts (the rejected ones' slots are written over later), so it
+        computes from its last token on, as after any decode; the K/V now known is offered to the prefix cache.
+        The acceptance counts take in the requests that stopped on an accepted token too."""
+        drafted = accepted = 0
+        for rec in verified:
+            req = rec.req
+            drafted += len(drafts[req.request_id])
+            accepted += len(req.token_ids) - (rec.done - rec.num_tokens + 1) - 1  # appended, less the one after
+            if req.epoch == rec.epoch:  # still running
+                req.num_computed_tokens = len(req.token_ids) - 1
+                if self.bm.enable_prefix_caching:
+                    self.bm.cache_full_blocks(req)
+        self.spec.observe(len(verified), drafted, accepted)
 
     def _append_tokens(self, req: Request, tokens: list[int]) -> TokenDelta:
         """Append sampled tokens up to the first stop (and finish there); STOP includes the stop token."""
@@ -699,4 +790,6 @@ class Scheduler:
                            prefix_queries=self.bm.queries, prefix_hits=self.bm.hits,
                            gated_prefills=self.gated_prefills, preemptions=self.preemptions, steps=self.step_no,
                            steps_timed=self.fit.steps, step_ms_predicted=self.fit.predicted_ms,
-                           step_ms_measured=self.fit.measured_ms, slo_shed=self.slo.shed)
+                           step_ms_measured=self.fit.measured_ms, slo_shed=self.slo.shed,
+                           spec_steps=self.spec.steps, spec_sequences=self.spec.sequences,
+                           spec_drafted=self.spec.drafted, spec_accepted=self.spec.accepted)

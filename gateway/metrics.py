@@ -55,6 +55,12 @@ class EngineCollector:
             ("step_time_measured_ms", "Step time the workers measured, summed over the timed steps.",
              s.step_ms_measured),
             ("num_slo_shed", "Requests refused by predictive SLO admission (429).", s.slo_shed),
+            ("spec_decode_num_steps", "Steps that verified draft tokens (speculative decoding; over engine_steps: "
+             "the share of steps that speculated).", s.spec_steps),
+            ("spec_decode_num_drafts", "Drafts verified (one per request per such step).", s.spec_sequences),
+            ("spec_decode_num_draft_tokens", "Draft tokens verified.", s.spec_drafted),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted (over num_draft_tokens: the acceptance rate; "
+             "over num_drafts: the mean accepted length).", s.spec_accepted),
         ]
         for name, doc, value in counters:
             c = CounterMetricFamily(P + name, doc)

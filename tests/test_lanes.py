@@ -43,11 +43,12 @@ class LaneDriver(Driver):
     def fill(self) -> None:
         while (st := self.s.schedule(self.now)) is not None:
             assert st.lane in (LANE_DECODE, LANE_PREFILL)
-            assert st.lane == LANE_PREFILL or all(n == 1 for n in st.num_scheduled_tokens.values())
+            assert st.lane == LANE_PREFILL or all(n == 1 + len(st.spec_token_ids.get(rid, ()))
+                                                  for rid, n in st.num_scheduled_tokens.items())
             self.steps.append(st)
             self.flight.append((st.lane, self.w.execute(st)[0]))
             live = {}  # lane -> requests its steps in flight compute (not the void parts)
-            for step, recs, _, _, lane in self.s.in_flight:
+            for step, recs, _, _, lane, _ in self.s.in_flight:
                 live.setdefault(lane, set()).update(r.req.request_id for r in recs if r.req.epoch == r.epoch)
             assert not (live.get(LANE_DECODE, set()) & live.get(LANE_PREFILL, set())), "a request in both lanes"
 
@@ -201,7 +202,7 @@ def test_lanes_is_validated():
         Scheduler(cfg(lanes="both"), 8, BS, 100)
     with pytest.raises(SystemExit, match="--lanes must be one of auto, mixed, streams, got 'both'"):
         Batcher(cfg(lanes="both"))
-    assert BatcherConfig().lanes == "auto"
+    assert BatcherConfig().lanes == "mixed"
     s = Scheduler(cfg(), 64, BS, 100)  # auto without a worker to ask (tests, the simulator): mixed
     add(s, "a", 5)
     assert not s.streams and s.schedule(0.0).lane == LANE_MIXED
@@ -221,11 +222,12 @@ def family(request, tmp_path_factory):
     return hf, runner
 
 
-def _engine(runner, lanes: str, jobs: dict[str, tuple[list[int], int]], rng: random.Random) -> dict[str, list[int]]:
+def engine(runner, lanes: str, jobs: dict[str, tuple[list[int], int]], rng: random.Random,
+           cost: CostModel | None = None, **config) -> tuple[dict[str, list[int]], Scheduler]:
     """The real Scheduler driving the real ModelRunner in process, steps through the wire format; outputs applied
-    in a random order that keeps each lane's."""
-    s = Scheduler(cfg(lanes=lanes, max_num_batched_tokens=40), runner.num_blocks, runner.block_size,
-                  runner.max_model_len)
+    in a random order that keeps each lane's. Returns each request's greedy tokens, and the scheduler."""
+    s = Scheduler(cfg(lanes=lanes, max_num_batched_tokens=40, **config), runner.num_blocks, runner.block_size,
+                  runner.max_model_len, cost=cost)
     for rid, (prompt, n) in jobs.items():
         s.add_request(P.AddRequest(request_id=rid, prompt_token_ids=prompt,
                                    params=P.SamplingParams(max_tokens=n, temperature=0.0), arrival_time=0.0), 0.0)
@@ -251,7 +253,7 @@ def _engine(runner, lanes: str, jobs: dict[str, tuple[list[int], int]], rng: ran
             assert d.finish_reason in (None, FinishReason.LENGTH), d
             tokens.setdefault(d.request_id, []).extend(d.new_token_ids)
     assert s.bm.num_free == s.num_blocks
-    return tokens
+    return tokens, s
 
 
 def test_every_family_decodes_the_same_greedy_tokens_in_both_modes(family):
@@ -260,8 +262,8 @@ def test_every_family_decodes_the_same_greedy_tokens_in_both_modes(family):
     hf, runner = family
     jobs = {f"r{i}": (random_prompt(n, seed=20 + i), m) for i, (n, m) in enumerate([(3, 9), (37, 24), (90, 12),
                                                                                       (17, 30), (60, 5)])}
-    mixed = _engine(runner, "mixed", jobs, random.Random(0))
-    streams = _engine(runner, "streams", jobs, random.Random(1))
+    mixed, _ = engine(runner, "mixed", jobs, random.Random(0))
+    streams, _ = engine(runner, "streams", jobs, random.Random(1))
     assert streams == mixed
     assert all(mixed[rid] == hf_greedy(hf, prompt, n) for rid, (prompt, n) in jobs.items())
 

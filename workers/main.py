@@ -44,7 +44,8 @@ def run(cfg: WorkerConfig) -> None:
                                    block_size=runner.block_size, max_model_len=runner.max_model_len,
                                    protocol_version=P.PROTOCOL_VERSION, model=runner.model_name,
                                    vocab_size=runner.model_config.vocab_size,
-                                   concurrent_lanes=bool(runner.lane_streams)))
+                                   concurrent_lanes=bool(runner.lane_streams),
+                                   speculative=runner.tp_size == 1))
     sock.send(ready)
     log.info("worker %d ready: %d KV blocks", cfg.worker_id, runner.num_blocks)
     try:

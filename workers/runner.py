@@ -53,7 +53,7 @@ from workers.kv_cache import (BLOCK_SIZE, DEFAULT_CPU_KV_BYTES, KVCache, bytes_p
                               parse_bytes, resolve_kv_dtype)
 from workers.loader import load_model, resolve_device, resolve_dtype
 from workers.model.layers import check_shardable
-from workers.sampling import Sampled, SampleRow, sample_on_device
+from workers.sampling import Sampled, SampleRow, sample_on_device, to_device
 
 log = logging.getLogger("laneserve.worker")
 
@@ -82,6 +82,50 @@ class _InFlight:
     sampled: Sampled | None  # device tokens (None: nothing samples, or TP's already-collected tokens)
     t0: float
     collected: tuple | None = None  # TP: (tokens, logprobs), sampled and broadcast in step
+    verify: _Verify | None = None  # speculative decoding: the drafts it verifies
+    done: torch.cuda.Event | None = None  # two lanes: recorded after all of the step's work on its stream
+
+    def ready(self) -> bool:
+        """Its tokens are on the host (collect() would not wait)."""
+        return all(x is None or x.ready() for x in (self.sampled, self.verify)) and (
+            self.done is None or self.done.query())
+
+
+class _Verify:
+    """A step's draft verification (StepInput.spec_token_ids; greedy): the model's argmax at each of a request's
+    1 + K positions, copied to the host without waiting. A request keeps the drafts that match the argmax before
+    them, then the argmax after the last kept one (the token plain greedy decoding gives there)."""
+
+    def __init__(self, reqs: list[tuple[RequestState, list[int], int]], logits: torch.Tensor):
+        self.reqs = reqs  # (request, its drafts, its first row in logits)
+        targets = logits.argmax(dim=-1)
+        self.event = None
+        if targets.is_cuda:
+            self.host = torch.empty(targets.shape, dtype=targets.dtype, pin_memory=True)
+            self.host.copy_(targets, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = targets
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def accept(self) -> list[tuple[RequestState, list[int]]]:
+        """Each request and its new tokens (appended to it; its last token is the next one to compute)."""
+        if self.event is not None:
+            self.event.synchronize()
+        targets = self.host.tolist()
+        out = []
+        for r, drafts, row in self.reqs:
+            a = 0
+            while a < len(drafts) and drafts[a] == targets[row + a]:
+                a += 1
+            tokens = drafts[:a] + [targets[row + a]]
+            r.token_ids += tokens
+            r.num_computed_tokens = len(r.token_ids) - 1
+            out.append((r, tokens))
+        return out
 
 
 class ModelRunner:
@@ -123,6 +167,10 @@ class ModelRunner:
             high = torch.cuda.Stream.priority_range()[1]  # the numerically lowest: the highest priority
             self.lane_streams = {LANE_DECODE: torch.cuda.Stream(self.device, priority=high),
                                  LANE_PREFILL: torch.cuda.Stream(self.device, priority=0)}
+            for stream in self.lane_streams.values():  # first use of a stream stalls: not while serving
+                with torch.cuda.stream(stream):
+                    torch.zeros(1, device=self.device).add_(1)
+                stream.synchronize()
         self.graphs: DecodeGraphs | None = None  # captured below, after the pool exists
         self.kv_cache = self._allocate_kv_cache()
         self.num_blocks = self.kv_cache.num_blocks
@@ -205,6 +253,8 @@ class ModelRunner:
         self.requests.clear()
         self._flights.clear()
         self._outbox.clear()
+        for stream in self.lane_streams.values():  # a step cut off in one lane must not write over the next ones
+            stream.synchronize()
 
     def execute(self, step: P.StepInput) -> P.StepOutput:
         """Run one step to completion (no step in flight before or after)."""
@@ -250,11 +300,19 @@ class ModelRunner:
             pending = self._pending_rows(step.num_scheduled_tokens, lane)
             if pending is None:
                 self.flush(lanes)  # this step needs the tokens of the one in flight on the host
-            sampled_reqs, logits_fn = self._run(step.num_scheduled_tokens, pending, lane)
+            if step.spec_token_ids and self.tp_size != 1:
+                raise ValueError("speculative drafts need tensor parallel 1")
+            sampled_reqs, logits_fn, verify = self._run(step.num_scheduled_tokens, pending, lane, step.spec_token_ids)
             self.flush(lanes)
-            self._flights[lane] = self._sample(step.step, lane, sampled_reqs, logits_fn, t0)
+            f = self._flights[lane] = self._sample(step.step, lane, sampled_reqs, logits_fn, t0)
+            f.verify = verify
+            if stream is not None:  # its output must not say "done" before the GPU is: held blocks go free then
+                f.done = torch.cuda.Event()
+                f.done.record()
         if not self.overlap:
-            self.flush()
+            self.flush(lanes)
+        elif self.concurrent:
+            self.flush_ready()  # the other lane's step may be done: report it now, not when the socket is idle
 
     def flush(self, lanes: tuple[int, ...] | None = None) -> None:
         """Collect the tokens of the steps in flight (of `lanes`, default all; waits for their sampling) and
@@ -266,11 +324,13 @@ class ModelRunner:
     def flush_ready(self) -> None:
         """Collect the steps in flight whose tokens are on the host already (no wait)."""
         for f in sorted(self._flights.values(), key=lambda f: f.step):
-            if f.sampled is None or f.sampled.ready():
+            if f.ready():
                 self._collect(f)
 
     def _collect(self, f: _InFlight) -> None:
         del self._flights[f.lane]
+        if f.done is not None:
+            f.done.synchronize()
         out = P.StepOutput(step=f.step, worker_id=self.cfg.worker_id)
         if f.reqs:
             tokens, logprobs = f.collected or f.sampled.collect()
@@ -280,6 +340,12 @@ class ModelRunner:
             out.sampled_token_ids = [[t] for t in tokens]
             if logprobs is not None:
                 out.logprobs = [[lp] if lp is not None else [] for lp in logprobs]
+        if f.verify is not None:
+            for r, tokens in f.verify.accept():
+                out.request_ids.append(r.request_id)
+                out.sampled_token_ids.append(tokens)
+                if out.logprobs:
+                    out.logprobs.append([])
         # This step's own time: from its start, or from the end of its lane's step before when they overlapped.
         done = time.perf_counter()
         out.execute_time = done - max(f.t0, self._last_done[f.lane])
@@ -330,6 +396,34 @@ class ModelRunner:
                                                          for r in reqs], src, prev)
         return reqs, lambda: logits
 
+    def _run_verify_graph(self, scheduled: dict[str, int], drafts: dict[str, list[int]]):
+        """Decodes and draft verifications (every token on the host) as one decode graph replay, a row per
+        position: a request's last token and each draft is a row of its own, over the context up to it (the
+        step writes every row's K/V before any row's attention, so a draft sees the ones before it)."""
+        bs = BLOCK_SIZE
+        ids, pos, slots, lens, tables = [], [], [], [], []
+        sampled_reqs, sample_rows, verify = [], [], []
+        for rid, n in scheduled.items():
+            r = self.requests[rid]
+            p = r.num_computed_tokens
+            first = len(ids)
+            for i, token in enumerate([r.token_ids[p], *drafts.get(rid, ())]):
+                q = p + i
+                ids.append(token)
+                pos.append(q)
+                slots.append(r.block_ids[q // bs] * bs + q % bs)
+                lens.append(q + 1)
+                tables.append(r.block_ids[:q // bs + 1])
+            r.num_computed_tokens = p + n
+            if rid in drafts:
+                verify.append((r, drafts[rid], first))
+            else:
+                sampled_reqs.append(r)
+                sample_rows.append(first)
+        logits = self.graphs.run(*(np.array(a, dtype=np.int64) for a in (ids, pos, slots, lens)), tables)
+        return (sampled_reqs, lambda: logits[to_device(sample_rows, torch.int64, logits.device)],
+                _Verify(verify, logits))
+
     def _sample(self, step: int, lane: int, reqs: list[RequestState], logits_fn, t0: float) -> _InFlight:
         """Launch sampling of one token per request (appended when the step is flushed). Under TP only
         rank 0 computes logits and samples; the token ids are broadcast so every rank appends the same
@@ -352,15 +446,23 @@ class ModelRunner:
         """Dynamic int8 scales are set by the first eager forward; a graph replay cannot set them."""
         return self.kv_cache.scales is None or self.kv_cache.scales.ready
 
-    def _run(self, scheduled: dict[str, int], pending: dict[str, int] | None, lane: int = LANE_MIXED):
-        """The forward of one step -> (the requests that sample, a function returning their logits).
-        pending: request id -> row of the in-flight step's (of this lane) device tokens holding its input token."""
+    def _run(self, scheduled: dict[str, int], pending: dict[str, int] | None, lane: int = LANE_MIXED,
+             drafts: dict[str, list[int]] | None = None):
+        """The forward of one step -> (the requests that sample, a function returning their logits, the draft
+        verification or None). pending: request id -> row of the in-flight step's (of this lane) device tokens
+        holding its input token; drafts: request id -> draft tokens its input continues with."""
         prev = self._flights[lane].sampled.tokens if pending else None
-        if self.graphs is not None and len(scheduled) <= self.graphs.sizes[-1] and self._scales_ready() and all(
+        # (the decode graphs' static buffers are the decode lane's: a prefill step never replays them)
+        graphs = self.graphs if lane != LANE_PREFILL else None
+        if graphs is not None and len(scheduled) <= self.graphs.sizes[-1] and self._scales_ready() and all(
                 n == 1 and self.requests[rid].num_computed_tokens + 1 >= len(self.requests[rid].token_ids)
                 for rid, n in scheduled.items()):
             src = np.array([pending.get(rid, -1) for rid in scheduled], dtype=np.int64) if pending else None
-            return self._run_decode_graph([self.requests[rid] for rid in scheduled], src, prev)
+            return *self._run_decode_graph([self.requests[rid] for rid in scheduled], src, prev), None
+        if drafts and graphs is not None and sum(scheduled.values()) <= graphs.sizes[-1] and \
+                self._scales_ready() and all(n == 1 + len(drafts.get(rid, ())) and self.requests[rid].num_computed_tokens
+                                             + 1 == len(self.requests[rid].token_ids) for rid, n in scheduled.items()):
+            return self._run_verify_graph(scheduled, drafts)
         # The row layout (module docstring): decodes (one token) first, longest context first.
         order = sorted(scheduled, key=lambda rid: (scheduled[rid] != 1,
                                                    -self.requests[rid].num_computed_tokens * (scheduled[rid] == 1)))
@@ -374,6 +476,10 @@ class ModelRunner:
             blocks = np.asarray(r.block_ids[:num_blocks], dtype=np.int64)
             ids = np.zeros(n, dtype=np.int64)  # a pending token (not yet on the host) stays 0 here
             known = r.token_ids[start:start + n]
+            if drafts and r.request_id in drafts:  # its last token, then the drafts to verify
+                known = known + drafts[r.request_id]
+                if len(known) != n:
+                    raise ValueError(f"{r.request_id}: {n} tokens scheduled for 1 + {len(known) - 1} drafts")
             ids[:len(known)] = known
             input_ids.append(ids)
             positions.append(pos)
@@ -389,27 +495,38 @@ class ModelRunner:
         np.cumsum(query_lens, out=qsl[1:])
         dev = self.device
         meta = AttentionMetadata(
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
-            block_tables=torch.from_numpy(block_tables).to(dev),
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            query_start_loc=to_device(torch.from_numpy(qsl), torch.int32, dev),
+            seq_lens=to_device(seq_lens, torch.int32, dev),
+            block_tables=to_device(torch.from_numpy(block_tables), torch.int32, dev),
+            slot_mapping=to_device(torch.from_numpy(np.concatenate(slots)), torch.int64, dev),
             num_decodes=_leading_ones(query_lens),
             query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
         self.backend.prepare(meta, bs, self.model_config.sliding_window)
-        token_ids = torch.from_numpy(np.concatenate(input_ids)).to(dev)
+        token_ids = to_device(torch.from_numpy(np.concatenate(input_ids)), torch.int64, dev)
         if pending:  # decode-only: row i is request order[i]'s single token
-            rows = torch.tensor([pending.get(rid, -1) for rid in order], device=dev)
+            rows = to_device([pending.get(rid, -1) for rid in order], torch.int64, dev)
             token_ids = torch.where(rows >= 0, prev[rows.clamp(min=0)], token_ids)
-        hidden = self.model(token_ids, torch.from_numpy(np.concatenate(positions)).to(dev), meta)
+        hidden = self.model(token_ids, to_device(torch.from_numpy(np.concatenate(positions)), torch.int64, dev), meta)
 
-        # A request samples when this step's chunk reaches the end of its tokens (+ a pending one).
-        sample_idx, sampled_reqs = [], []
+        # A request samples when this step's chunk reaches the end of its tokens (+ a pending one); one that
+        # verifies drafts needs the logits of all its rows (they follow the sampling rows').
+        sample_idx, sampled_reqs, verify = [], [], []
         for i, r in enumerate(reqs):
             r.num_computed_tokens += query_lens[i]
-            if r.num_computed_tokens >= len(r.token_ids):
+            if drafts and r.request_id in drafts:
+                verify.append((r, drafts[r.request_id], int(qsl[i])))
+            elif r.num_computed_tokens >= len(r.token_ids):
                 sample_idx.append(int(qsl[i + 1]) - 1)
                 sampled_reqs.append(r)
-        return sampled_reqs, lambda: self.model.compute_logits(hidden[torch.tensor(sample_idx, device=dev)])
+        if not verify:
+            return (sampled_reqs, lambda: self.model.compute_logits(hidden[to_device(sample_idx, torch.int64, dev)]),
+                    None)
+        rows, spec = [], []
+        for r, d, first in verify:
+            spec.append((r, d, len(sample_idx) + len(rows)))
+            rows += range(first, first + 1 + len(d))
+        logits = self.model.compute_logits(hidden[to_device(sample_idx + rows, torch.int64, dev)])
+        return sampled_reqs, lambda: logits[:len(sample_idx)], _Verify(spec, logits)
 
 
 def _leading_ones(query_lens: list[int]) -> int:

@@ -126,9 +126,13 @@ class SimWorker:
         ids, sampled = [], []
         prefill_tokens = attention = decode_seqs = kv_read = 0
         reqs, kv, token_fn, vocab = self.reqs, self.kv, self.token_fn, self.vocab
+        spec = step.spec_token_ids
         for rid, n in step.num_scheduled_tokens.items():
             st = reqs[rid]
             toks, blocks, done = st
+            drafts = spec.get(rid) if spec else None
+            if drafts:  # its last token, then the drafts: verified below
+                toks = toks + drafts
             end = done + n
             left = len(toks) - end  # tokens still to compute after this step
             if n <= 0 or left < 0 or end > len(blocks) * bs:
@@ -140,12 +144,27 @@ class SimWorker:
                     self._touch(blocks[pos // bs], step, write=True)
             st[2] = end
             kv_read += end
-            if n == 1 and done:
+            if drafts:  # a decode row per token (workers/runner.py)
+                decode_seqs += n
+                kv_read += (n - 1) * end
+            elif n == 1 and done:
                 decode_seqs += 1
             else:
                 prefill_tokens += n
                 attention += n * done
-            if not left:
+            if drafts:  # greedy verification: the drafts that match the model's next token, then its next token
+                toks = st[0]
+                new: list[int] = []
+                while True:
+                    tok = token_fn(rid, toks) if token_fn is not None else sim_token(len(toks), rid, vocab)
+                    toks.append(tok)
+                    new.append(tok)
+                    if len(new) > len(drafts) or drafts[len(new) - 1] != tok:
+                        break
+                st[2] = len(toks) - 1
+                ids.append(rid)
+                sampled.append(new)
+            elif not left:
                 # deterministic, never a stop token: outputs end by length
                 tok = token_fn(rid, toks) if token_fn is not None else sim_token(end, rid, vocab)
                 toks.append(tok)
@@ -356,7 +375,7 @@ def simulate(requests: Sequence[SimRequest | TraceSimRequest], cfg: BatcherConfi
     worker checking the scheduler's promises; check_kv implies it) rather than in process (InProcessScheduler),
     which is faster and gives the same results.
     """
-    in_process = not (sim_worker or check_kv)
+    in_process = not (sim_worker or check_kv) and cfg.speculative in ("", "off")  # (drafts: a SimWorker verifies)
     sched_type = InProcessScheduler if in_process else Scheduler
     scheds = {w: sched_type(cfg, num_blocks, block_size, max_model_len, warm_prefixes, cost=cost)
               for w in range(num_workers)}

@@ -110,6 +110,10 @@ class EngineStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     step_ms_predicted: float = 0.0  # the cost model's prediction (before it learned from that step)
     step_ms_measured: float = 0.0  # and the worker's measure
     slo_shed: int = 0  # requests refused by predictive SLO admission
+    spec_steps: int = 0  # steps that verified drafts (speculative decoding)
+    spec_sequences: int = 0  # drafts they verified (one per request per step)
+    spec_drafted: int = 0  # the draft tokens they verified
+    spec_accepted: int = 0  # of which were accepted
 
 
 class Pong(Msg):
@@ -158,6 +162,10 @@ class StepInput(Msg):
 
     step: int
     lane: int = 0
+    # speculative decoding (docs/speculative.md): request id -> draft tokens; such a request's
+    # num_scheduled_tokens is 1 + len(drafts), its input its last token then the drafts, and its
+    # output row the accepted drafts then one token sampled after them (greedy verification)
+    spec_token_ids: dict[str, list[int]] = {}
     new_reqs: list[NewReq] = []
     cached_reqs: list[CachedReq] = []
     num_scheduled_tokens: dict[str, int] = {}
@@ -185,6 +193,7 @@ class WorkerReady(Msg):
     model: str = ""
     vocab_size: int = 0  # 0 = unknown; else the batcher rejects token ids outside [0, vocab_size)
     concurrent_lanes: bool = False  # it runs LANE_DECODE and LANE_PREFILL steps at once (--lanes auto: streams)
+    speculative: bool = False  # it verifies StepInput.spec_token_ids (tensor parallel 1)
 
 
 class StepOutput(Msg):

@@ -7,3 +7,10 @@ else
   export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+# The bursty RAG replay of docs/perf.md (loadtest flags, less --num-requests), and a Mistral-7B-shaped checkpoint
+# dir for --load-format dummy.
+RAG_LOAD_ARGS="--trace rag --burstiness 0.5 --num-docs 16 --doc-tokens 1536 --question-tokens 256:512 \
+--output-tokens 128:256 --hit-rate 0.8"
+dummy_7b_dir() {
+  python3 -c 'import tempfile; from workers.tools.bench import write_dummy_model_dir as w; print(w(tempfile.mkdtemp()))'
+}

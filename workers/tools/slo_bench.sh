@@ -10,9 +10,8 @@
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 source "$(dirname "$0")/device_env.sh"
-LOAD_ARGS=${LOAD_ARGS:---trace rag --num-requests 600 --burstiness 0.5 --num-docs 16 --doc-tokens 1536 \
---question-tokens 256:512 --output-tokens 128:256 --hit-rate 0.8}
-MODEL=$(python3 -c 'import tempfile; from workers.tools.bench import write_dummy_model_dir as w; print(w(tempfile.mkdtemp()))')
+LOAD_ARGS=${LOAD_ARGS:-$RAG_LOAD_ARGS --num-requests 600}
+MODEL=$(dummy_7b_dir)
 mkdir -p /tmp/slo_bench
 for spec in "$@"; do
   name=${spec%%:*}; args=${spec#*:}

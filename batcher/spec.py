@@ -1,0 +1,117 @@
+"""Speculative decoding in the batcher (`--speculative ngram`, docs/speculative.md): drafts and how many.
+
+Owns the n-gram (prompt lookup) proposer, the rule that picks K, the number of draft tokens a step
+verifies per request, and the acceptance bookkeeping behind it. Pure: no I/O, no torch.
+
+- Proposer: the longest suffix of the request's known tokens, of prompt_lookup_max down to
+  prompt_lookup_min tokens, that occurred before (its latest earlier occurrence), proposes the K tokens
+  that followed it. Each request keeps an index (n-gram -> the position after its latest occurrence),
+  grown as tokens are appended, so a proposal costs O(max - min + K), not a scan of the context.
+- K: the step verifies K drafts for each of the B requests it decodes; with acceptance rate a a
+  request gains E(K) = (1 - a^(K+1)) / (1 - a) tokens from it (the accepted drafts and the token the
+  verify samples after them). The cost model prices the step: a verify is a decode row per token (the
+  worker replays the decode CUDA graph with B(K+1) rows; batcher/cost_model.py, workers/runner.py),
+  each reading its context. K maximises B*E(K) / step time, 0 (no
+  speculation) when a plain decode step gives more tokens per ms. a is the measured rate (drafted
+  tokens accepted), smoothed over steps, starting from PRIOR_ACCEPTANCE; until MIN_DRAFTS draft tokens
+  were verified it counts as at least OPTIMISTIC_ACCEPTANCE (else a server whose prior says "does not
+  pay" would never measure it), and one decision in PROBE_EVERY that comes out 0 verifies max K anyway,
+  so a rate measured low is measured again.
+"""
+
+from __future__ import annotations
+
+from batcher.cost_model import CostModel
+
+GREEDY_TEMPERATURE = 1e-5  # below it a request is greedy (workers/sampling.py GREEDY_EPS; no torch here)
+PRIOR_ACCEPTANCE = 0.5  # the acceptance rate assumed before any draft was verified
+SMOOTHING = 0.05  # weight of one step's acceptance rate in the running estimate
+MIN_DRAFTS = 256  # draft tokens verified before the measured rate alone decides
+OPTIMISTIC_ACCEPTANCE = 0.8
+PROBE_EVERY = 64  # decisions: one in this many that come out 0 speculates anyway
+
+
+class NgramIndex:
+    """One request's n-grams of n in [min_n, max_n]: n-gram -> the position right after its latest occurrence
+    whose continuation is known (so the suffix itself, which has none yet, is not its own match)."""
+
+    __slots__ = ("min_n", "max_n", "last", "done")
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.last: dict[tuple[int, ...], int] = {}
+        self.done = 0  # tokens indexed: every n-gram ending before this position is in `last`
+
+    def _grow(self, tokens: list[int]) -> None:
+        """Index the n-grams that end before the last token (those have a known next token)."""
+        last, lo, hi = self.last, self.min_n, self.max_n
+        for end in range(max(self.done, lo), len(tokens)):  # n-grams tokens[end-n:end], followed by tokens[end]
+            for n in range(lo, min(hi, end) + 1):
+                last[tuple(tokens[end - n:end])] = end
+        self.done = max(self.done, len(tokens))
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix n-gram."""
+        if k <= 0 or len(tokens) < self.min_n + 1:
+            return []
+        self._grow(tokens)
+        last = self.last
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            start = last.get(tuple(tokens[-n:]))
+            if start is not None and start < len(tokens):
+                return tokens[start:start + k]
+        return []
+
+
+def expected_tokens(k: int, alpha: float) -> float:
+    """Tokens a request gains from a verify of k drafts accepted each with probability alpha (in sequence)."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+class SpecPolicy:
+    """K per step and the acceptance statistics (EngineStats: spec_steps, spec_sequences, spec_drafted,
+    spec_accepted)."""
+
+    def __init__(self, method: str, max_k: int, min_n: int, max_n: int):
+        if method not in ("", "off", "ngram"):
+            raise ValueError(f"speculative must be 'off' or 'ngram', got {method!r}")
+        if method == "ngram" and not (1 <= max_k <= 16):
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {max_k}")
+        if method == "ngram" and not (1 <= min_n <= max_n <= 16):
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max <= 16, got {min_n}, {max_n}")
+        self.enabled = method == "ngram"
+        self.max_k, self.min_n, self.max_n = max_k, min_n, max_n
+        self.alpha = PRIOR_ACCEPTANCE
+        self.steps = self.sequences = self.drafted = self.accepted = 0
+        self.decisions = 0
+
+    def index(self) -> NgramIndex:
+        return NgramIndex(self.min_n, self.max_n)
+
+    def choose_k(self, batch: int, context: int, cost: CostModel, max_rows: int) -> int:
+        """The K that maximises tokens per ms for `batch` decoding requests with `context` K/V tokens in all, with
+        at most max_rows rows in the step (the worker's largest decode graph: --max-num-seqs)."""
+        if not self.enabled or batch <= 0:
+            return 0
+        alpha = self.alpha if self.drafted >= MIN_DRAFTS else max(self.alpha, OPTIMISTIC_ACCEPTANCE)
+        best_k, best = 0, batch / cost.step_ms(0, 0, batch, context)
+        for k in range(1, min(self.max_k, max_rows // batch - 1) + 1):
+            rate = batch * expected_tokens(k, alpha) / cost.step_ms(0, 0, batch * (k + 1), (k + 1) * context)
+            if rate > best:
+                best_k, best = k, rate
+        self.decisions += 1
+        if not best_k and self.decisions % PROBE_EVERY == 0:
+            best_k = max(0, min(self.max_k, max_rows // batch - 1))
+        return best_k
+
+    def observe(self, sequences: int, drafted: int, accepted: int) -> None:
+        """One step's drafts: how many requests verified how many tokens, and how many of them were accepted."""
+        if drafted <= 0:
+            return
+        self.steps += 1
+        self.sequences += sequences
+        self.drafted += drafted
+        self.accepted += accepted
+        self.alpha += SMOOTHING * (accepted / drafted - self.alpha)
