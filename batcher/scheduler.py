@@ -31,7 +31,7 @@ from batcher.config import BatcherConfig, load_warm_prefixes
 from batcher.cost_model import CostModel, Features, OnlineCostFit, default_cost_model
 from batcher.request import Request, Status, blocks_for
 from batcher.slo import ADMISSION_MARGIN, MIN_PREFILL_TOKENS, SloPolicy
-from batcher.spec import GREEDY_TEMPERATURE, SpecPolicy
+from batcher.spec import GREEDY_TEMPERATURE, INDEX_BUDGET, SpecPolicy
 from laneserve.wire.protocol import (LANE_DECODE, LANE_MIXED, LANE_PREFILL, AddRequest, CachedReq, EngineStats,
                                      FinishReason, NewReq, SamplingParams, StepInput, StepOutput, TokenDelta)
 
@@ -292,13 +292,38 @@ class Scheduler:
         return None
 
     def _choose_k(self) -> int:
-        """Draft tokens per request for the next step (batcher/spec.py), from the requests decoding now."""
-        batch = context = 0
+        """Draft tokens per request for the next step (batcher/spec.py): from the decoding requests that may draft
+        (prompt lookup finds a match in their tokens known now) and the others. 0 when none may draft: then async
+        scheduling keeps its two steps in flight."""
+        drafters = draft_context = others = other_context = 0
+        if len(self.running) * 2 > self.cfg.max_num_seqs:  # no K >= 1 fits the largest decode graph
+            return 0
+        budget = INDEX_BUDGET  # (a long context's index is built over several steps)
         for r in self.running.values():
-            if len(r.token_ids) > r.num_prompt_tokens:  # decoding (or about to)
-                batch += 1
-                context += r.num_computed_tokens
-        return self.spec.choose_k(batch, context, self.fit.model, self.cfg.max_num_seqs)
+            if len(r.token_ids) <= r.num_prompt_tokens:  # still prefilling
+                continue
+            may = self._may_draft(r)
+            if may and budget > 0:
+                budget -= r.ngrams.grow(r.token_ids, budget)
+            if may and r.ngrams.ready(r.token_ids) and r.ngrams.propose(r.token_ids, 1):
+                drafters += 1
+                draft_context += r.num_computed_tokens
+            else:
+                others += 1
+                other_context += r.num_computed_tokens
+        return self.spec.choose_k(drafters, draft_context, self.fit.model, self.cfg.max_num_seqs, others,
+                                  other_context)
+
+    def _may_draft(self, req: Request) -> bool:
+        """Greedy, no penalty or logprobs, min_tokens reached (drafts are verified by argmax alone); makes its
+        n-gram index the first time."""
+        p = req.params
+        if (req.internal or p.temperature >= GREEDY_TEMPERATURE or p.logprobs is not None or p.repetition_penalty != 1.0
+                or p.frequency_penalty or p.presence_penalty or len(req.token_ids) - req.num_prompt_tokens < p.min_tokens):
+            return False
+        if req.ngrams is None:
+            req.ngrams = self.spec.index()
+        return True
 
     def _compose(self, now: float, lane: int) -> tuple[list[Scheduled], int] | None:
         """_next_step() for one lane."""
@@ -480,25 +505,25 @@ class Scheduler:
         known on the host gets its last token plus up to spec_k drafts (batcher/spec.py) to verify, any other
         one its one token. Returns the budget left."""
         bs = self.block_size
-        spec = self.spec
+        bm = self.bm
         for req in run_decodes:
             if budget <= 0:
                 break
             drafts = []
-            p = req.params
-            if (not req.internal and not req.num_output_placeholders and p.temperature < GREEDY_TEMPERATURE
-                    and p.logprobs is None and p.repetition_penalty == 1.0 and not p.frequency_penalty
-                    and not p.presence_penalty and len(req.token_ids) - req.num_prompt_tokens >= p.min_tokens):
-                if req.ngrams is None:
-                    req.ngrams = spec.index()
+            if not req.num_output_placeholders and self._may_draft(req) and req.ngrams.ready(req.token_ids):
                 room = min(self.spec_k, budget - 1, req.length_limit - len(req.token_ids) - 1)
                 drafts = req.ngrams.propose(req.token_ids, room)
             n = 1 + len(drafts)
             done = req.num_computed_tokens + n
             if done > len(req.block_ids) * bs:
-                if not self._make_room(req, n, decodes, prefills):
-                    break
-                self.grown.append(req)
+                before = len(req.block_ids)
+                if not (drafts and bm.allocate(req, n)):  # drafts take free blocks only: they never preempt
+                    if drafts:
+                        drafts, n, done = [], 1, req.num_computed_tokens + 1
+                    if done > len(req.block_ids) * bs and not self._make_room(req, n, decodes, prefills):
+                        break
+                if len(req.block_ids) > before:
+                    self.grown.append(req)
             req.num_computed_tokens = done
             if not req.internal:
                 req.num_output_placeholders += 1
@@ -704,19 +729,20 @@ class Scheduler:
         # Rows left in `rows` are tokens for requests that finished, were aborted or preempted meanwhile: dropped
         # (with steps in flight a request that stopped in step N has one more token coming from step N+1).
         if drafts:
-            self._settle_drafts(verified, drafts)
+            self._settle_drafts(verified, drafts, out)
         return deltas
 
-    def _settle_drafts(self, verified: list[Scheduled], drafts: dict[str, list[int]]) -> None:
+    def _settle_drafts(self, verified: list[Scheduled], drafts: dict[str, list[int]], out: StepOutput) -> None:
         """After a speculative step's tokens are appended: each request still running that verified drafts has
         K/V for its last token and the accepted drafts (the rejected ones' slots are written over later), so it
         computes from its last token on, as after any decode; the K/V now known is offered to the prefix cache.
-        The acceptance counts take in the requests that stopped on an accepted token too."""
+        The acceptance counts are the worker's rows (the tokens past a stop included)."""
+        rows = {rid: len(t) for rid, t in zip(out.request_ids, out.sampled_token_ids) if rid in drafts}
         drafted = accepted = 0
         for rec in verified:
             req = rec.req
             drafted += len(drafts[req.request_id])
-            accepted += len(req.token_ids) - (rec.done - rec.num_tokens + 1) - 1  # appended, less the one after
+            accepted += max(rows.get(req.request_id, 1) - 1, 0)  # the row: accepted drafts, then one more
             if req.epoch == rec.epoch:  # still running
                 req.num_computed_tokens = len(req.token_ids) - 1
                 if self.bm.enable_prefix_caching:

@@ -15,8 +15,10 @@ verifies per request, and the acceptance bookkeeping behind it. Pure: no I/O, no
   speculation) when a plain decode step gives more tokens per ms. a is the measured rate (drafted
   tokens accepted), smoothed over steps, starting from PRIOR_ACCEPTANCE; until MIN_DRAFTS draft tokens
   were verified it counts as at least OPTIMISTIC_ACCEPTANCE (else a server whose prior says "does not
-  pay" would never measure it), and one decision in PROBE_EVERY that comes out 0 verifies max K anyway,
-  so a rate measured low is measured again.
+  pay" would never measure it), and one decision in PROBE_EVERY that comes out 0 verifies max K anyway
+  (it holds until a step verifies drafts), so a rate measured low is measured again. Only requests that
+  may draft now count as drafting (greedy, ..., and prompt lookup finds a match in their known tokens):
+  with none, K is 0 and async scheduling keeps two steps in flight.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ SMOOTHING = 0.05  # weight of one step's acceptance rate in the running estimate
 MIN_DRAFTS = 256  # draft tokens verified before the measured rate alone decides
 OPTIMISTIC_ACCEPTANCE = 0.8
 PROBE_EVERY = 64  # decisions: one in this many that come out 0 speculates anyway
+INDEX_WINDOW = 4096  # the proposer looks up the latest tokens only (building an index costs ~0.3 us per n-gram)
+INDEX_BUDGET = 1024  # token positions indexed per step, all requests together (~5 ms at most); a request whose
+# index is not complete yet does not draft
 
 
 class NgramIndex:
@@ -36,25 +41,34 @@ class NgramIndex:
     whose continuation is known (so the suffix itself, which has none yet, is not its own match)."""
 
     __slots__ = ("min_n", "max_n", "last", "done")
+    # (n-grams that end more than INDEX_WINDOW tokens back are never indexed: a long context's first proposal would
+    # otherwise stall the batcher's step for ~0.25 s per 32k tokens)
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
         self.last: dict[tuple[int, ...], int] = {}
         self.done = 0  # tokens indexed: every n-gram ending before this position is in `last`
 
-    def _grow(self, tokens: list[int]) -> None:
-        """Index the n-grams that end before the last token (those have a known next token)."""
+    def grow(self, tokens: list[int], budget: int = 1 << 62) -> int:
+        """Index up to `budget` more of the n-grams that end before the last token (those have a known next token;
+        of the latest INDEX_WINDOW tokens); returns how many positions it indexed."""
         last, lo, hi = self.last, self.min_n, self.max_n
-        for end in range(max(self.done, lo), len(tokens)):  # n-grams tokens[end-n:end], followed by tokens[end]
+        start = max(self.done, lo, len(tokens) - INDEX_WINDOW)
+        stop = min(len(tokens), start + budget)
+        for end in range(start, stop):  # tokens[end-n:end], followed by tokens[end]
             for n in range(lo, min(hi, end) + 1):
                 last[tuple(tokens[end - n:end])] = end
-        self.done = max(self.done, len(tokens))
+        self.done = max(self.done, stop)
+        return max(stop - start, 0)
+
+    def ready(self, tokens: list[int]) -> bool:
+        return self.done >= len(tokens)
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix n-gram."""
         if k <= 0 or len(tokens) < self.min_n + 1:
             return []
-        self._grow(tokens)
+        self.grow(tokens)
         last = self.last
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             start = last.get(tuple(tokens[-n:]))
@@ -86,30 +100,41 @@ class SpecPolicy:
         self.alpha = PRIOR_ACCEPTANCE
         self.steps = self.sequences = self.drafted = self.accepted = 0
         self.decisions = 0
+        self.probing = False  # a probe was decided: K stays up until a step verifies drafts
 
     def index(self) -> NgramIndex:
         return NgramIndex(self.min_n, self.max_n)
 
-    def choose_k(self, batch: int, context: int, cost: CostModel, max_rows: int) -> int:
-        """The K that maximises tokens per ms for `batch` decoding requests with `context` K/V tokens in all, with
-        at most max_rows rows in the step (the worker's largest decode graph: --max-num-seqs)."""
+    def choose_k(self, batch: int, context: int, cost: CostModel, max_rows: int, others: int = 0,
+                 other_context: int = 0) -> int:
+        """The K that maximises tokens per ms of a step with `batch` requests that can draft (`context` K/V tokens
+        in all) and `others` that decode one token each, with at most max_rows rows (the worker's largest decode
+        graph: --max-num-seqs). A step with drafts is alone in flight: it also pays the host gap (cost h)."""
         if not self.enabled or batch <= 0:
             return 0
         alpha = self.alpha if self.drafted >= MIN_DRAFTS else max(self.alpha, OPTIMISTIC_ACCEPTANCE)
-        best_k, best = 0, batch / cost.step_ms(0, 0, batch, context)
-        for k in range(1, min(self.max_k, max_rows // batch - 1) + 1):
-            rate = batch * expected_tokens(k, alpha) / cost.step_ms(0, 0, batch * (k + 1), (k + 1) * context)
+        top = min(self.max_k, (max_rows - others) // batch - 1)
+        if top < 1:
+            return 0
+        if self.probing:  # a probe waits for a step that drafts
+            return top
+        best_k, best = 0, (batch + others) / cost.step_ms(0, 0, batch + others, context + other_context)
+        for k in range(1, top + 1):
+            rows, kv = batch * (k + 1) + others, (k + 1) * context + other_context
+            rate = (batch * expected_tokens(k, alpha) + others) / (cost.step_ms(0, 0, rows, kv) + cost.h)
             if rate > best:
                 best_k, best = k, rate
         self.decisions += 1
         if not best_k and self.decisions % PROBE_EVERY == 0:
-            best_k = max(0, min(self.max_k, max_rows // batch - 1))
+            self.probing = True
+            best_k = top
         return best_k
 
     def observe(self, sequences: int, drafted: int, accepted: int) -> None:
         """One step's drafts: how many requests verified how many tokens, and how many of them were accepted."""
         if drafted <= 0:
             return
+        self.probing = False
         self.steps += 1
         self.sequences += sequences
         self.drafted += drafted
