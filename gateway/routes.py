@@ -80,7 +80,7 @@ class Api:
         req = S.parse(await request.read(), S.TokenizeRequest)
         self._check_model(req.model)
         if req.messages is not None:
-            text = self._render_chat(S.chat_messages(req.messages), req.add_generation_prompt)
+            text = self._render_chat(S.chat_messages(req.messages), req.add_generation_prompt, S.chat_tools(req.tools))
             ids = self.tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
         elif req.prompt is not None:
             ids = self.tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
@@ -102,6 +102,7 @@ class Api:
         req = S.parse(await request.read(), S.CompletionRequest)
         self._check_model(req.model)
         S.check_sampling(req, self.tok.vocab_size)
+        S.check_unsupported(req)
         S.check_logprobs("logprobs", req.logprobs)
         prompts = S.prompt_token_lists(req, self.tok)
         max_tokens = [S.resolve_max_tokens(req.max_tokens, 16, len(p), self.tok.max_model_len) for p in prompts]
@@ -117,10 +118,11 @@ class Api:
         req = S.parse(await request.read(), S.ChatRequest)
         self._check_model(req.model)
         S.check_sampling(req, self.tok.vocab_size)
+        S.check_unsupported(req)
         S.check_logprobs("top_logprobs", req.top_logprobs)
         if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
             raise bad_request("max_completion_tokens must be at least 1.", param="max_completion_tokens")
-        text = self._render_chat(S.chat_messages(req.messages), req.add_generation_prompt)
+        text = self._render_chat(S.chat_messages(req.messages), req.add_generation_prompt, S.chat_tools(req.tools))
         ids = self.tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
         if not ids:
             raise bad_request("the rendered conversation is empty.", param="messages")
@@ -133,9 +135,11 @@ class Api:
         if model is not None and model != self.tok.model_id:
             raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
-    def _render_chat(self, messages: list[dict], add_generation_prompt: bool | None) -> str:
+    def _render_chat(self, messages: list[dict], add_generation_prompt: bool | None,
+                     tools: list[dict] | None = None) -> str:
         try:
-            return self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt is not False)
+            return self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt is not False,
+                                                tools=tools)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), param="messages") from None
 

@@ -53,6 +53,14 @@ class _Sampling(msgspec.Struct):
     priority: int | None = None  # lower goes first (vLLM's rule)
     slo_ttft_ms: float | None = None  # this request's SLO targets (else the server's --slo-ttft-ms / --slo-tpot-ms)
     slo_tpot_ms: float | None = None
+    # Structured output (OpenAI's response_format; vLLM's guided_* and structured_outputs): constrained decoding is
+    # not built yet (issue 23), so anything but plain text is a 400 (check_unsupported), never silently ignored.
+    response_format: dict | None = None
+    guided_json: object = None
+    guided_regex: object = None
+    guided_choice: object = None
+    guided_grammar: object = None
+    structured_outputs: object = None
 
 
 class CompletionRequest(_Sampling):
@@ -67,14 +75,30 @@ class ContentPart(msgspec.Struct):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class Message(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
 
 class ChatRequest(_Sampling):
     messages: list[Message] | None = None
+    tools: list[dict] | None = None  # OpenAI's tool objects, to the chat template as sent (check_tools)
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -86,6 +110,7 @@ class TokenizeRequest(msgspec.Struct):
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = None
+    tools: list[dict] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
 
@@ -238,8 +263,46 @@ def _is_token(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def check_unsupported(req: _Sampling) -> None:
+    """400 for what constrained decoding and tool calling would need (not built yet, issue 23): structured output
+    of any kind, and tools the model would be asked to call (tool_choice other than "none"; vLLM too refuses
+    "auto" unless a tool-call parser is configured). A conversation that holds earlier tool calls, with tools
+    described to the template and tool_choice "none", is served."""
+    fmt = req.response_format
+    if fmt is not None and fmt.get("type", "text") != "text":
+        raise bad_request(f"response_format type {fmt.get('type')!r} is not supported by this server yet "
+                          "(structured output is not built); only 'text' is.", param="response_format",
+                          code="unsupported_parameter")
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
+        if getattr(req, name) is not None:
+            raise bad_request(f"{name} is not supported by this server yet (structured output is not built).",
+                              param=name, code="unsupported_parameter")
+    if isinstance(req, ChatRequest) and req.tools:
+        if req.tool_choice != "none":
+            raise bad_request("calling tools is not supported by this server yet (no tool-call parser): send "
+                              "tool_choice 'none' to describe tools to the chat template without calling them.",
+                              param="tool_choice", code="unsupported_parameter")
+    elif isinstance(req, ChatRequest) and req.tool_choice not in (None, "none", "auto"):
+        raise bad_request("tool_choice needs tools.", param="tool_choice")
+
+
+def chat_tools(tools: list[dict] | None) -> list[dict] | None:
+    """Tools for the chat template, as sent (transformers' apply_chat_template(tools=...) takes OpenAI's form): each
+    {"type": "function", "function": {"name": str, "description"?: str, "parameters"?: object}}."""
+    if not tools:
+        return None
+    for i, t in enumerate(tools):
+        fn = t.get("function")
+        if t.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                or not isinstance(fn.get("description", ""), str) or not isinstance(fn.get("parameters", {}), dict):
+            raise bad_request(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': str, 'description'?: "
+                              "str, 'parameters'?: object}}}}.", param=f"tools[{i}]")
+    return tools
+
+
 def chat_messages(messages: list[Message] | None) -> list[dict]:
-    """Messages as the chat template expects them: content flattened to text."""
+    """Messages as the chat template expects them: content flattened to text; an assistant turn's tool calls and a
+    tool turn's tool_call_id kept (in OpenAI's form, as transformers' apply_chat_template takes them)."""
     if not messages:
         raise bad_request("messages must be a non-empty list.", param="messages")
     out = []
@@ -253,9 +316,15 @@ def chat_messages(messages: list[Message] | None) -> list[dict]:
                 parts.append(part.text)
             content = "".join(parts)
         else:
-            content = m.content or ""
+            content = m.content if m.content is not None else (None if m.tool_calls else "")
         msg = {"role": m.role, "content": content}
         if m.name is not None:
             msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": c.type, "function": {"name": c.function.name,
+                                                                            "arguments": c.function.arguments}}
+                                 for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out

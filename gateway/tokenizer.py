@@ -25,9 +25,13 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from gateway import gguf_tokenizer
 from laneserve import modelspec
 
-CHATML_TEMPLATE = (
+CHATML_TEMPLATE = (  # an assistant turn's tool calls as <tool_call> JSON lines after its text (which may be none)
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{{ '\n<tool_call>' + {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson"
+    " + '</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>' + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
