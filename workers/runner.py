@@ -21,8 +21,10 @@ before it. With `--lanes streams` the batcher sends decode steps (LANE_DECODE) a
 flight, so a decode step launches (and its CUDA graph replays) while a long prefill chunk runs. The
 batcher keeps the lanes apart: no request is in both lanes' steps in flight, and no block one lane's
 step in flight writes is handed to the other lane; so nothing orders the two streams but the host
-(each lane's sampled tokens come back through their own event). Elsewhere (CPU, tensor parallel)
-the lanes' steps run one after the other, which is always correct.
+(each lane step's output waits for an event recorded after all of its work, and the host inputs go
+through pinned non-blocking copies, so launching one lane's step never waits for the other's). The
+decode graphs are the decode lane's alone. Elsewhere (CPU, tensor parallel) the lanes' steps run one
+after the other, which is always correct.
 
 Tensor parallel (cfg.tensor_parallel_size T > 1, docs/tensor_parallel.md): every rank runs a
 ModelRunner on the same StepInputs; each holds its shard of the weights and a KV pool of its
