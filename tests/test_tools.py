@@ -104,7 +104,7 @@ async def test_completions_refuse_structured_output_too_and_plain_text_format_is
                           json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "guided_json": {}}) as r:
             assert r.status == 400 and (await r.json())["error"]["param"] == "guided_json"
         body = {"model": "tiny", "messages": CONVERSATION, "tools": TOOLS, "tool_choice": "none", "max_tokens": 3,
-                "response_format": {"type": "text"}}
+                "response_format": {"type": "text"}, "temperature": 0, "ignore_eos": True}
         async with s.post(f"{stack.base_url}/v1/chat/completions", json=body) as r:
             assert r.status == 200, await r.text()
             out = await r.json()
