@@ -96,7 +96,7 @@ class Message(msgspec.Struct):
 
 class ChatRequest(_Sampling):
     messages: list[Message] | None = None
-    tools: list[dict] | None = None  # OpenAI's tool objects, to the chat template as sent (check_tools)
+    tools: list[dict] | None = None  # OpenAI's tool objects, to the chat template as sent (chat_tools)
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = None

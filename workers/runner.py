@@ -55,7 +55,7 @@ from workers.kv_cache import (BLOCK_SIZE, DEFAULT_CPU_KV_BYTES, KVCache, bytes_p
                               parse_bytes, resolve_kv_dtype)
 from workers.loader import load_model, resolve_device, resolve_dtype
 from workers.model.layers import check_shardable
-from workers.sampling import Sampled, SampleRow, sample_on_device, to_device
+from workers.sampling import Sampled, SampleRow, sample_on_device, to_device, to_host
 
 log = logging.getLogger("laneserve.worker")
 
@@ -100,15 +100,7 @@ class _Verify:
 
     def __init__(self, reqs: list[tuple[RequestState, list[int], int]], logits: torch.Tensor):
         self.reqs = reqs  # (request, its drafts, its first row in logits)
-        targets = logits.argmax(dim=-1)
-        self.event = None
-        if targets.is_cuda:
-            self.host = torch.empty(targets.shape, dtype=targets.dtype, pin_memory=True)
-            self.host.copy_(targets, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.host = targets
+        (self.host,), self.event = to_host([logits.argmax(dim=-1)])
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()

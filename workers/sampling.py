@@ -111,6 +111,17 @@ def exponential_noise(rows: list[SampleRow], shape: tuple[int, int], device) -> 
     return q
 
 
+def to_host(parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """Device tensors copied to the host without waiting: on CUDA into pinned memory, queued right behind the
+    kernels that made them, with an event that covers those copies alone (None: they are on the host already)."""
+    if not parts[0].is_cuda:
+        return parts, None
+    host = [p.to("cpu", non_blocking=True) for p in parts]  # into pinned memory
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
 class Sampled:
     """One step's sampled tokens (and logprobs), copied to the host without waiting: on CUDA the copies
     into pinned memory are queued right behind the sampling kernels, so collect() waits for those
@@ -124,12 +135,7 @@ class Sampled:
             top_n = min(max(r.params.logprobs or 0 for r in rows), raw_logprobs.shape[1])
             top_vals, top_ids = raw_logprobs.topk(top_n, dim=-1)
             parts += [raw_logprobs.gather(1, tokens[:, None]).squeeze(1), top_vals, top_ids]
-        self.event = None
-        if tokens.is_cuda:
-            parts = [p.to("cpu", non_blocking=True) for p in parts]  # into pinned memory
-            self.event = torch.cuda.Event()
-            self.event.record()
-        self.host = parts
+        self.host, self.event = to_host(parts)
 
     def ready(self) -> bool:
         """Whether collect() would return at once."""

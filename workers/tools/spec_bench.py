@@ -42,13 +42,21 @@ class Bench:
         runner.flush()
         runner.take_outputs()
         self.step = 1 << 20
-        self.saved = {rid: (list(r.token_ids), r.num_computed_tokens) for rid, r in runner.requests.items()}
+        self.saved = self.snapshot()
+
+    def snapshot(self) -> dict[str, tuple[int, int]]:
+        """Each request's token count and num_computed_tokens (steps only append tokens: rewind() undoes them)."""
+        return {rid: (len(r.token_ids), r.num_computed_tokens) for rid, r in self.runner.requests.items()}
+
+    def rewind(self, snap: dict[str, tuple[int, int]]) -> None:
+        for rid, (n, done) in snap.items():
+            r = self.runner.requests[rid]
+            del r.token_ids[n:]
+            r.num_computed_tokens = done
 
     def restore(self) -> None:
-        for rid, (toks, done) in self.saved.items():
-            r = self.runner.requests[rid]
-            r.token_ids[:] = toks
-            r.num_computed_tokens = done
+        """Back to the state after the prefill."""
+        self.rewind(self.saved)
 
     def run(self, drafts: dict[str, list[int]]) -> P.StepOutput:
         """One step: each request its last token plus its drafts (none: a plain decode)."""
@@ -77,17 +85,6 @@ def verify_costs(bench: Bench, ks: list[int], reps: int) -> dict[int, float]:
     return out
 
 
-def snapshot(bench: Bench) -> dict[str, tuple[int, int]]:
-    return {rid: (len(r.token_ids), r.num_computed_tokens) for rid, r in bench.runner.requests.items()}
-
-
-def rewind(bench: Bench, snap: dict[str, tuple[int, int]]) -> None:
-    for rid, (n, done) in snap.items():
-        r = bench.runner.requests[rid]
-        del r.token_ids[n:]
-        r.num_computed_tokens = done
-
-
 def decode_with_drafts(bench: Bench, k: int, alpha: float, tokens: int, seed: int = 0) -> dict:
     """Generate `tokens` per request; each timed step verifies k drafts per request: the model's own greedy
     continuation of the request as it stands (k plain decode steps, untimed, then rewound), each draft replaced
@@ -100,13 +97,13 @@ def decode_with_drafts(bench: Bench, k: int, alpha: float, tokens: int, seed: in
     while min(made.values()) < tokens:
         drafts = {}
         if k:
-            snap = snapshot(bench)
+            snap = bench.snapshot()
             ahead = {rid: [] for rid in made}
             for _ in range(k):
                 out = bench.run({})
                 for rid, toks in zip(out.request_ids, out.sampled_token_ids):
                     ahead[rid] += toks
-            rewind(bench, snap)
+            bench.rewind(snap)
             drafts = {rid: [t if rng.random() < alpha else rng.randrange(3, vocab) for t in ahead[rid]]
                       for rid in made}
         sync()
