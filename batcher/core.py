@@ -35,6 +35,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from batcher.config import BatcherConfig
 from batcher.cost_model import CostModel, default_cost_model
+from batcher.grammar import GrammarError, Grammars, follow
 from batcher.router import pick_worker
 from batcher.scheduler import LANES, Scheduler, StepFailed, StepOrderError
 from batcher.slo import SloPolicy
@@ -91,12 +92,47 @@ class Batcher:
         # request id -> (gateway identity, worker id)
         self.owner: dict[str, tuple[bytes, int]] = {}
         self.step_counter = 0
-        self.on_front = {P.AddRequest: self.add_request, P.AbortRequests: self.abort_requests, P.Ping: self.ping}
+        self.grammars = Grammars()  # structured output: the tokenizer and the compiled grammars
+        self.compiling: set[str] = set()  # requests whose grammar compiles (an abort takes them out)
+        self._tasks: set[asyncio.Task] = set()  # the compiles' tasks (the loop holds only weak references)
+        self.on_front = {P.AddRequest: self.add_request, P.AbortRequests: self.abort_requests, P.Ping: self.ping,
+                         P.Vocabulary: self.vocabulary}
         self.on_back = {P.WorkerReady: self.worker_ready, P.StepOutput: self.step_output, P.Heartbeat: self.heartbeat}
         self._stop = asyncio.Event()
 
     # ------------------------------------------------------------------ gateway side
     async def add_request(self, ident: bytes, msg: P.AddRequest) -> None:
+        if not msg.grammar:
+            await self._add(ident, msg)
+            return
+        matcher = self.grammars.cached(msg.grammar)
+        if matcher is not None:
+            await self._add(ident, msg, matcher)
+        elif msg.request_id in self.compiling:
+            await self._send_front(ident, P.Rejected(request_id=msg.request_id, reason="duplicate request id",
+                                                     retryable=False))
+        else:  # compiled off the event loop; meanwhile other requests go on, and an abort drops it
+            self.compiling.add(msg.request_id)
+            task = asyncio.create_task(self._add_compiled(ident, msg))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _add_compiled(self, ident: bytes, msg: P.AddRequest) -> None:
+        try:
+            matcher = await self.grammars.matcher(msg.grammar)
+        except Exception as exc:  # GrammarError, or llguidance failing on the tokenizer: an answer either way
+            self.compiling.discard(msg.request_id)
+            await self._send_front(ident, P.Rejected(request_id=msg.request_id, reason=f"grammar: {exc}",
+                                                     retryable=False))
+            return
+        if msg.request_id in self.compiling:  # else aborted meanwhile
+            self.compiling.discard(msg.request_id)
+            await self._add(ident, msg, matcher)
+
+    async def vocabulary(self, ident: bytes, msg: P.Vocabulary) -> None:
+        self.grammars.set_vocabulary(msg)
+
+    async def _add(self, ident: bytes, msg: P.AddRequest, grammar=None) -> None:
         alive = {wid: slot.scheduler for wid, slot in self.workers.items()}
         if not alive:
             await self._send_front(ident, P.Rejected(request_id=msg.request_id, reason="no worker is ready",
@@ -119,7 +155,7 @@ class Batcher:
             await self._send_front(ident, P.Rejected(request_id=msg.request_id, retryable=True,
                                                      reason=f"{cap} requests already wait for a worker"))
             return
-        shed = sched.add_request(msg, time.monotonic())
+        shed = sched.add_request(msg, time.monotonic(), grammar)
         if shed is not None:  # predictive SLO admission: the others keep their SLO
             await self._send_front(ident, P.Rejected(request_id=msg.request_id, reason=shed, retryable=True))
             return
@@ -131,6 +167,7 @@ class Batcher:
     async def abort_requests(self, ident: bytes, msg: P.AbortRequests) -> None:
         by_worker: dict[int, list[str]] = {}
         for rid in msg.request_ids:
+            self.compiling.discard(rid)
             if rid in self.owner:
                 by_worker.setdefault(self.owner[rid][1], []).append(rid)
         for wid, rids in by_worker.items():
@@ -170,7 +207,7 @@ class Batcher:
                         msg.worker_id)
             speculative = "off"
         sched = Scheduler(dataclasses.replace(self.cfg, lanes=lanes, speculative=speculative), msg.num_blocks,
-                          msg.block_size, msg.max_model_len, cost=self.cost_prior[lanes])
+                          msg.block_size, msg.max_model_len, cost=self.cost_prior[lanes], grammars=self.grammars)
         self.workers[msg.worker_id] = WorkerSlot(msg.worker_id, ident, sched, vocab_size=msg.vocab_size)
         log.info("worker %d ready: %s, %d KV blocks of %d tokens, max_model_len %d, %s lanes", msg.worker_id,
                  msg.model, msg.num_blocks, msg.block_size, msg.max_model_len, lanes)
@@ -254,11 +291,19 @@ class Batcher:
             return None
         params = msgspec.structs.replace(params, max_tokens=left, min_tokens=max(0, params.min_tokens - len(done)))
         again = msgspec.structs.replace(orig, prompt_token_ids=orig.prompt_token_ids + done, params=params)
+        grammar = None
+        if orig.grammar:  # a matcher at the tokens streamed (compiled already: this one was running)
+            try:
+                grammar = self.grammars.cached(orig.grammar) or self.grammars.compile(orig.grammar)
+                if any(follow(grammar, t) for t in done):
+                    return None
+            except GrammarError:
+                return None
         alive = {wid: slot.scheduler for wid, slot in self.workers.items()}
         wid = pick_worker(alive, again.prompt_token_ids)
         if alive[wid].reject_reason(again) is not None:
             return None
-        if alive[wid].add_request(again, time.monotonic()) is not None:  # shed by SLO admission
+        if alive[wid].add_request(again, time.monotonic(), grammar) is not None:  # shed by SLO admission
             return None
         self.requeued.add(rid)
         self.owner[rid] = (self.owner[rid][0], wid)

@@ -26,7 +26,7 @@ class Request:
                  "internal", "on_worker", "first_delta_sent", "num_sent_blocks", "admit_seq", "seen_at",
                  "gated_since", "num_preemptions", "epoch", "num_registered_blocks", "num_output_placeholders",
                  "max_num_tokens", "length_limit", "stop_check_from", "priority", "deadline", "tpot",
-                 "first_token_at", "uncached_estimate", "arrived_at", "prefill_step", "ngrams")
+                 "first_token_at", "uncached_estimate", "arrived_at", "prefill_step", "ngrams", "grammar", "speculative")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float = 0.0, max_len: int = 1 << 62, internal: bool = False):
@@ -73,6 +73,8 @@ class Request:
         self.uncached_estimate = len(prompt_token_ids)
         self.prefill_step = 0  # two lanes: the prefill step in flight that computes some of it (0: none)
         self.ngrams = None  # speculative decoding: its batcher.spec.NgramIndex, made when first drafted for
+        self.grammar = None  # structured output: its llguidance matcher (batcher/grammar.py), at its last token
+        self.speculative = True  # it may get drafts (--speculative; a request can opt out)
 
     # ------------------------------------------------------------------ sizes
     @property

@@ -29,9 +29,10 @@ from batcher.block_manager import BlockManager
 from batcher.burst import LongPromptGate
 from batcher.config import BatcherConfig, load_warm_prefixes
 from batcher.cost_model import CostModel, Features, OnlineCostFit, default_cost_model
+from batcher.grammar import GrammarError, Grammars, follow
 from batcher.request import Request, Status, blocks_for
 from batcher.slo import ADMISSION_MARGIN, MIN_PREFILL_TOKENS, SloPolicy
-from batcher.spec import GREEDY_TEMPERATURE, INDEX_BUDGET, SpecPolicy
+from batcher.spec import INDEX_BUDGET, SpecPolicy
 from laneserve.wire.protocol import (LANE_DECODE, LANE_MIXED, LANE_PREFILL, AddRequest, CachedReq, EngineStats,
                                      FinishReason, NewReq, SamplingParams, StepInput, StepOutput, TokenDelta)
 
@@ -95,8 +96,10 @@ def parse_buckets(spec: str) -> list[int]:
 
 class Scheduler:
     def __init__(self, cfg: BatcherConfig, num_blocks: int, block_size: int, max_model_len: int,
-                 warm_prefixes: list[list[int]] | None = None, cost: CostModel | None = None):
+                 warm_prefixes: list[list[int]] | None = None, cost: CostModel | None = None,
+                 grammars: Grammars | None = None):
         self.cfg = cfg
+        self.grammars = grammars  # the token masks of constrained requests (structured output)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.num_blocks = num_blocks
@@ -147,6 +150,7 @@ class Scheduler:
         self.busy = [0.0, 0.0, 0.0]  # per lane: when the worker is predicted to be done with its steps in flight
         self.new_arrivals = 0
         self.num_internal = 0
+        self.num_constrained = 0  # requests held that follow a grammar
         self._queue_warm_prefixes()
 
     @property
@@ -171,14 +175,16 @@ class Scheduler:
             why = "duplicate request id"
         return why
 
-    def add_request(self, msg: AddRequest, now: float | None = None) -> str | None:
-        """Queue a request that arrived at `now` (this scheduler's clock; None: the next schedule()'s). Returns why
-        it was shed instead (retryable: predictive SLO admission), else None."""
+    def add_request(self, msg: AddRequest, now: float | None = None, grammar=None) -> str | None:
+        """Queue a request that arrived at `now` (this scheduler's clock; None: the next schedule()'s), following
+        `grammar` (an llguidance matcher at its tokens so far: batcher/grammar.py) if given. Returns why it was
+        shed instead (retryable: predictive SLO admission), else None."""
         why = self.reject_reason(msg)
         if why is not None:
             self.pending.append(TokenDelta(msg.request_id, [], FinishReason.ERROR, error=why))
             return None
         req = Request(msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival_time, self.max_len)
+        req.speculative = msg.speculative
         self.slo.assign(req, msg.priority, msg.slo_ttft_ms, msg.slo_tpot_ms, now)
         if self.slo.reject and req.deadline is not None and now is not None:
             ttft, alone = self.slo.predicted_ttft(req, self.waiting, self.running.values(),
@@ -190,6 +196,10 @@ class Scheduler:
                 return (f"predicted time to first token {ttft * 1000:.0f} ms exceeds {ADMISSION_MARGIN}x the "
                         f"target of {(req.deadline - now) * 1000:.0f} ms: the server is at its SLO capacity")
         self.requests[req.request_id] = req
+        if grammar is not None:
+            req.grammar = grammar
+            req.stop_check_from = 0  # every token it samples goes through _append_tokens (the grammar)
+            self.num_constrained += 1
         waiting = self.waiting
         if waiting and req.priority < waiting[-1].priority:  # behind the last one of its priority or better
             i = len(waiting)
@@ -223,6 +233,7 @@ class Scheduler:
                 self.waiting.remove(req)
                 del self.requests[rid]
                 req.status = Status.FINISHED
+                self.num_constrained -= req.grammar is not None
             else:
                 self._finish(req)
             deltas.append(TokenDelta(rid, [], FinishReason.ABORT))
@@ -263,9 +274,15 @@ class Scheduler:
                                    output_token_ids=req.output_token_ids))
             req.num_sent_blocks = len(req.block_ids)
         finished, self.finished_ids = self.finished_ids, []
+        allowed = {}
+        if self.num_constrained:  # the tokens each constrained request that samples in this step may take
+            constrained = [rec.req for rec in flight if rec.samples and rec.req.grammar is not None]
+            if constrained:
+                masks = self.grammars.masks([req.grammar for req in constrained])
+                allowed = {req.request_id: mask for req, mask in zip(constrained, masks)}
         return StepInput(step=self.step_no, new_reqs=new_reqs, cached_reqs=cached_reqs,
                          num_scheduled_tokens=num_scheduled, finished_req_ids=finished, lane=self.in_flight[-1][4],
-                         spec_token_ids=self.in_flight[-1][5] or {})
+                         spec_token_ids=self.in_flight[-1][5] or {}, allowed_token_ids=allowed)
 
     def _next_step(self, now: float) -> tuple[list[Scheduled], int] | None:
         """Decide the next step and commit it (in_flight, and each request's state); returns its requests in run
@@ -294,14 +311,17 @@ class Scheduler:
     def _choose_k(self) -> int:
         """Draft tokens per request for the next step (batcher/spec.py): from the decoding requests that may draft
         (prompt lookup finds a match in their tokens known now) and the others. 0 when none may draft: then async
-        scheduling keeps its two steps in flight."""
+        scheduling keeps its two steps in flight. 0 too while prompts wait or prefill: drafts spend compute that
+        is spare only when the step is all decodes, and a step with drafts is alone in flight, which would also
+        slow the prefills (measured on the H200: with drafts in such steps the bursty replay's TTFT p95 rose
+        13-24% at 16-24 req/s)."""
         drafters = draft_context = others = other_context = 0
-        if len(self.running) * 2 > self.cfg.max_num_seqs:  # no K >= 1 fits the largest decode graph
+        if self.waiting or len(self.running) * 2 > self.cfg.max_num_seqs:  # (no K >= 1 fits the largest graph)
             return 0
         budget = INDEX_BUDGET  # (a long context's index is built over several steps)
         for r in self.running.values():
             if len(r.token_ids) <= r.num_prompt_tokens:  # still prefilling
-                continue
+                return 0
             may = self._may_draft(r)
             if may and budget > 0:
                 budget -= r.ngrams.grow(r.token_ids, budget)
@@ -315,10 +335,12 @@ class Scheduler:
                                   other_context)
 
     def _may_draft(self, req: Request) -> bool:
-        """Greedy, no penalty or logprobs, min_tokens reached (drafts are verified by argmax alone); makes its
-        n-gram index the first time."""
+        """Not opted out, no grammar, penalty or logprobs, min_tokens reached (a verify samples each position as
+        decoding would, with nothing that depends on the tokens before it in the same step); makes its n-gram
+        index the first time."""
         p = req.params
-        if (req.internal or p.temperature >= GREEDY_TEMPERATURE or p.logprobs is not None or p.repetition_penalty != 1.0
+        if (req.internal or not req.speculative or req.grammar is not None or p.logprobs is not None
+                or p.repetition_penalty != 1.0
                 or p.frequency_penalty or p.presence_penalty or len(req.token_ids) - req.num_prompt_tokens < p.min_tokens):
             return False
         if req.ngrams is None:
@@ -410,7 +432,8 @@ class Scheduler:
         """The running requests in run order: decodes (one token left to compute) by bucket (lowest
         tokens-remaining first), then prefills as (request, tokens left to compute); oldest first within each.
         Left out (they wait for the steps in flight): requests whose in-flight samples already reach max_tokens
-        or the context limit, and warm prefixes whose last chunk is in flight.
+        or the context limit, constrained ones with a sample in flight (their next mask follows from that
+        token), and warm prefixes whose last chunk is in flight.
 
         Hot path (every step, every running request): no sort, since `running` is in admission order, a stable
         split into one lane per bucket (plus prefills) is the (bucket, admit_seq) order; properties inlined
@@ -423,7 +446,7 @@ class Scheduler:
         for r in self.running.values():
             ph = r.num_output_placeholders
             known = len(r.token_ids)
-            if ph and known + ph >= r.length_limit:
+            if ph and (known + ph >= r.length_limit or r.grammar is not None):
                 continue
             left = known - r.num_computed_tokens + ph - r.internal
             if left == 1:
@@ -750,11 +773,12 @@ class Scheduler:
         self.spec.observe(len(verified), drafted, accepted)
 
     def _append_tokens(self, req: Request, tokens: list[int]) -> TokenDelta:
-        """Append sampled tokens up to the first stop (and finish there); STOP includes the stop token."""
+        """Append sampled tokens up to the first stop (and finish there); STOP includes the stop token. A request
+        with a grammar also stops when the grammar is complete (its last token then is no stop token)."""
         toks = req.token_ids
         stop_token_ids = req.params.stop_token_ids
         num_before = len(toks)
-        reason = None
+        reason = error = None
         for tok in tokens:
             toks.append(tok)
             if tok in stop_token_ids and len(toks) - req.num_prompt_tokens >= req.params.min_tokens:
@@ -763,15 +787,25 @@ class Scheduler:
             if len(toks) >= req.length_limit:  # max_tokens or the context limit
                 reason = FinishReason.LENGTH
                 break
+            if req.grammar is not None:
+                try:
+                    if follow(req.grammar, tok):
+                        reason = FinishReason.STOP
+                        break
+                except GrammarError as exc:  # the worker broke the mask: end it, without that token
+                    toks.pop()
+                    reason, error = FinishReason.ERROR, f"sampled token {tok} breaks the grammar: {exc}"
+                    break
         if reason is not None:
             self._finish(req)
-        return TokenDelta(req.request_id, tokens[:len(toks) - num_before], reason)
+        return TokenDelta(req.request_id, tokens[:len(toks) - num_before], reason, error=error)
 
     # ------------------------------------------------------------------ transitions
     def _finish(self, req: Request) -> None:
         """Running (or preempted-then-aborted) -> gone; its blocks go back to the pool."""
         self.running.pop(req.request_id, None)
-        self.requests.pop(req.request_id, None)
+        if self.requests.pop(req.request_id, None) is not None and req.grammar is not None:
+            self.num_constrained -= 1
         self.bm.free_blocks(req, self._fence())
         req.status = Status.FINISHED
         req.epoch += 1

@@ -17,7 +17,7 @@ verifies per request, and the acceptance bookkeeping behind it. Pure: no I/O, no
   were verified it counts as at least OPTIMISTIC_ACCEPTANCE (else a server whose prior says "does not
   pay" would never measure it), and one decision in PROBE_EVERY that comes out 0 verifies max K anyway
   (it holds until a step verifies drafts), so a rate measured low is measured again. Only requests that
-  may draft now count as drafting (greedy, ..., and prompt lookup finds a match in their known tokens):
+  may draft now count as drafting (no penalties, ..., and prompt lookup finds a match in their known tokens):
   with none, K is 0 and async scheduling keeps two steps in flight.
 """
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from batcher.cost_model import CostModel
 
-GREEDY_TEMPERATURE = 1e-5  # below it a request is greedy (workers/sampling.py GREEDY_EPS; no torch here)
 PRIOR_ACCEPTANCE = 0.5  # the acceptance rate assumed before any draft was verified
 SMOOTHING = 0.05  # weight of one step's acceptance rate in the running estimate
 MIN_DRAFTS = 256  # draft tokens verified before the measured rate alone decides

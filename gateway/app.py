@@ -16,13 +16,14 @@ import time
 
 from aiohttp import web
 
+from gateway import tool_calls
 from gateway.client import BatcherClient
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError
 from gateway.metrics import Metrics
 from gateway.routes import ARRIVAL, Api
 from gateway.tokenizer import ModelTokenizer, load_tokenizer
-from laneserve.wire.protocol import EngineStats
+from laneserve.wire.protocol import EngineStats, Vocabulary
 
 log = logging.getLogger("laneserve.gateway")
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -77,6 +78,9 @@ def auth_middleware(api_key: str):
 
 
 def create_app(cfg: GatewayConfig, tokenizer: ModelTokenizer | None = None) -> web.Application:
+    if cfg.tool_call_parser and cfg.tool_call_parser not in tool_calls.PARSERS:
+        raise SystemExit(f"--tool-call-parser must be one of {', '.join(tool_calls.PARSERS)} (or ''), got "
+                         f"{cfg.tool_call_parser!r}")
     tok = tokenizer or load_tokenizer(cfg.model, cfg.served_model_name, cfg.max_model_len, cfg.tokenizer)
     middlewares = [error_middleware]
     if cfg.api_key:
@@ -89,7 +93,8 @@ def create_app(cfg: GatewayConfig, tokenizer: ModelTokenizer | None = None) -> w
     api.add_routes(app)
 
     async def start_client(app: web.Application) -> None:
-        api.client = BatcherClient(cfg)
+        api.client = BatcherClient(cfg, Vocabulary(tokenizer_json=tok.tokenizer.to_str(), vocab_size=tok.vocab_size,
+                                                   eos_token_ids=list(tok.eos_token_ids)))
         api.client.start()
 
     async def stop_client(app: web.Application) -> None:

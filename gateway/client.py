@@ -6,7 +6,8 @@ HTTP request, n > 1 or many prompts, share one queue). A request's queue is drop
 finishing delta (or a Rejected) passes, or when the handler releases it; later deltas for it are
 ignored. Liveness (docs/reliability.md): the socket monitor says at once when the connection to the
 batcher closes (its process died) — in-flight requests then fail (503 / an error chunk) and new ones
-get 503 until the connection is back (ZeroMQ reconnects by itself); a Ping every PING_S keeps
+get 503 until the connection is back (ZeroMQ reconnects by itself; the tokenizer, Vocabulary, is sent
+first on each connection, for structured output); a Ping every PING_S keeps
 workers_alive fresh and catches a batcher that is connected but silent (--batcher-lost-after).
 Must not import torch or batcher internals.
 """
@@ -39,8 +40,9 @@ class BatcherLost:
 
 
 class BatcherClient:
-    def __init__(self, cfg: GatewayConfig):
+    def __init__(self, cfg: GatewayConfig, vocabulary: P.Vocabulary | None = None):
         self.cfg = cfg
+        self.vocabulary = vocabulary  # sent first on every connection: the batcher's grammars need the tokenizer
         self.ctx = zmq.asyncio.Context()
         # The monitor says when a ZMTP session with the batcher is up, and when it closes.
         self.sock, self.monitor = transport.connect_monitored(
@@ -177,6 +179,8 @@ class BatcherClient:
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 if not self.connected:
                     log.info("connected to the batcher at %s", self.cfg.batcher_address)
+                if self.vocabulary is not None:  # before any request: requests wait for `connected`
+                    self._send(self.vocabulary)
                 self.connected = True
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self.connected = False

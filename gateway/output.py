@@ -20,10 +20,11 @@ class EngineError(Exception):
 
 class Choice:
     __slots__ = ("index", "request_id", "text", "eos", "finish_reason", "stop_reason", "parts", "want_logprobs",
-                 "lp_tokens", "lp_entries", "needs_abort", "first_token_at", "num_cached", "prefix")
+                 "lp_tokens", "lp_entries", "needs_abort", "first_token_at", "num_cached", "prefix", "stop_ids", "tools")
 
     def __init__(self, index: int, request_id: str, tok: ModelTokenizer, prompt_ids: list[int], stops: list[str],
-                 include_stop_str: bool, skip_special_tokens: bool, want_logprobs: bool, prefix: str = ""):
+                 include_stop_str: bool, skip_special_tokens: bool, want_logprobs: bool, prefix: str = "",
+                 stop_ids: tuple[int, ...] = (), tools=None):
         self.index = index
         self.request_id = request_id
         self.text = TextStream(tok, prompt_ids, stops, include_stop_str, skip_special_tokens)
@@ -38,6 +39,10 @@ class Choice:
         self.needs_abort = False  # a stop string ended it before the batcher did
         self.first_token_at: float | None = None
         self.num_cached = 0
+        # the request's stop token ids (eos included unless ignore_eos): a STOP delta ending in one does not show it;
+        # one ending otherwise (its grammar was complete: docs/structured_output.md) shows all its tokens
+        self.stop_ids = frozenset(stop_ids)
+        self.tools = tools  # chat with tool calling: its gateway.structured.ToolOutput
 
     @property
     def num_tokens(self) -> int:
@@ -51,7 +56,7 @@ class Choice:
             self.num_cached = d.num_cached_tokens
         ids = d.new_token_ids
         before = self.text.num_tokens
-        hide_stop_token = d.finish_reason == FinishReason.STOP and bool(ids)
+        hide_stop_token = d.finish_reason == FinishReason.STOP and bool(ids) and ids[-1] in self.stop_ids
         piece = self.text.add(ids, hide_last=hide_stop_token)
         consumed = ids[:self.text.num_tokens - before]
         lps = d.logprobs[:len(consumed)] if (self.want_logprobs and d.logprobs) else []
@@ -64,7 +69,7 @@ class Choice:
                 self.finish_reason, self.stop_reason = "stop", self.text.stop_str
             else:
                 self.finish_reason = FINISH[d.finish_reason]
-                if d.finish_reason == FinishReason.STOP and ids and ids[-1] not in self.eos:
+                if hide_stop_token and ids[-1] not in self.eos:
                     self.stop_reason = ids[-1]
         if piece:
             self.parts.append(piece)
@@ -133,16 +138,28 @@ class ChatShape(_Shape):
                             for t, lp in zip(ids, lps)]}
 
     def choice(self, ch: Choice) -> dict:
-        return {"index": ch.index, "message": {"role": "assistant", "content": "".join(ch.parts)},
+        message = {"role": "assistant", "content": "".join(ch.parts)}
+        finish_reason = ch.finish_reason
+        if ch.tools is not None:
+            message["content"], calls = ch.tools.calls(message["content"])
+            if calls:
+                message["tool_calls"] = calls
+            finish_reason = ch.tools.finish_reason(finish_reason)
+        return {"index": ch.index, "message": message,
                 "logprobs": (self.logprobs(ch.lp_tokens, ch.lp_entries) or {"content": []}) if ch.want_logprobs
                 else None,
-                "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+                "finish_reason": finish_reason, "stop_reason": ch.stop_reason}
 
-    def chunk_choice(self, ch: Choice, text: str, ids: list[int], lps: list, finished: bool) -> dict:
-        return {"index": ch.index, "delta": {"content": text} if text else {},
-                "logprobs": self.logprobs(ids, lps) if lps else None,
-                "finish_reason": ch.finish_reason if finished else None,
-                "stop_reason": ch.stop_reason if finished else None}
+    def chunk_choice(self, ch: Choice, text: str, ids: list[int], lps: list, finished: bool,
+                     calls: list[dict] | None = None) -> dict:
+        delta = {"content": text} if text else {}
+        if calls:
+            delta["tool_calls"] = calls
+        finish_reason = ch.finish_reason if finished else None
+        if finished and ch.tools is not None:
+            finish_reason = ch.tools.finish_reason(finish_reason)
+        return {"index": ch.index, "delta": delta, "logprobs": self.logprobs(ids, lps) if lps else None,
+                "finish_reason": finish_reason, "stop_reason": ch.stop_reason if finished else None}
 
     def first_chunk_choice(self, ch: Choice) -> dict:
         return {"index": ch.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

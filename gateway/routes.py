@@ -16,6 +16,7 @@ import msgspec
 from aiohttp import web
 
 from gateway import schemas as S
+from gateway import structured
 from gateway.client import BatcherClient, BatcherLost
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError, bad_request
@@ -102,8 +103,8 @@ class Api:
         req = S.parse(await request.read(), S.CompletionRequest)
         self._check_model(req.model)
         S.check_sampling(req, self.tok.vocab_size)
-        S.check_unsupported(req)
         S.check_logprobs("logprobs", req.logprobs)
+        constraint = await self._constraint(req)
         prompts = S.prompt_token_lists(req, self.tok)
         max_tokens = [S.resolve_max_tokens(req.max_tokens, 16, len(p), self.tok.max_model_len) for p in prompts]
         echo = None
@@ -112,24 +113,37 @@ class Api:
             echo = [s if isinstance(s, str) else self.tok.decode(p) for s, p in zip(strings, prompts)] \
                 if all(isinstance(s, str) for s in strings) else [self.tok.decode(p) for p in prompts]
         return await self._generate(request, req, "cmpl", self.completion_shape, prompts, max_tokens, req.logprobs,
-                                    echo)
+                                    echo, constraint)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = S.parse(await request.read(), S.ChatRequest)
         self._check_model(req.model)
         S.check_sampling(req, self.tok.vocab_size)
-        S.check_unsupported(req)
         S.check_logprobs("top_logprobs", req.top_logprobs)
         if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
             raise bad_request("max_completion_tokens must be at least 1.", param="max_completion_tokens")
-        text = self._render_chat(S.chat_messages(req.messages), req.add_generation_prompt, S.chat_tools(req.tools))
+        tools = S.chat_tools(req.tools)
+        constraint = await self._constraint(req)
+        text = self._render_chat(S.chat_messages(req.messages), req.add_generation_prompt, tools)
         ids = self.tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
         if not ids:
             raise bad_request("the rendered conversation is empty.", param="messages")
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = [S.resolve_max_tokens(requested, None, len(ids), self.tok.max_model_len)]
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return await self._generate(request, req, "chatcmpl", self.chat_shape, [ids], max_tokens, logprobs, None)
+        return await self._generate(request, req, "chatcmpl", self.chat_shape, [ids], max_tokens, logprobs, None,
+                                    constraint)
+
+    async def _constraint(self, req) -> structured.Constraint | None:
+        """The request's structured output or tool calling (gateway/structured.py), its grammar checked in a
+        thread (a large schema must not stall the event loop)."""
+        c = structured.constraint(req, self.cfg.tool_call_parser)
+        if c is not None and c.grammar:
+            if req.min_tokens:
+                raise bad_request("min_tokens cannot be combined with structured output (the grammar decides "
+                                  "where the output ends).", param="min_tokens")
+            await asyncio.to_thread(structured.check, c)
+        return c
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.tok.model_id:
@@ -144,7 +158,8 @@ class Api:
             raise bad_request(str(exc), param="messages") from None
 
     async def _generate(self, request: web.Request, req, prefix: str, shape, prompts: list[list[int]],
-                        max_tokens: list[int], logprobs: int | None, echo: list[str] | None) -> web.StreamResponse:
+                        max_tokens: list[int], logprobs: int | None, echo: list[str] | None,
+                        constraint: structured.Constraint | None = None) -> web.StreamResponse:
         arrival = request.get(ARRIVAL, time.monotonic())
         n = req.n or 1
         if self.draining:
@@ -157,7 +172,7 @@ class Api:
             raise ApiError(429, f"too many requests in flight ({self.in_flight} of {cap}); retry later.",
                            retry_after=self.cfg.retry_after)
         base = f"{prefix}-{uuid.uuid4().hex}"
-        choices, adds = self._choices(req, base, prompts, max_tokens, logprobs, echo)
+        choices, adds = self._choices(req, base, prompts, max_tokens, logprobs, echo, constraint)
         if not await self.client.alive():
             raise ApiError(503, "the batcher is not answering or has no ready worker; retry later.",
                            retry_after=self.cfg.retry_after)
@@ -192,23 +207,30 @@ class Api:
             self.metrics.generation_tokens.inc(generated)
 
     def _choices(self, req, base: str, prompts: list[list[int]], max_tokens: list[int], logprobs: int | None,
-                 echo: list[str] | None) -> tuple[list[Choice], list[AddRequest]]:
+                 echo: list[str] | None, constraint: structured.Constraint | None
+                 ) -> tuple[list[Choice], list[AddRequest]]:
         """One Choice (the response side) and one AddRequest (the engine side) per prompt x n, index p * n + j."""
+        grammar = constraint.grammar if constraint is not None else ""
         n = req.n or 1
         stops = S.stop_strings(req)
         include_stop, skip_special = bool(req.include_stop_str_in_output), req.skip_special_tokens is not False
+        if constraint is not None and constraint.tools == "auto" and self.cfg.tool_call_parser != "hermes":
+            skip_special = False  # [TOOL_CALLS] and <|python_tag|> are special tokens: the parser must see them
         choices, adds = [], []
         now = time.time()
         for p, ids in enumerate(prompts):
             for j in range(n):
                 index = p * n + j
-                ch = Choice(index, f"{base}-{index}", self.tok, ids, stops, include_stop, skip_special,
-                            logprobs is not None, echo[p] if echo else "")
-                choices.append(ch)
                 params = S.sampling_params(req, self.tok, max_tokens[p], logprobs, index=j)
+                tools = structured.ToolOutput(constraint, self.cfg.tool_call_parser) \
+                    if constraint is not None and constraint.tools else None
+                ch = Choice(index, f"{base}-{index}", self.tok, ids, stops, include_stop, skip_special,
+                            logprobs is not None, echo[p] if echo else "", params.stop_token_ids, tools)
+                choices.append(ch)
                 adds.append(AddRequest(request_id=ch.request_id, prompt_token_ids=ids, params=params,
                                        arrival_time=now, priority=req.priority or 0,
-                                       slo_ttft_ms=req.slo_ttft_ms or 0.0, slo_tpot_ms=req.slo_tpot_ms or 0.0))
+                                       slo_ttft_ms=req.slo_ttft_ms or 0.0, slo_tpot_ms=req.slo_tpot_ms or 0.0,
+                                       grammar=grammar, speculative=req.speculative is not False))
         return choices, adds
 
 
@@ -292,6 +314,15 @@ class _Run:
                 if ch.finish_reason is None:
                     piece, ids, lps = self._feed(ch, item)
                     finished = ch.finish_reason is not None
+                    calls = None
+                    if ch.tools is not None:  # text -> tool calls (gateway/structured.py)
+                        piece, calls = ch.tools.feed(piece)
+                        if finished:
+                            tail, more = ch.tools.finish()
+                            piece, calls = piece + tail, calls + more
+                        if calls:
+                            out.append(self._chunk([self.shape.chunk_choice(ch, piece, ids, lps, False, calls)]))
+                            piece, lps, calls = "", [], None
                     if piece or lps or finished:
                         out.append(self._chunk([self.shape.chunk_choice(ch, piece, ids, lps, finished)]))
                 if not self.unfinished:

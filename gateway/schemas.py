@@ -53,8 +53,9 @@ class _Sampling(msgspec.Struct):
     priority: int | None = None  # lower goes first (vLLM's rule)
     slo_ttft_ms: float | None = None  # this request's SLO targets (else the server's --slo-ttft-ms / --slo-tpot-ms)
     slo_tpot_ms: float | None = None
-    # Structured output (OpenAI's response_format; vLLM's guided_* and structured_outputs): constrained decoding is
-    # not built yet (issue 23), so anything but plain text is a 400 (check_unsupported), never silently ignored.
+    speculative: bool | None = None  # false: no speculative drafts for this request (--speculative), laneserve's
+    # Structured output (OpenAI's response_format; vLLM's guided_* and structured_outputs): constrained decoding,
+    # gateway/structured.py
     response_format: dict | None = None
     guided_json: object = None
     guided_regex: object = None
@@ -261,29 +262,6 @@ def prompt_token_lists(req: CompletionRequest, tok: ModelTokenizer) -> list[list
 
 def _is_token(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
-
-
-def check_unsupported(req: _Sampling) -> None:
-    """400 for what constrained decoding and tool calling would need (not built yet, issue 23): structured output
-    of any kind, and tools the model would be asked to call (tool_choice other than "none"; vLLM too refuses
-    "auto" unless a tool-call parser is configured). A conversation that holds earlier tool calls, with tools
-    described to the template and tool_choice "none", is served."""
-    fmt = req.response_format
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise bad_request(f"response_format type {fmt.get('type')!r} is not supported by this server yet "
-                          "(structured output is not built); only 'text' is.", param="response_format",
-                          code="unsupported_parameter")
-    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
-        if getattr(req, name) is not None:
-            raise bad_request(f"{name} is not supported by this server yet (structured output is not built).",
-                              param=name, code="unsupported_parameter")
-    if isinstance(req, ChatRequest) and req.tools:
-        if req.tool_choice != "none":
-            raise bad_request("calling tools is not supported by this server yet (no tool-call parser): send "
-                              "tool_choice 'none' to describe tools to the chat template without calling them.",
-                              param="tool_choice", code="unsupported_parameter")
-    elif isinstance(req, ChatRequest) and req.tool_choice not in (None, "none", "auto"):
-        raise bad_request("tool_choice needs tools.", param="tool_choice")
 
 
 def chat_tools(tools: list[dict] | None) -> list[dict] | None:

@@ -223,14 +223,15 @@ def family(request, tmp_path_factory):
 
 
 def engine(runner, lanes: str, jobs: dict[str, tuple[list[int], int]], rng: random.Random,
-           cost: CostModel | None = None, **config) -> tuple[dict[str, list[int]], Scheduler]:
+           cost: CostModel | None = None, params: dict | None = None, **config) -> tuple[dict[str, list[int]], Scheduler]:
     """The real Scheduler driving the real ModelRunner in process, steps through the wire format; outputs applied
-    in a random order that keeps each lane's. Returns each request's greedy tokens, and the scheduler."""
+    in a random order that keeps each lane's. Returns each request's tokens (greedy unless `params` say otherwise),
+    and the scheduler."""
     s = Scheduler(cfg(lanes=lanes, max_num_batched_tokens=40, **config), runner.num_blocks, runner.block_size,
                   runner.max_model_len, cost=cost)
     for rid, (prompt, n) in jobs.items():
-        s.add_request(P.AddRequest(request_id=rid, prompt_token_ids=prompt,
-                                   params=P.SamplingParams(max_tokens=n, temperature=0.0), arrival_time=0.0), 0.0)
+        sp = P.SamplingParams(**({"max_tokens": n, "temperature": 0.0} | (params or {})))
+        s.add_request(P.AddRequest(request_id=rid, prompt_token_ids=prompt, params=sp, arrival_time=0.0), 0.0)
     wire = P.decoder(P.BatcherToWorker)
     outs: list[tuple[int, P.StepOutput]] = []
     tokens: dict[str, list[int]] = {}

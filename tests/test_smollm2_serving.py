@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import aiohttp
@@ -77,3 +78,32 @@ async def test_chat_answers_paris_and_stops_on_eos(stack):
     assert "Paris" in choice["message"]["content"]
     assert choice["finish_reason"] == "stop"  # the model's <|im_end|> (its EOS), well before max_tokens
     assert out["usage"]["completion_tokens"] < 64
+
+
+async def test_structured_output_and_a_required_tool_call_make_sense(stack):
+    """A JSON schema answer and a forced tool call from a trained model: valid, and about the question."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
+              "properties": {"city": {"type": "string"}, "country": {"type": "string"}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                               "parameters": {"type": "object", "additionalProperties": False,
+                                                              "required": ["city"],
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    chat = f"{stack.base_url}/v1/chat/completions"
+    async with aiohttp.ClientSession() as s:
+        body = {"model": gguf_file.SMOLLM2, "temperature": 0, "max_tokens": 60,
+                "messages": [{"role": "user", "content": "What is the capital of France? Answer in JSON with the city "
+                                                         "and its country."}],
+                "response_format": {"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}}}
+        async with s.post(chat, json=body) as r:
+            assert r.status == 200, await r.text()
+            choice = (await r.json())["choices"][0]
+        body = {"model": gguf_file.SMOLLM2, "temperature": 0, "max_tokens": 60, "tools": tools,
+                "tool_choice": "required", "messages": [{"role": "user", "content": "What's the weather in Paris?"}]}
+        async with s.post(chat, json=body) as r:
+            assert r.status == 200, await r.text()
+            called = (await r.json())["choices"][0]
+    answer = json.loads(choice["message"]["content"])
+    assert choice["finish_reason"] == "stop" and answer["city"] == "Paris" and "fr" in answer["country"].lower()
+    (call,) = called["message"]["tool_calls"]
+    assert called["finish_reason"] == "tool_calls" and call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}

@@ -17,7 +17,7 @@ from batcher.config import BatcherConfig
 from batcher.cost_model import CostModel
 from batcher.scheduler import Scheduler
 from batcher.spec import MIN_DRAFTS, PROBE_EVERY, NgramIndex, SpecPolicy, expected_tokens
-from laneserve.wire.protocol import FinishReason
+from laneserve.wire.protocol import AddRequest, FinishReason, SamplingParams
 from tests.test_async_scheduling import AsyncDriver
 from tests.test_lanes import LaneDriver, engine, family  # noqa: F401  (family: the per-architecture fixture)
 from tests.test_scheduler import Driver, add
@@ -151,10 +151,83 @@ def test_a_stop_token_inside_the_accepted_drafts_ends_the_request_there():
     assert d.s.stats().spec_accepted > 0 and d.s.bm.num_free == 256
 
 
-def test_sampled_and_penalised_requests_get_no_drafts():
-    for params in ({"temperature": 0.8, "seed": 1}, {"repetition_penalty": 1.2}, {"logprobs": 2}):
+def test_penalised_and_logprob_requests_get_no_drafts_and_sampled_ones_do():
+    for params in ({"repetition_penalty": 1.2}, {"logprobs": 2}):
         d = _run(_drivers()["sync"], {"async_scheduling": False, "speculative": "ngram"}, jobs=JOBS[:3], **params)
         assert not any(st.spec_token_ids for st in d.steps) and d.s.stats().spec_steps == 0
+    d = _run(_drivers()["sync"], {"async_scheduling": False, "speculative": "ngram"}, jobs=JOBS[:3], temperature=0.8,
+             seed=1)
+    assert d.s.stats().spec_steps > 0
+
+
+def test_a_request_that_opts_out_gets_no_drafts():
+    s = Scheduler(cfg(async_scheduling=False, speculative="ngram"), 256, BS, 8192, cost=CHEAP_VERIFY)
+    d = Driver(s, token_fn=lambda rid, toks: toks[-3])  # the model continues the pattern: prompt lookup matches
+    for rid, speculative in (("in", True), ("out", False)):
+        s.add_request(AddRequest(request_id=rid, prompt_token_ids=[5, 6, 7] * 20, arrival_time=0.0,
+                                 params=SamplingParams(max_tokens=30), speculative=speculative))
+    d.run()
+    drafted = {rid for st in d.steps for rid in st.spec_token_ids}
+    assert drafted == {"in"} and len(d.tokens["out"]) == 30
+
+
+def test_verifying_drafts_of_a_sampled_request_keeps_the_models_distribution():
+    """Chi-square on a 5-token vocabulary: a Markov chain p(b | a) = softmax(L[a] / T). The worker's verify
+    (workers/runner.py _Verify) of one fixed draft, then plain sampling when it emitted one token: the first two
+    output tokens must follow p(x0 | a0) p(x1 | x0) (a verify that kept drafts too often or too rarely would not)."""
+    import torch
+
+    from workers.runner import RequestState, _Verify
+
+    torch.manual_seed(0)
+    V, T, a0, draft, trials = 5, 0.8, 2, 3, 6000
+    L = torch.randn(V, V) * 1.5
+    p = torch.softmax(L / T, dim=-1)
+    counts = torch.zeros(V, V)
+    params = SamplingParams(max_tokens=8, temperature=T)
+    for _ in range(trials):
+        r = RequestState("r", params, [1, a0], 1, [0], 1)
+        (_, tokens), = _Verify([(r, [draft], 0)], torch.stack([L[a0], L[draft]])).accept()
+        if len(tokens) == 1:
+            tokens.append(int(torch.multinomial(p[tokens[0]], 1)))
+        counts[tokens[0], tokens[1]] += 1
+    expected = trials * p[a0][:, None] * p
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 51.18, chi2  # 24 degrees of freedom, p = 0.001
+    assert counts[draft].sum() > 0.5 * trials * p[a0, draft]  # the draft was taken (kept) at its own rate
+
+
+def test_overlapped_steps_sample_seeded_and_penalised_requests_as_steps_one_at_a_time(family):  # noqa: F811
+    """workers/runner.py overlap (a decode step launched before the last one's tokens reach the host, the GPU's
+    default), forced on here: a seeded request draws the noise of its true output index, and a penalised one waits
+    for its tokens (its penalties count them), so the tokens are those of steps run one at a time."""
+    from tests.helpers_models import random_prompt
+
+    hf, runner = family
+    jobs = {"a": (random_prompt(37, seed=21), 30), "b": (random_prompt(9, seed=22), 25)}
+    for params in ({"temperature": 0.7, "seed": 11}, {"temperature": 0.0, "repetition_penalty": 1.5}):
+        alone, _ = engine(runner, "mixed", jobs, random.Random(0), params=params, async_scheduling=False)
+        runner.overlap = True
+        try:
+            overlapped, s = engine(runner, "mixed", jobs, random.Random(0), params=params)
+        finally:
+            runner.overlap = runner.device.type == "cuda"
+        assert overlapped == alone, params
+
+
+def test_a_seeded_sampled_request_gets_the_same_tokens_with_drafts(family):  # noqa: F811
+    """The verify samples each position with the request's generator for that output index: the tokens of a
+    seeded request are those of decoding without drafts."""
+    from tests.helpers_models import random_prompt
+
+    hf, runner = family
+    pattern = random_prompt(6, seed=5)
+    jobs = {"loop": (pattern * 5, 40), "a": (random_prompt(37, seed=21), 30)}
+    params = {"temperature": 0.1, "seed": 11}  # peaked: drafts of the repeating prompt are kept now and then
+    plain, _ = engine(runner, "mixed", jobs, random.Random(0), params=params)
+    out, s = engine(runner, "mixed", jobs, random.Random(1), cost=CHEAP_VERIFY, speculative="ngram", params=params)
+    assert out == plain
+    assert s.stats().spec_accepted > 0
 
 
 def test_with_nothing_to_draft_speculation_changes_nothing():
@@ -282,6 +355,9 @@ async def test_stack_gives_the_same_text_with_drafts_streamed_or_not(stack, make
         assert await complete(spec.base_url, stream=True) == ref
         stop = [ref[20:23]]  # a stop string: text and usage end at it as without drafts
         assert await complete(spec.base_url, stop=stop) == await complete(stack.base_url, stop=stop)
+        seeded = {"temperature": 0.4, "seed": 3}  # a seeded sampled request: its tokens too
+        assert await complete(spec.base_url, **seeded) == await complete(stack.base_url, **seeded)
+        assert await complete(spec.base_url, speculative=False) == (ref, 48)  # the opt-out
         async with s.get(f"{spec.base_url}/metrics") as r:
             metrics = await r.text()
     steps = next(float(line.split()[-1]) for line in metrics.splitlines()

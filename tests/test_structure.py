@@ -40,7 +40,8 @@ ALLOWED = {
     "batcher": SHARED | {"batcher"},
     "batcher-sim": SHARED | {"batcher", "batcher-sim", "loadtest"},  # it replays traces
     "workers": SHARED | {"workers"},
-    "worker-tools": SHARED | {"workers", "worker-tools", "gateway"},  # calibration tokenizes text
+    # calibration tokenizes text; mask_bench times the batcher's grammar masks beside the worker's
+    "worker-tools": SHARED | {"workers", "worker-tools", "gateway", "batcher"},
     "loadtest": {"loadtest"},  # a client of any OpenAI-compatible server
 }
 TORCH = {"torch", "triton"}

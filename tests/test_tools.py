@@ -1,9 +1,9 @@
-"""Tools in the chat template and structured output (issue 23, first part).
+"""Tools in the chat template.
 
 A conversation that holds tool calls keeps them in the prompt: assistant `tool_calls`, `tool` turns with their
 `tool_call_id`, and the request's `tools` reach the chat template, which renders exactly as transformers'
-apply_chat_template does on the same messages and tools. What is not built yet (constrained decoding, tool-call
-parsing) is a clear 400 instead of a silent 200.
+apply_chat_template does on the same messages and tools. Tool calling the server cannot parse (tool_choice auto
+without --tool-call-parser) is a clear 400 instead of a silent 200; calling tools is tested in test_structured.py.
 """
 
 from __future__ import annotations
@@ -63,7 +63,6 @@ def test_tool_calls_tool_turns_and_tools_render_as_transformers_does(tools_dir):
 
     body = json.dumps({"messages": CONVERSATION, "tools": TOOLS, "tool_choice": "none"}).encode()
     req = S.parse(body, S.ChatRequest)
-    S.check_unsupported(req)
     ours = load_tokenizer(str(tools_dir)).apply_chat_template(S.chat_messages(req.messages),
                                                               tools=S.chat_tools(req.tools))
     theirs = PreTrainedTokenizerFast.from_pretrained(str(tools_dir)).apply_chat_template(
@@ -73,36 +72,23 @@ def test_tool_calls_tool_turns_and_tools_render_as_transformers_does(tools_dir):
     assert json.dumps(TOOLS[0]) in ours  # the tools reached the template
 
 
-@pytest.mark.parametrize("extra, param", [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
-     "response_format"),
-    ({"guided_json": {"type": "object"}}, "guided_json"),
-    ({"guided_choice": ["yes", "no"]}, "guided_choice"),
-    ({"guided_regex": "[a-z]+"}, "guided_regex"),
-    ({"guided_grammar": "root ::= \"a\""}, "guided_grammar"),
-    ({"structured_outputs": {"choice": ["yes", "no"]}}, "structured_outputs"),
-    ({"tools": TOOLS}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "search"}}}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"description": "no name"}}], "tool_choice": "none"}, "tools[0]"),
+@pytest.mark.parametrize("extra, param, code", [
+    ({"tools": TOOLS}, "tool_choice", "unsupported_parameter"),  # auto (the default) needs --tool-call-parser
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "unsupported_parameter"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}], "tool_choice": "none"}, "tools[0]",
+     None),
 ])
-async def test_what_is_not_built_is_a_400_not_a_silent_200(stack, extra, param):
+async def test_tool_calling_the_server_cannot_parse_is_a_400_not_a_silent_200(stack, extra, param, code):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2} | extra
     async with aiohttp.ClientSession() as s:
         async with s.post(f"{stack.base_url}/v1/chat/completions", json=body) as r:
             assert r.status == 400, await r.text()
             err = (await r.json())["error"]
-    assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
-    if param != "tools[0]":
-        assert err["code"] == "unsupported_parameter"
+    assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"] and err["code"] == code
 
 
-async def test_completions_refuse_structured_output_too_and_plain_text_format_is_served(stack):
+async def test_tools_described_with_tool_choice_none_and_a_text_format_are_served(stack):
     async with aiohttp.ClientSession() as s:
-        async with s.post(f"{stack.base_url}/v1/completions",
-                          json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "guided_json": {}}) as r:
-            assert r.status == 400 and (await r.json())["error"]["param"] == "guided_json"
         body = {"model": "tiny", "messages": CONVERSATION, "tools": TOOLS, "tool_choice": "none", "max_tokens": 3,
                 "response_format": {"type": "text"}, "temperature": 0, "ignore_eos": True}
         async with s.post(f"{stack.base_url}/v1/chat/completions", json=body) as r:

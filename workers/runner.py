@@ -35,6 +35,7 @@ and samples, then broadcasts the token ids so every rank's request state stays i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -55,7 +56,7 @@ from workers.kv_cache import (BLOCK_SIZE, DEFAULT_CPU_KV_BYTES, KVCache, bytes_p
                               parse_bytes, resolve_kv_dtype)
 from workers.loader import load_model, resolve_device, resolve_dtype
 from workers.model.layers import check_shardable
-from workers.sampling import Sampled, SampleRow, sample_on_device, to_device, to_host
+from workers.sampling import Sampled, SampleRow, sample_on_device, to_device
 
 log = logging.getLogger("laneserve.worker")
 
@@ -72,6 +73,7 @@ class RequestState:
 
     def __post_init__(self):
         self.sample_row = SampleRow(self.params, self.token_ids, self.num_prompt_tokens)  # shares token_ids
+
 
 
 @dataclass
@@ -94,28 +96,36 @@ class _InFlight:
 
 
 class _Verify:
-    """A step's draft verification (StepInput.spec_token_ids; greedy): the model's argmax at each of a request's
-    1 + K positions, copied to the host without waiting. A request keeps the drafts that match the argmax before
-    them, then the argmax after the last kept one (the token plain greedy decoding gives there)."""
+    """A step's draft verification (StepInput.spec_token_ids): at each of a request's 1 + K positions, the token the
+    request's own sampler takes there (greedy: the argmax; sampled: its temperature, top-k/top-p/min-p and noise,
+    seeded by output index), copied to the host without waiting. A request keeps the drafts that match those
+    tokens, then the token after the last kept one: exactly what decoding without drafts samples. For a draft t
+    that is acceptance with probability p(t) and, on rejection, a token from p without t: rejection sampling with a
+    one-token proposal, so sampled output keeps the model's distribution, and a seeded request its tokens."""
 
     def __init__(self, reqs: list[tuple[RequestState, list[int], int]], logits: torch.Tensor):
         self.reqs = reqs  # (request, its drafts, its first row in logits)
-        (self.host,), self.event = to_host([logits.argmax(dim=-1)])
+        index, rows = [], []
+        for r, drafts, first in reqs:
+            for i in range(len(drafts) + 1):
+                index.append(first + i)
+                rows.append(dataclasses.replace(r.sample_row, ahead=i))
+        self.sampled = sample_on_device(logits[to_device(index, torch.int64, logits.device)], rows) if rows else None
 
     def ready(self) -> bool:
-        return self.event is None or self.event.query()
+        return self.sampled is None or self.sampled.ready()
 
     def accept(self) -> list[tuple[RequestState, list[int]]]:
         """Each request and its new tokens (appended to it; its last token is the next one to compute)."""
-        if self.event is not None:
-            self.event.synchronize()
-        targets = self.host.tolist()
+        targets = self.sampled.collect()[0] if self.sampled is not None else []
         out = []
-        for r, drafts, row in self.reqs:
+        row = 0
+        for r, drafts, _ in self.reqs:
             a = 0
             while a < len(drafts) and drafts[a] == targets[row + a]:
                 a += 1
             tokens = drafts[:a] + [targets[row + a]]
+            row += len(drafts) + 1
             r.token_ids += tokens
             r.num_computed_tokens = len(r.token_ids) - 1
             out.append((r, tokens))
@@ -283,6 +293,8 @@ class ModelRunner:
                 len(r.prompt_token_ids), list(r.block_ids), r.num_computed_tokens)
         for c in step.cached_reqs:
             self.requests[c.request_id].block_ids.extend(c.new_block_ids)
+        for rid, mask in step.allowed_token_ids.items():  # structured output: read when this step samples
+            self.requests[rid].sample_row.allowed = mask
         # A lane's steps run in order: a mixed step after everything, a decode or prefill step after its lane's.
         lanes = None if lane == LANE_MIXED or not self.lane_streams else (lane,)
         if not step.num_scheduled_tokens:
@@ -300,6 +312,8 @@ class ModelRunner:
             self.flush(lanes)
             f = self._flights[lane] = self._sample(step.step, lane, sampled_reqs, logits_fn, t0)
             f.verify = verify
+            for rid in step.allowed_token_ids:
+                self.requests[rid].sample_row.allowed = None
             if stream is not None:  # its output must not say "done" before the GPU is: held blocks go free then
                 f.done = torch.cuda.Event()
                 f.done.record()
@@ -421,15 +435,18 @@ class ModelRunner:
     def _sample(self, step: int, lane: int, reqs: list[RequestState], logits_fn, t0: float) -> _InFlight:
         """Launch sampling of one token per request (appended when the step is flushed). Under TP only
         rank 0 computes logits and samples; the token ids are broadcast so every rank appends the same
-        ones. A sampling error on rank 0 is broadcast too (as -1s), so the step fails on every rank alike."""
+        ones. A sampling error on rank 0 is broadcast too (as -1s), so the step fails on every rank alike.
+        Called after the step in flight before it was collected: its tokens are in the requests' token_ids, so a
+        seeded request's output index and a penalised one's counts are those of steps run one at a time."""
         if not reqs:
             return _InFlight(step, lane, [], None, t0)
+        rows = [r.sample_row for r in reqs]
         if self.tp_size == 1:
-            return _InFlight(step, lane, reqs, sample_on_device(logits_fn(), [r.sample_row for r in reqs]), t0)
+            return _InFlight(step, lane, reqs, sample_on_device(logits_fn(), rows), t0)
         tokens = logprobs = None
         if self.tp_rank == 0:
             try:
-                tokens, logprobs = sample_on_device(logits_fn(), [r.sample_row for r in reqs]).collect()
+                tokens, logprobs = sample_on_device(logits_fn(), rows).collect()
             except Exception:
                 broadcast_tokens(None, len(reqs), 0, self.device)
                 raise

@@ -9,6 +9,9 @@ Semantics (vLLM's):
   multiplied), frequency (times count) and presence (once) over output tokens only;
   applied before greedy argmax too.
 - min_tokens: the request's stop_token_ids are masked until it has that many outputs.
+- structured output: a row with an `allowed` bitmask (its grammar's, from the batcher) may only sample the
+  tokens it allows; applied after the penalties, before temperature and the top-k/top-p/min-p filters, so
+  those act on the allowed tokens alone (vLLM's order).
 - order: penalties -> temperature -> min-p -> top-k -> top-p (top-p on the top-k
   renormalised distribution) -> sample as argmax(probs / Exp(1) noise).
 - seed: a seeded request's noise comes from a generator seeded with (seed, output index),
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from laneserve.wire.protocol import SamplingParams, TokenLogprobs
@@ -37,10 +41,13 @@ class SampleRow:
     params: SamplingParams
     token_ids: list[int]
     num_prompt_tokens: int
+    allowed: bytes | None = None  # structured output: this step's token bitmask (P.StepInput.allowed_token_ids)
+    ahead: int = 0  # a draft verification's row: it samples this many tokens past the request's known ones
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """The output index of the token this row samples (its seeded noise is drawn for that index)."""
+        return len(self.token_ids) - self.num_prompt_tokens + self.ahead
 
 
 def seed_for(seed: int, output_index: int) -> int:
@@ -79,6 +86,22 @@ def _bin_counts(seqs: list[list[int]], vocab: int, device) -> torch.Tensor:
     counts = torch.zeros(len(seqs), vocab + 1, device=device)
     counts.scatter_add_(1, to_device(padded, torch.int64, device), torch.ones(padded.shape, device=device))
     return counts[:, :vocab]
+
+
+def apply_allowed(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """In place: -inf for every token a row's bitmask does not allow (rows without one untouched). Bit t of the
+    mask's int32 word t // 32 allows token t; logits columns past the mask are not allowed."""
+    B, V = logits.shape
+    index = [i for i, r in enumerate(rows) if r.allowed is not None]
+    words = np.frombuffer(b"".join(rows[i].allowed for i in index), dtype="<i4").reshape(len(index), -1)
+    bits = to_device(torch.from_numpy(words.astype(np.int32)), torch.int32, logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bits[:, :, None] >> shifts) & 1).bool().reshape(len(index), -1)
+    if allowed.shape[1] < V:
+        allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]))
+    rows_t = to_device(index, torch.int64, logits.device)
+    logits[rows_t] = logits[rows_t].masked_fill(~allowed[:, :V], float("-inf"))
+    return logits
 
 
 def min_p_mask(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -163,7 +186,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
 def sample_on_device(logits: torch.Tensor, rows: list[SampleRow]) -> Sampled:
     """The sampling kernels for logits [B, V], launched without waiting for the device: every decision
     about which kernels to run is taken from the rows' (host) parameters."""
-    logits = logits.float()
+    logits = raw = logits.float()
     B, V = logits.shape
     device = logits.device
     raw_logprobs = logits.log_softmax(dim=-1) if any(r.params.logprobs is not None for r in rows) else None
@@ -178,6 +201,9 @@ def sample_on_device(logits: torch.Tensor, rows: list[SampleRow]) -> Sampled:
            for r in rows):
         logits = logits.clone()
         apply_penalties(logits, rows)
+
+    if any(r.allowed is not None for r in rows):
+        logits = apply_allowed(logits if logits is not raw else logits.clone(), rows)
 
     tokens = logits.argmax(dim=-1)
     temps = [r.params.temperature for r in rows]

@@ -27,6 +27,8 @@ from heapq import heapify, heappop, heappush
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
+
 from batcher.config import BatcherConfig
 from batcher.cost_model import CostModel
 from batcher.router import pick_worker
@@ -74,6 +76,18 @@ class TraceSimRequest:
 def sim_token(num_tokens: int, request_id: str, vocab: int = 32000) -> int:
     """The token a simulated worker samples after num_tokens tokens: deterministic, never a stop token."""
     return (num_tokens * 31 + len(request_id)) % vocab
+
+
+def allowed_token(mask: bytes, token: int) -> int:
+    """`token` if the bitmask (P.StepInput.allowed_token_ids) allows it, else the allowed token at index token mod
+    the number allowed: deterministic, like sim_token."""
+    bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")
+    if token < len(bits) and bits[token]:
+        return token
+    allowed = np.flatnonzero(bits)
+    if not len(allowed):
+        raise AssertionError("a token mask that allows nothing")
+    return int(allowed[token % len(allowed)])
 
 
 class SimWorker:
@@ -167,9 +181,14 @@ class SimWorker:
             elif not left:
                 # deterministic, never a stop token: outputs end by length
                 tok = token_fn(rid, toks) if token_fn is not None else sim_token(end, rid, vocab)
+                mask = step.allowed_token_ids.get(rid) if step.allowed_token_ids else None
+                if mask is not None:  # structured output: a token the grammar allows
+                    tok = allowed_token(mask, tok)
                 toks.append(tok)
                 ids.append(rid)
                 sampled.append([tok])
+        if step.allowed_token_ids and not set(step.allowed_token_ids) <= set(ids):
+            raise AssertionError(f"step {step.step} has token masks for requests that do not sample in it")
         self.open.add(step.step)
         return (StepOutput(step=step.step, worker_id=0, request_ids=ids, sampled_token_ids=sampled),
                 (prefill_tokens, attention, decode_seqs, kv_read, 1 if prefill_tokens else 0))

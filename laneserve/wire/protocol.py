@@ -16,7 +16,7 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class FinishReason(enum.IntEnum):
@@ -56,6 +56,19 @@ class AddRequest(Msg):
     priority: int = 0  # lower goes first (vLLM's rule)
     slo_ttft_ms: float = 0.0  # this request's targets; 0 = the batcher's --slo-ttft-ms / --slo-tpot-ms
     slo_tpot_ms: float = 0.0
+    # structured output (docs/structured_output.md): an llguidance grammar (JSON text, built and checked by the
+    # gateway) that every sampled token must follow; "" = none
+    grammar: str = ""
+    speculative: bool = True  # False: never verify drafts for it (--speculative), the request's opt-out
+
+
+class Vocabulary(Msg):
+    """The served tokenizer, which the batcher's grammar matchers need (it has no tokenizer of its own): sent by a
+    gateway once per connection, before its first request on it."""
+
+    tokenizer_json: str  # the HF tokenizers JSON
+    vocab_size: int  # the model's embedding rows: a token mask covers [0, vocab_size)
+    eos_token_ids: list[int]
 
 
 class AbortRequests(Msg):
@@ -170,6 +183,9 @@ class StepInput(Msg):
     cached_reqs: list[CachedReq] = []
     num_scheduled_tokens: dict[str, int] = {}
     finished_req_ids: list[str] = []
+    # structured output: request id -> the tokens it may sample in this step, a little-endian bitmask of
+    # ceil(vocab_size / 32) int32 words (bit t of word t // 32: token t allowed); only for requests that sample
+    allowed_token_ids: dict[str, bytes] = {}
 
 
 class Shutdown(Msg):
@@ -211,7 +227,7 @@ class Heartbeat(Msg):
     worker_id: int
 
 
-GatewayToBatcher = AddRequest | AbortRequests | Ping
+GatewayToBatcher = AddRequest | AbortRequests | Ping | Vocabulary
 BatcherToGateway = TokenBatch | Rejected | Pong
 BatcherToWorker = StepInput | Shutdown | Reannounce
 WorkerToBatcher = WorkerReady | StepOutput | Heartbeat

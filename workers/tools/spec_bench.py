@@ -12,6 +12,8 @@ given acceptance rate buy end to end.
   results that differ in the last bit can flip a near-tie, so it falls a little below alpha. (A first version
   took every draft from one continuation computed up front: after the first such flip the request left that
   continuation and nearly every later draft was rejected, 0-10% acceptance at alpha 1.)
+`python -m workers.tools.spec_bench plot out.json out.png [ACCEPTANCE]` draws the alpha sweep: speedup against the
+measured acceptance rate, with a mark at a real model's rate.
 Steps go through ModelRunner.execute as the worker runs them (CUDA graphs: a verify is a decode graph replay with
 B(K+1) rows while that fits the largest graph, else an eager step); the batcher's round trip is not included.
 """
@@ -22,6 +24,7 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import tempfile
 import time
 
@@ -122,7 +125,35 @@ def decode_with_drafts(bench: Bench, k: int, alpha: float, tokens: int, seed: in
             "acceptance": accepted / drafted if drafted else None}
 
 
+def plot(result: dict, path: str, real_acceptance: float | None = None) -> None:
+    """Speedup against the measured acceptance rate, a line per (batch, K); a mark at a real model's rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for batch, rows in result["alpha"].items():
+        for k in sorted({r["k"] for r in rows if r["k"]}):
+            pts = sorted((r["acceptance"], r["speedup"]) for r in rows if r["k"] == k)
+            ax.plot(*zip(*pts), marker="o", label=f"batch {batch}, K {k}")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    if real_acceptance is not None:
+        ax.axvline(real_acceptance, color="black", ls="--", lw=1)
+        ax.annotate(f"SmolLM2-135M, prompt lookup: {real_acceptance:.2f}", (real_acceptance, ax.get_ylim()[1]),
+                    xytext=(4, -12), textcoords="offset points", fontsize=8)
+    ax.set_xlabel("acceptance rate (draft tokens accepted)")
+    ax.set_ylabel("output tok/s against no drafts")
+    ax.set_title(f"Verify with drafts of set acceptance, {result['device']}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv=None) -> int:
+    if argv is None and len(sys.argv) > 2 and sys.argv[1] == "plot":  # plot JSON PNG [REAL_ACCEPTANCE]
+        plot(json.load(open(sys.argv[2])), sys.argv[3], float(sys.argv[4]) if len(sys.argv) > 4 else None)
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--alpha-batches", default="1,8,32")
