@@ -114,7 +114,7 @@ class Grammars:
 
 def follow(matcher: llg.LLMatcher, token: int) -> bool:
     """Advance the matcher by a sampled token; True once the grammar is complete (nothing but EOS may follow).
-    Raises GrammarError for a token the grammar does not allow (the mask should have ruled it out)."""
+    Raises GrammarError when the matcher fails: a token it does not allow, or a parser limit its grammar hits."""
     if not matcher.consume_token(token):
         raise GrammarError(matcher.get_error() or f"token {token} is not allowed by the grammar")
     return matcher.is_stopped()

@@ -320,7 +320,7 @@ class Scheduler:
             return 0
         budget = INDEX_BUDGET  # (a long context's index is built over several steps)
         for r in self.running.values():
-            if len(r.token_ids) <= r.num_prompt_tokens:  # still prefilling
+            if len(r.token_ids) + r.num_output_placeholders - r.num_computed_tokens > 1:  # (re)computing a prompt
                 return 0
             may = self._may_draft(r)
             if may and budget > 0:
@@ -784,18 +784,18 @@ class Scheduler:
             if tok in stop_token_ids and len(toks) - req.num_prompt_tokens >= req.params.min_tokens:
                 reason = FinishReason.STOP
                 break
-            if len(toks) >= req.length_limit:  # max_tokens or the context limit
-                reason = FinishReason.LENGTH
-                break
-            if req.grammar is not None:
+            if req.grammar is not None:  # (before the length check: a grammar completed by the last token is a stop)
                 try:
                     if follow(req.grammar, tok):
                         reason = FinishReason.STOP
                         break
-                except GrammarError as exc:  # the worker broke the mask: end it, without that token
+                except GrammarError as exc:  # its grammar failed (a parser limit): end it, without that token
                     toks.pop()
-                    reason, error = FinishReason.ERROR, f"sampled token {tok} breaks the grammar: {exc}"
+                    reason, error = FinishReason.INVALID, f"its grammar failed at token {tok}: {exc}"
                     break
+            if len(toks) >= req.length_limit:  # max_tokens or the context limit
+                reason = FinishReason.LENGTH
+                break
         if reason is not None:
             self._finish(req)
         return TokenDelta(req.request_id, tokens[:len(toks) - num_before], reason, error=error)

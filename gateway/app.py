@@ -20,9 +20,9 @@ from gateway import tool_calls
 from gateway.client import BatcherClient
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError
-from gateway.metrics import Metrics
+from gateway.metrics import PREFIXES, Metrics
 from gateway.routes import ARRIVAL, Api
-from gateway.tokenizer import ModelTokenizer, load_tokenizer
+from gateway.tokenizer import ModelTokenizer, load_tokenizer, read_chat_template
 from laneserve.wire.protocol import EngineStats, Vocabulary
 
 log = logging.getLogger("laneserve.gateway")
@@ -44,22 +44,25 @@ def _http_error(exc: web.HTTPException, request: web.Request) -> ApiError:
 async def error_middleware(request: web.Request, handler):
     request[ARRIVAL] = time.monotonic()
     api = request.app[API_KEY]
+    counted = request.path not in OPEN_PATHS  # a probe's 503 during start-up is no request error
     try:
         return await handler(request)
     except ApiError as err:
-        api.metrics.request_errors.labels(str(err.status)).inc()
+        if counted:
+            api.metrics.error(err.status)
         return err.response()
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         err = _http_error(exc, request)
-        api.metrics.request_errors.labels(str(err.status)).inc()
+        if counted:
+            api.metrics.error(err.status)
         return err.response()
     except (asyncio.CancelledError, ConnectionError):
         raise  # the client went away; nothing to answer
     except Exception:
         log.exception("unexpected error in %s %s", request.method, request.path)
-        api.metrics.request_errors.labels("500").inc()
+        api.metrics.error(500)
         return ApiError(500, "internal server error").response()
 
 
@@ -82,12 +85,16 @@ def create_app(cfg: GatewayConfig, tokenizer: ModelTokenizer | None = None) -> w
         raise SystemExit(f"--tool-call-parser must be one of {', '.join(tool_calls.PARSERS)} (or ''), got "
                          f"{cfg.tool_call_parser!r}")
     tok = tokenizer or load_tokenizer(cfg.model, cfg.served_model_name, cfg.max_model_len, cfg.tokenizer)
+    if cfg.chat_template:
+        tok.chat_template = read_chat_template(cfg.chat_template)
     middlewares = [error_middleware]
     if cfg.api_key:
         middlewares.append(auth_middleware(cfg.api_key))
     app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=middlewares)
+    if cfg.metrics_prefix not in PREFIXES:
+        raise SystemExit(f"--metrics-prefix must be one of {', '.join(PREFIXES)}, got {cfg.metrics_prefix!r}")
     metrics = Metrics(lambda: (api.client.stats, api.client.workers_alive) if api.client
-                      else (EngineStats(), 0))
+                      else (EngineStats(), 0), tok.model_id, cfg.metrics_prefix)
     api = Api(cfg, tok, metrics)
     app[API_KEY] = api
     api.add_routes(app)

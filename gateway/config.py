@@ -19,10 +19,16 @@ class GatewayConfig:
     tokenizer: str = field(default="", metadata=flag(
         "an HF tokenizer dir (tokenizer.json + tokenizer_config.json) to use instead of the model's own tokenizer; "
         "the model still sets the context length ('' = the model's)"))
+    chat_template: str = field(default="", metadata=flag(
+        "a Jinja chat template to use instead of the tokenizer's: a file's path, or the template itself (as vLLM's "
+        "--chat-template); '' = the tokenizer's own"))
     tool_call_parser: str = field(default="", metadata=flag(
         "hermes | mistral | llama3_json: how the model writes tool calls (vLLM's --tool-call-parser), which lets "
         "chat requests with tools use tool_choice auto (the default with tools); '' = none, then tool_choice auto "
         "is a 400 while none, required and a named function work (docs/structured_output.md)"))
+    metrics_prefix: str = field(default="laneserve", metadata=flag(
+        "laneserve | vllm: the prefix of the /metrics series' names (vllm: for dashboards written for vLLM that "
+        "cannot be edited; the names after it are vLLM's either way)"))
     api_key: str = field(default="", metadata=flag(
         "require 'Authorization: Bearer KEY' on every route but /health and /metrics ('' = open)"))
     max_body_bytes: int = field(default=16 * 1024 * 1024, metadata=flag("largest request body accepted (413 above)"))

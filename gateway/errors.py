@@ -6,8 +6,12 @@ HTTP exceptions, and anything unexpected) into {"error": {"message", "type", "pa
 
 from __future__ import annotations
 
+import random
+
 import msgspec
 from aiohttp import web
+
+RETRY_JITTER = 0.5  # a retry delay is drawn from [1 - j, 1 + j] x the configured one, so clients do not retry in step
 
 # status -> (type, default code), as the OpenAI API names them
 KINDS = {
@@ -44,7 +48,11 @@ class ApiError(Exception):
     def response(self) -> web.Response:
         headers = {}
         if self.retry_after is not None:
-            headers["Retry-After"] = str(max(1, round(self.retry_after)))
+            # jittered, so rejected clients spread their retries; retry-after-ms (read by the openai SDK) carries it
+            # exactly, Retry-After in whole seconds (at least 1)
+            delay = self.retry_after * random.uniform(1 - RETRY_JITTER, 1 + RETRY_JITTER)
+            headers["Retry-After"] = str(max(1, round(delay)))
+            headers["retry-after-ms"] = str(max(1, round(delay * 1000)))
         return web.Response(status=self.status, body=msgspec.json.encode(self.body()),
                             content_type="application/json", headers=headers)
 

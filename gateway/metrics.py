@@ -1,6 +1,7 @@
 """Prometheus metrics of one gateway: request latencies and token counts it measures itself, plus
-the engine's state from the batcher's latest Pong (EngineStats). Names follow vLLM's with the
-prefix `laneserve:`. One CollectorRegistry per app, so several apps can live in one process.
+the engine's state from the batcher's latest Pong (EngineStats). Names are vLLM's with the prefix
+`laneserve:` (`--metrics-prefix vllm`: `vllm:`, for dashboards that cannot be edited), every series with
+the `model_name` label. One CollectorRegistry per app, so several apps can live in one process.
 """
 
 from __future__ import annotations
@@ -12,37 +13,46 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from laneserve.wire.protocol import EngineStats
 
-P = "laneserve:"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 200000)
+PREFIXES = ("laneserve", "vllm")  # --metrics-prefix: the series' names start with it and a colon
+BLOCK_SIZE = 16  # tokens per KV block (the batcher's, fixed), for cache_config_info
 
 
 class EngineCollector:
     """Exposes the latest EngineStats at scrape time (counters are the batcher's running totals)."""
 
-    def __init__(self, stats: Callable[[], tuple[EngineStats, int]]):
-        self.stats = stats
+    def __init__(self, stats: Callable[[], tuple[EngineStats, int]], prefix: str, model: str):
+        self.stats, self.prefix, self.model = stats, prefix, model
 
     def collect(self):
         s, workers = self.stats()
         used = s.kv_blocks_total - s.kv_blocks_free
+        usage = used / s.kv_blocks_total if s.kv_blocks_total else 0.0
         gauges = [
             ("num_requests_running", "Requests in model execution batches.", s.num_running),
             ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+            ("num_requests_swapped", "Requests swapped to CPU: always 0 (preemption recomputes).", 0),
             ("kv_cache_blocks_total", "KV cache blocks in all workers' pools.", s.kv_blocks_total),
             ("kv_cache_blocks_free", "Free KV cache blocks.", s.kv_blocks_free),
             ("kv_cache_blocks_used", "KV cache blocks in use.", used),
-            ("kv_cache_usage_perc", "KV cache usage; 1 means 100 percent.",
-             used / s.kv_blocks_total if s.kv_blocks_total else 0.0),
+            ("kv_cache_usage_perc", "KV cache usage; 1 means 100 percent.", usage),
+            ("gpu_cache_usage_perc", "KV cache usage; 1 means 100 percent (kv_cache_usage_perc's older name).", usage),
+            ("cpu_cache_usage_perc", "CPU KV cache usage: always 0 (no CPU swap).", 0),
             ("prefix_cache_hit_rate", "Prefix cache hits / queries (prompt tokens), since start.",
              s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0),
             ("workers_alive", "Workers the batcher counts as ready.", workers),
         ]
         for name, doc, value in gauges:
-            g = GaugeMetricFamily(P + name, doc)
-            g.add_metric([], float(value))
+            g = GaugeMetricFamily(self.prefix + name, doc, labels=["model_name"])
+            g.add_metric([self.model], float(value))
             yield g
+        info = GaugeMetricFamily(self.prefix + "cache_config_info", "The KV cache's configuration (value 1).",
+                                 labels=["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching"])
+        info.add_metric([self.model, str(BLOCK_SIZE), str(s.kv_blocks_total), "True"], 1.0)
+        yield info
         counters = [
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queries),
             ("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_hits),
@@ -63,32 +73,61 @@ class EngineCollector:
              "over num_drafts: the mean accepted length).", s.spec_accepted),
         ]
         for name, doc, value in counters:
-            c = CounterMetricFamily(P + name, doc)
-            c.add_metric([], float(value))
+            c = CounterMetricFamily(self.prefix + name, doc, labels=["model_name"])
+            c.add_metric([self.model], float(value))
             yield c
 
 
 class Metrics:
-    def __init__(self, engine_stats: Callable[[], tuple[EngineStats, int]]):
+    """The gateway's series, each with the model_name label (vLLM's dashboards filter on it); names are vLLM's under
+    `prefix:` (--metrics-prefix)."""
+
+    def __init__(self, engine_stats: Callable[[], tuple[EngineStats, int]], model: str = "",
+                 prefix: str = "laneserve"):
         r = self.registry = CollectorRegistry()
-        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token (gateway arrival to first "
-                              "token delta).", buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram(P + "time_per_output_token_seconds", "Mean time per output token after the first.",
-                              buckets=TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram(P + "e2e_request_latency_seconds", "End-to-end request latency.",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram(P + "request_queue_time_seconds", "Gateway arrival to the request being handed to "
-                               "the batcher (validation, tokenization, admission).", buckets=LATENCY_BUCKETS,
-                               registry=r)
-        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed.", registry=r)
-        self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens.", registry=r)
-        self.request_success = Counter(P + "request_success", "Finished requests by finish reason.",
-                                       ["finished_reason"], registry=r)
-        self.request_errors = Counter(P + "request_errors", "Requests answered with an error, by status.",
-                                      ["status"], registry=r)
+        P = prefix + ":"
+        self.model = model
+
+        def hist(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(P + name, doc, ["model_name"], buckets=buckets, registry=r).labels(model)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token (gateway arrival to first token "
+                         "delta).", LATENCY_BUCKETS)
+        self.tpot = hist("time_per_output_token_seconds", "Mean time per output token after the first.", TPOT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between two token deltas of a request (a delta of "
+                        "speculative decoding may hold several tokens).", TPOT_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Gateway arrival to the request being handed to the "
+                          "batcher (validation, tokenization, admission); the batcher's own queue is in "
+                          "request_prefill_time_seconds.", LATENCY_BUCKETS)
+        self.prefill_time = hist("request_prefill_time_seconds", "Handed to the batcher to its first token (its wait "
+                                 "for admission included).", LATENCY_BUCKETS)
+        self.decode_time = hist("request_decode_time_seconds", "First token to the last.", LATENCY_BUCKETS)
+        self.inference_time = hist("request_inference_time_seconds", "Handed to the batcher to the last token.",
+                                   LATENCY_BUCKETS)
+        self.request_prompt_tokens = hist("request_prompt_tokens", "Prompt tokens of a finished request.",
+                                          TOKEN_BUCKETS)
+        self.request_generation_tokens = hist("request_generation_tokens", "Tokens a finished request generated.",
+                                              TOKEN_BUCKETS)
+        self.request_max_tokens = hist("request_max_num_generation_tokens", "max_tokens of a finished request.",
+                                       TOKEN_BUCKETS)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed.", ["model_name"],
+                                     registry=r).labels(model)
+        self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens.", ["model_name"],
+                                         registry=r).labels(model)
+        self._success = Counter(P + "request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=r)
+        self._errors = Counter(P + "request_errors", "Requests answered with an error, by status (/health and "
+                               "/metrics are not counted).", ["model_name", "status"], registry=r)
         self.in_flight = Gauge(P + "gateway_requests_in_flight", "HTTP generation requests this gateway is "
-                               "serving.", registry=r)
-        r.register(EngineCollector(engine_stats))
+                               "serving.", ["model_name"], registry=r).labels(model)
+        r.register(EngineCollector(engine_stats, P, model))
+
+    def success(self, reason: str) -> None:
+        self._success.labels(self.model, reason).inc()
+
+    def error(self, status: int) -> None:
+        self._errors.labels(self.model, str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -18,13 +18,18 @@ class EngineError(Exception):
     """A request ended with FinishReason.ERROR (worker failure): a 500, not the user's fault."""
 
 
+class InvalidRequest(Exception):
+    """A request ended with FinishReason.INVALID (its own input failed while it ran, e.g. its grammar): a 400."""
+
+
 class Choice:
     __slots__ = ("index", "request_id", "text", "eos", "finish_reason", "stop_reason", "parts", "want_logprobs",
-                 "lp_tokens", "lp_entries", "needs_abort", "first_token_at", "num_cached", "prefix", "stop_ids", "tools")
+                 "lp_tokens", "lp_entries", "needs_abort", "first_token_at", "num_cached", "prefix", "stop_ids", "tools",
+                 "lp_ids", "last_token_at")
 
     def __init__(self, index: int, request_id: str, tok: ModelTokenizer, prompt_ids: list[int], stops: list[str],
                  include_stop_str: bool, skip_special_tokens: bool, want_logprobs: bool, prefix: str = "",
-                 stop_ids: tuple[int, ...] = (), tools=None):
+                 stop_ids: tuple[int, ...] = (), tools=None, lp_ids: bool = False):
         self.index = index
         self.request_id = request_id
         self.text = TextStream(tok, prompt_ids, stops, include_stop_str, skip_special_tokens)
@@ -38,11 +43,13 @@ class Choice:
         self.lp_entries: list = []
         self.needs_abort = False  # a stop string ended it before the batcher did
         self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
         self.num_cached = 0
         # the request's stop token ids (eos included unless ignore_eos): a STOP delta ending in one does not show it;
         # one ending otherwise (its grammar was complete: docs/structured_output.md) shows all its tokens
         self.stop_ids = frozenset(stop_ids)
         self.tools = tools  # chat with tool calling: its gateway.structured.ToolOutput
+        self.lp_ids = lp_ids  # return_tokens_as_token_ids: logprobs name tokens "token_id:N"
 
     @property
     def num_tokens(self) -> int:
@@ -52,6 +59,8 @@ class Choice:
         """-> (new text, token ids consumed, their logprobs); sets finish_reason when the choice ends."""
         if d.finish_reason == FinishReason.ERROR:
             raise EngineError(d.error or "engine error")
+        if d.finish_reason == FinishReason.INVALID:
+            raise InvalidRequest(d.error or "invalid request")
         if d.num_cached_tokens:
             self.num_cached = d.num_cached_tokens
         ids = d.new_token_ids
@@ -84,7 +93,9 @@ class _Shape:
         self.tok = tok
         self._token_text: dict[int, str] = {}
 
-    def token_text(self, token_id: int) -> str:
+    def token_text(self, token_id: int, as_id: bool = False) -> str:
+        if as_id:
+            return f"token_id:{token_id}"
         s = self._token_text.get(token_id)
         if s is None:
             s = self._token_text[token_id] = self.tok.decode([token_id], skip_special_tokens=False)
@@ -95,25 +106,36 @@ class CompletionShape(_Shape):
     object = "text_completion"
     chunk_object = "text_completion"
 
-    def logprobs(self, ids: list[int], lps: list, offset: int = 0) -> dict | None:
+    def logprobs(self, ids: list[int], lps: list, offset: int = 0, as_id: bool = False) -> dict | None:
         if not lps:
             return None
-        tokens = [self.token_text(t) for t in ids]
+        texts = [self.token_text(t) for t in ids]
         offsets, pos = [], offset
-        for t in tokens:
+        for t in texts:
             offsets.append(pos)
             pos += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{self.token_text(i): v for i, v in zip(lp.top_ids, lp.top_logprobs)} for lp in lps],
-                "text_offset": offsets}
+        return {"tokens": [self.token_text(t, True) for t in ids] if as_id else texts,
+                "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [self._top(lp, as_id) for lp in lps], "text_offset": offsets}
+
+    def _top(self, lp, as_id: bool) -> dict[str, float]:
+        """token -> logprob of the top ones; tokens that decode alike ("\ufffd" pieces) keep an entry each, the
+        later ones named "token_id:N"."""
+        out: dict[str, float] = {}
+        for i, v in zip(lp.top_ids, lp.top_logprobs):
+            key = self.token_text(i, as_id)
+            out[key if key not in out else self.token_text(i, True)] = v
+        return out
 
     def choice(self, ch: Choice) -> dict:
         return {"index": ch.index, "text": "".join(ch.parts),
-                "logprobs": self.logprobs(ch.lp_tokens, ch.lp_entries) if ch.want_logprobs else None,
+                "logprobs": self.logprobs(ch.lp_tokens, ch.lp_entries, len(ch.prefix), ch.lp_ids)
+                if ch.want_logprobs else None,
                 "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
 
     def chunk_choice(self, ch: Choice, text: str, ids: list[int], lps: list, finished: bool) -> dict:
-        return {"index": ch.index, "text": text, "logprobs": self.logprobs(ids, lps) if lps else None,
+        return {"index": ch.index, "text": text,
+                "logprobs": self.logprobs(ids, lps, as_id=ch.lp_ids) if lps else None,
                 "finish_reason": ch.finish_reason if finished else None,
                 "stop_reason": ch.stop_reason if finished else None}
 
@@ -126,15 +148,17 @@ class ChatShape(_Shape):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def _entry(self, token_id: int, logprob: float) -> dict:
-        text = self.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    def _entry(self, token_id: int, logprob: float, as_id: bool) -> dict:
+        """OpenAI's entry: the token's text (or "token_id:N"), its logprob, and its own bytes (a piece of a UTF-8
+        character is that piece, not the U+FFFD its text shows)."""
+        return {"token": self.token_text(token_id, as_id), "logprob": logprob,
+                "bytes": list(self.tok.token_bytes(token_id))}
 
-    def logprobs(self, ids: list[int], lps: list) -> dict | None:
+    def logprobs(self, ids: list[int], lps: list, as_id: bool = False) -> dict | None:
         if not lps:
             return None
-        return {"content": [{**self._entry(t, lp.logprob),
-                             "top_logprobs": [self._entry(i, v) for i, v in zip(lp.top_ids, lp.top_logprobs)]}
+        return {"content": [{**self._entry(t, lp.logprob, as_id),
+                             "top_logprobs": [self._entry(i, v, as_id) for i, v in zip(lp.top_ids, lp.top_logprobs)]}
                             for t, lp in zip(ids, lps)]}
 
     def choice(self, ch: Choice) -> dict:
@@ -146,7 +170,8 @@ class ChatShape(_Shape):
                 message["tool_calls"] = calls
             finish_reason = ch.tools.finish_reason(finish_reason)
         return {"index": ch.index, "message": message,
-                "logprobs": (self.logprobs(ch.lp_tokens, ch.lp_entries) or {"content": []}) if ch.want_logprobs
+                "logprobs": (self.logprobs(ch.lp_tokens, ch.lp_entries, ch.lp_ids) or {"content": []})
+                if ch.want_logprobs
                 else None,
                 "finish_reason": finish_reason, "stop_reason": ch.stop_reason}
 
@@ -158,7 +183,7 @@ class ChatShape(_Shape):
         finish_reason = ch.finish_reason if finished else None
         if finished and ch.tools is not None:
             finish_reason = ch.tools.finish_reason(finish_reason)
-        return {"index": ch.index, "delta": delta, "logprobs": self.logprobs(ids, lps) if lps else None,
+        return {"index": ch.index, "delta": delta, "logprobs": self.logprobs(ids, lps, ch.lp_ids) if lps else None,
                 "finish_reason": finish_reason, "stop_reason": ch.stop_reason if finished else None}
 
     def first_chunk_choice(self, ch: Choice) -> dict:

@@ -21,7 +21,7 @@ from gateway.client import BatcherClient, BatcherLost
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError, bad_request
 from gateway.metrics import Metrics
-from gateway.output import ChatShape, Choice, CompletionShape, EngineError
+from gateway.output import ChatShape, Choice, CompletionShape, EngineError, InvalidRequest
 from gateway.tokenizer import ChatTemplateError, ModelTokenizer
 from laneserve.wire.protocol import AddRequest, Rejected
 
@@ -52,16 +52,24 @@ class Api:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
 
     # ------------------------------------------------------------------ small routes
-    async def models(self, request: web.Request) -> web.Response:
-        card = {"id": self.tok.model_id, "object": "model", "created": self.created, "owned_by": "laneserve",
+    def _card(self) -> dict:
+        return {"id": self.tok.model_id, "object": "model", "created": self.created, "owned_by": "laneserve",
                 "root": self.cfg.model, "parent": None, "max_model_len": self.tok.max_model_len}
-        return json_response({"object": "list", "data": [card]})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return json_response({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{id} (the openai SDK's models.retrieve)."""
+        self._check_model(request.match_info["model"])
+        return json_response(self._card())
 
     async def health(self, request: web.Request) -> web.Response:
         if self.draining:
@@ -104,6 +112,14 @@ class Api:
         self._check_model(req.model)
         S.check_sampling(req, self.tok.vocab_size)
         S.check_logprobs("logprobs", req.logprobs)
+        logprobs = req.logprobs
+        if req.best_of is not None:
+            if not (req.n or 1) <= req.best_of <= S.MAX_SEQUENCES:
+                raise bad_request(f"best_of must be in [n, {S.MAX_SEQUENCES}], got {req.best_of}.", param="best_of")
+            if req.stream and req.best_of > (req.n or 1):
+                raise bad_request("best_of greater than n cannot be streamed.", param="best_of")
+            if logprobs is None:
+                logprobs = 0  # the sampled tokens' logprobs rank the sequences (not shown)
         constraint = await self._constraint(req)
         prompts = S.prompt_token_lists(req, self.tok)
         max_tokens = [S.resolve_max_tokens(req.max_tokens, 16, len(p), self.tok.max_model_len) for p in prompts]
@@ -112,7 +128,7 @@ class Api:
             strings = [req.prompt] if isinstance(req.prompt, str) else req.prompt
             echo = [s if isinstance(s, str) else self.tok.decode(p) for s, p in zip(strings, prompts)] \
                 if all(isinstance(s, str) for s in strings) else [self.tok.decode(p) for p in prompts]
-        return await self._generate(request, req, "cmpl", self.completion_shape, prompts, max_tokens, req.logprobs,
+        return await self._generate(request, req, "cmpl", self.completion_shape, prompts, max_tokens, logprobs,
                                     echo, constraint)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -120,6 +136,8 @@ class Api:
         self._check_model(req.model)
         S.check_sampling(req, self.tok.vocab_size)
         S.check_logprobs("top_logprobs", req.top_logprobs)
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true.", param="top_logprobs")
         if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
             raise bad_request("max_completion_tokens must be at least 1.", param="max_completion_tokens")
         tools = S.chat_tools(req.tools)
@@ -161,7 +179,7 @@ class Api:
                         max_tokens: list[int], logprobs: int | None, echo: list[str] | None,
                         constraint: structured.Constraint | None = None) -> web.StreamResponse:
         arrival = request.get(ARRIVAL, time.monotonic())
-        n = req.n or 1
+        n = _per_prompt(req)
         if self.draining:
             raise ApiError(503, "the gateway is shutting down", retry_after=self.cfg.retry_after)
         num_seqs = len(prompts) * n
@@ -186,6 +204,7 @@ class Api:
         prompt_tokens = sum(len(p) for p in prompts)
         self.metrics.prompt_tokens.inc(prompt_tokens)
         run = _Run(self, request, req, shape, base, choices, by_id, unfinished, queue, prompt_tokens, arrival)
+        run.sizes = {ch.request_id: (len(prompts[i // n]), max_tokens[i // n]) for i, ch in enumerate(choices)}
         try:
             async with asyncio.timeout(self.cfg.request_timeout or None):
                 return await (run.stream() if req.stream else run.collect())
@@ -209,9 +228,10 @@ class Api:
     def _choices(self, req, base: str, prompts: list[list[int]], max_tokens: list[int], logprobs: int | None,
                  echo: list[str] | None, constraint: structured.Constraint | None
                  ) -> tuple[list[Choice], list[AddRequest]]:
-        """One Choice (the response side) and one AddRequest (the engine side) per prompt x n, index p * n + j."""
+        """One Choice (the response side) and one AddRequest (the engine side) per prompt x n (best_of, if more),
+        index p * n + j."""
         grammar = constraint.grammar if constraint is not None else ""
-        n = req.n or 1
+        n = _per_prompt(req)
         stops = S.stop_strings(req)
         include_stop, skip_special = bool(req.include_stop_str_in_output), req.skip_special_tokens is not False
         if constraint is not None and constraint.tools == "auto" and self.cfg.tool_call_parser != "hermes":
@@ -225,13 +245,19 @@ class Api:
                 tools = structured.ToolOutput(constraint, self.cfg.tool_call_parser) \
                     if constraint is not None and constraint.tools else None
                 ch = Choice(index, f"{base}-{index}", self.tok, ids, stops, include_stop, skip_special,
-                            logprobs is not None, echo[p] if echo else "", params.stop_token_ids, tools)
+                            logprobs is not None, echo[p] if echo else "", params.stop_token_ids, tools,
+                            bool(req.return_tokens_as_token_ids))
                 choices.append(ch)
                 adds.append(AddRequest(request_id=ch.request_id, prompt_token_ids=ids, params=params,
                                        arrival_time=now, priority=req.priority or 0,
                                        slo_ttft_ms=req.slo_ttft_ms or 0.0, slo_tpot_ms=req.slo_tpot_ms or 0.0,
                                        grammar=grammar, speculative=req.speculative is not False))
         return choices, adds
+
+
+def _per_prompt(req) -> int:
+    """Sequences generated per prompt: best_of when it is given (completions), else n."""
+    return getattr(req, "best_of", None) or req.n or 1
 
 
 class _Run:
@@ -245,7 +271,11 @@ class _Run:
         self.created = int(time.time())
         self.model = api.tok.model_id
         self.response: web.StreamResponse | None = None
-        self.include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+        opts = req.stream_options if req.stream else None
+        self.continuous_usage = bool(opts and opts.continuous_usage_stats)
+        self.include_usage = bool(opts and opts.include_usage) or self.continuous_usage
+        self.submitted = time.monotonic()  # handed to the batcher
+        self.sizes: dict[str, tuple[int, int]] = {}  # request id -> (prompt tokens, max_tokens), for the metrics
 
     def _item_choice(self, item) -> Choice:
         """Raise for a terminal error item; return the choice a delta belongs to."""
@@ -263,9 +293,16 @@ class _Run:
             piece, ids, lps = ch.feed(d)
         except EngineError as exc:
             raise ApiError(500, f"the engine failed this request: {exc}") from None
-        if ch.first_token_at is None and ch.num_tokens:
-            ch.first_token_at = time.monotonic()
-            self.api.metrics.ttft.observe(ch.first_token_at - self.arrival)
+        except InvalidRequest as exc:
+            raise bad_request(f"the request failed: {exc}") from None
+        if ids:
+            now = time.monotonic()
+            if ch.first_token_at is None:
+                ch.first_token_at = now
+                self.api.metrics.ttft.observe(now - self.arrival)
+            else:
+                self.api.metrics.itl.observe(now - ch.last_token_at)
+            ch.last_token_at = now
         if ch.finish_reason is not None:
             self.unfinished.discard(ch.request_id)
             self._observe_finish(ch)
@@ -274,9 +311,17 @@ class _Run:
     def _observe_finish(self, ch: Choice) -> None:
         m, now = self.api.metrics, time.monotonic()
         m.e2e.observe(now - self.arrival)
-        if ch.first_token_at is not None and ch.num_tokens > 1:
-            m.tpot.observe((now - ch.first_token_at) / (ch.num_tokens - 1))
-        m.request_success.labels(ch.finish_reason).inc()
+        m.inference_time.observe(now - self.submitted)
+        if ch.first_token_at is not None:
+            m.prefill_time.observe(ch.first_token_at - self.submitted)
+            m.decode_time.observe(now - ch.first_token_at)
+            if ch.num_tokens > 1:
+                m.tpot.observe((now - ch.first_token_at) / (ch.num_tokens - 1))
+        prompt, max_tokens = self.sizes.get(ch.request_id, (0, 0))
+        m.request_prompt_tokens.observe(prompt)
+        m.request_max_tokens.observe(max_tokens)
+        m.request_generation_tokens.observe(ch.num_tokens)
+        m.success(ch.finish_reason)
 
     def usage(self) -> dict:
         completion = sum(ch.num_tokens for ch in self.choices)
@@ -290,14 +335,29 @@ class _Run:
             if ch.finish_reason is None:
                 self._feed(ch, item)
         return json_response({"id": self.base, "object": self.shape.object, "created": self.created,
-                              "model": self.model, "choices": [self.shape.choice(ch) for ch in self.choices],
-                              "usage": self.usage()})
+                              "model": self.model, "choices": [self.shape.choice(ch) for ch in self._answered()],
+                              "usage": self.usage()})  # usage counts every sequence generated, best_of's too
+
+    def _answered(self) -> list[Choice]:
+        """The choices answered: all of them, or with best_of the n of each prompt's best_of sequences with the
+        highest cumulative logprob (renumbered; logprobs shown only if asked)."""
+        best_of, n = _per_prompt(self.req), self.req.n or 1
+        if best_of == n:
+            return self.choices
+        out = []
+        for p in range(0, len(self.choices), best_of):
+            group = sorted(self.choices[p:p + best_of], key=lambda ch: -sum(lp.logprob for lp in ch.lp_entries))
+            for j, ch in enumerate(group[:n]):
+                ch.index = p // best_of * n + j
+                ch.want_logprobs = self.req.logprobs is not None
+                out.append(ch)
+        return out
 
     def _chunk(self, choices: list[dict], usage=None) -> bytes:
         obj = {"id": self.base, "object": self.shape.chunk_object, "created": self.created, "model": self.model,
                "choices": choices}
         if self.include_usage:
-            obj["usage"] = usage
+            obj["usage"] = usage if usage is not None or not self.continuous_usage else self.usage()
         return b"data: " + _json(obj) + b"\n\n"
 
     async def stream(self) -> web.StreamResponse:

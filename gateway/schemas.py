@@ -25,6 +25,7 @@ _BOUNDED = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_pena
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: usage so far in every chunk (guidellm sends it)
 
 
 class _Sampling(msgspec.Struct):
@@ -54,6 +55,8 @@ class _Sampling(msgspec.Struct):
     slo_ttft_ms: float | None = None  # this request's SLO targets (else the server's --slo-ttft-ms / --slo-tpot-ms)
     slo_tpot_ms: float | None = None
     speculative: bool | None = None  # false: no speculative drafts for this request (--speculative), laneserve's
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's form) -> bias in [-100, 100]
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:N"
     # Structured output (OpenAI's response_format; vLLM's guided_* and structured_outputs): constrained decoding,
     # gateway/structured.py
     response_format: dict | None = None
@@ -66,6 +69,7 @@ class _Sampling(msgspec.Struct):
 
 class CompletionRequest(_Sampling):
     prompt: str | list | None = None
+    best_of: int | None = None  # generate this many per prompt, answer the n with the highest cumulative logprob
     logprobs: int | None = None
     echo: bool | None = None
     add_special_tokens: bool | None = None
@@ -143,7 +147,9 @@ def parse(body: bytes, cls: type):
 
 def check_sampling(req: _Sampling, vocab_size: int) -> None:
     """Range checks that do not depend on the prompt: the shared sampling bounds, then the API's own."""
-    bad = sampling.check_sampling({name: getattr(req, name) for name in _BOUNDED}, vocab_size)
+    values = {name: getattr(req, name) for name in _BOUNDED}
+    values["logit_bias"] = logit_bias(req)
+    bad = sampling.check_sampling(values, vocab_size)
     if bad is not None:
         raise bad_request(bad[1], param=bad[0])
     if req.n is not None and not 1 <= req.n <= MAX_SEQUENCES:
@@ -162,6 +168,17 @@ def check_sampling(req: _Sampling, vocab_size: int) -> None:
         why = None if value is None else sampling.check_slo_target(name, value)
         if why:
             raise bad_request(why + ".", param=name)
+
+
+def logit_bias(req: _Sampling) -> tuple[tuple[int, float], ...]:
+    """logit_bias as (token id, bias) pairs; a key that is not a token id is a 400."""
+    out = []
+    for key, bias in (req.logit_bias or {}).items():
+        try:
+            out.append((int(key), float(bias)))
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}.", param="logit_bias") from None
+    return tuple(out)
 
 
 def stop_strings(req: _Sampling) -> list[str]:
@@ -221,6 +238,7 @@ def sampling_params(req: _Sampling, tok: ModelTokenizer, max_tokens: int, logpro
         presence_penalty=float(req.presence_penalty or 0.0),
         frequency_penalty=float(req.frequency_penalty or 0.0),
         logprobs=logprobs,
+        logit_bias=logit_bias(req),
     )
 
 

@@ -101,8 +101,9 @@ def _grammar(kind: str, value, param: str) -> str:
         if isinstance(value, str):
             try:
                 value = json.loads(value)
-            except ValueError:
-                raise bad_request(f"{param} must be a JSON schema (an object, or its JSON text).", param=param) from None
+            except (ValueError, RecursionError):
+                raise bad_request(f"{param} must be a JSON schema (an object, or its JSON text).",
+                                  param=param) from None
         if not isinstance(value, dict):
             raise bad_request(f"{param} must be a JSON schema object.", param=param)
         return _json_grammar(value, param)
@@ -164,13 +165,15 @@ def _tool_mode(req, parser: str) -> Constraint | None:
     if choice == "required":
         calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
                   "properties": {"name": {"type": "string", "enum": [name]},
-                                 "parameters": fn.get("parameters") or {"type": "object"}}}
-                 for name, fn in functions.items()]
+                                 "parameters": _rebase(fn.get("parameters") or {"type": "object"},
+                                                       f"/items/anyOf/{i}/properties/parameters")}}
+                 for i, (name, fn) in enumerate(functions.items())]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if not parallel:
             schema["maxItems"] = 1
         return Constraint(_json_grammar(schema, "tools"), "required", parallel=parallel, param="tool_choice")
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str) or (isinstance(choice, dict) and choice.get("type", "function") != "function"):
         raise bad_request("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
                           "{'name': str}}.", param="tool_choice")
@@ -178,6 +181,17 @@ def _tool_mode(req, parser: str) -> Constraint | None:
         raise bad_request(f"tool_choice names {name!r}, which is not among the tools.", param="tool_choice")
     schema = functions[name].get("parameters") or {"type": "object"}
     return Constraint(_json_grammar(schema, "tools"), "named", name, parallel, "tool_choice")
+
+
+def _rebase(schema, prefix: str):
+    """A tool's parameters schema moved under `prefix` of a bigger one: its local "$ref": "#/..." pointers (to its
+    own $defs, as pydantic writes them) rewritten to point there."""
+    if isinstance(schema, dict):
+        return {k: (("#" + prefix + v[1:]) if k == "$ref" and isinstance(v, str) and v.startswith("#/")
+                    else _rebase(v, prefix)) for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_rebase(v, prefix) for v in schema]
+    return schema
 
 
 def _call(name: str, arguments: str, index: int) -> dict:

@@ -73,6 +73,38 @@ class ModelTokenizer:
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (a piece of a UTF-8 character stays that piece, where decoding it alone gives
+        U+FFFD): byte-level BPE pieces mapped back through GPT-2's byte alphabet, SentencePiece byte tokens
+        (<0xE2>) as their byte, other pieces with '▁' as a space."""
+        cache = self.__dict__.setdefault("_bytes", {})
+        out = cache.get(token_id)
+        if out is None:
+            piece = self.tokenizer.id_to_token(token_id) or ""
+            out = None
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    out = bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    pass
+            if out is None and self._byte_level and token_id not in self._special_ids:
+                decode = _byte_decoder()
+                if all(c in decode for c in piece):
+                    out = bytes(decode[c] for c in piece)
+            if out is None:
+                out = piece.replace("\u2581", " ").encode()
+            cache[token_id] = out
+        return out
+
+    @property
+    def _byte_level(self) -> bool:
+        cached = self.__dict__.get("_is_byte_level")
+        if cached is None:
+            decoder = json.loads(self.tokenizer.to_str()).get("decoder") or {}
+            kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders", ())]
+            cached = self.__dict__["_is_byte_level"] = "ByteLevel" in kinds
+        return cached
+
     @property
     def _special_ids(self) -> frozenset[int]:
         cached = self.__dict__.get("_specials")
@@ -97,6 +129,20 @@ class ModelTokenizer:
         except (TypeError, KeyError, AttributeError, ValueError) as exc:
             # HF templates index message fields freely; a malformed message must be a 400, not a 500.
             raise ChatTemplateError(f"chat template failed on these messages: {exc}") from None
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the printable character that stands for each byte -> the byte."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
 
 
 def _raise_exception(message: str):
@@ -190,6 +236,21 @@ def load_tokenizer(model: str, served_model_name: str = "", max_model_len: int =
     except (ValueError, OSError) as exc:  # ModelConfigError, GGUFError, a bad --max-model-len, unreadable files
         raise SystemExit(str(exc)) from None
     return tok
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template: a file's contents when `value` names a file, else `value` itself (it must look like a Jinja
+    template then); a template that does not compile stops the gateway at start."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            value = f.read()
+    elif "{" not in value:
+        raise SystemExit(f"--chat-template {value!r}: no such file, and not a Jinja template")
+    try:
+        _compile(value)
+    except jinja2.TemplateError as exc:
+        raise SystemExit(f"--chat-template: {exc}") from None
+    return value
 
 
 def _model_id(model: str, path: str) -> str:

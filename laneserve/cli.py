@@ -9,6 +9,7 @@ gateway and the batcher never load torch.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import sys
@@ -20,6 +21,21 @@ TOOLS = {
     "loadtest": ("loadtest.cli", "open-loop replay of a trace against an OpenAI-compatible URL"),
     "bench": ("workers.tools.bench", "GPU/CPU decode benchmarks (tok/s, roofline, HF baseline)"),
     "calibrate-kv": ("workers.tools.calibrate", "int8 KV cache scales from a corpus"),
+}
+
+
+# vLLM flags with no laneserve setting of the same meaning: why (docs/from-vllm.md); any other unknown flag gets
+# the nearest laneserve flag's name
+VLLM_ONLY = {
+    "--block-size": "KV blocks are 16 tokens, fixed",
+    "--enable-chunked-prefill": "prefills are always chunked (--max-num-batched-tokens per step)",
+    "--no-enable-chunked-prefill": "prefills are always chunked (--max-num-batched-tokens per step)",
+    "--trust-remote-code": "only Llama, Mistral and Qwen2 architectures load, no remote code",
+    "--swap-space": "preemption recomputes; there is no CPU swap",
+    "--pipeline-parallel-size": "only tensor parallelism (--tensor-parallel-size)",
+    "--quantization": "weights load as stored (GGUF quantizations are dequantized); --kv-cache-dtype int8 for KV",
+    "--enable-auto-tool-choice": "tool_choice auto is on whenever --tool-call-parser is set",
+    "--speculative-config": "--speculative ngram with --num-speculative-tokens, --prompt-lookup-min/max",
 }
 
 
@@ -40,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="DEBUG | INFO | WARNING | ERROR [env LANESERVE_LOG_LEVEL]")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run gateway, batcher and workers (one per GPU, or one CPU worker)")
+    serve.add_argument("model_arg", nargs="?", metavar="MODEL", help="the model, as `vllm serve MODEL` takes it "
+                       "(the same as --model)")
     for cls in (LauncherConfig, gateway_cfg, batcher_cfg, worker_cfg):
         add_arguments(serve, cls, skip=("worker_id",))
     for name, cls, text in (("gateway", gateway_cfg, "run the HTTP gateway"),
@@ -58,7 +76,15 @@ def main(argv: list[str] | None = None) -> int:
         import importlib
 
         return importlib.import_module(TOOLS[argv[0]][0]).main(argv[1:]) or 0
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        raise SystemExit(_unknown_flags(parser, args.command, unknown))
+    if getattr(args, "model_arg", None):
+        if args.model is not None and args.model != args.model_arg:
+            raise SystemExit(f"laneserve serve: the model is given twice ({args.model_arg!r} and --model "
+                             f"{args.model!r})")
+        args.model = args.model_arg
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     gateway_cfg, batcher_cfg, worker_cfg = _configs()
     if args.command == "serve":
@@ -79,6 +105,24 @@ def main(argv: list[str] | None = None) -> int:
 
         run(from_args(worker_cfg, args))
     return 0
+
+
+def _unknown_flags(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> str:
+    """An unknown flag's error: why laneserve has no such setting (a vLLM-only flag), or the nearest one it has."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    known = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+    lines = []
+    for arg in unknown:
+        flag = arg.split("=", 1)[0]
+        if not flag.startswith("--"):
+            lines.append(f"unexpected argument {arg!r}")
+        elif flag in VLLM_ONLY:
+            lines.append(f"{flag} (vLLM's) has no laneserve setting: {VLLM_ONLY[flag]}")
+        else:
+            near = difflib.get_close_matches(flag, known, n=1, cutoff=0.5)
+            lines.append(f"unknown flag {flag}" + (f"; the nearest laneserve setting is {near[0]}" if near else ""))
+    return f"laneserve {command}: " + "; ".join(lines) + " (laneserve {command} --help; docs/from-vllm.md)".format(
+        command=command)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import math
 from typing import Any, Mapping
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's bound: each in [-100, 100])
 MAX_PRIORITY = 2**31  # |priority|: lower goes first (vLLM's rule)
 MAX_SLO_MS = 3_600_000.0  # an SLO target of more than an hour is a typo, not a target
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
@@ -48,6 +49,14 @@ def check_sampling(values: Mapping[str, Any], vocab_size: int = 0) -> tuple[str,
     for t in values.get("stop_token_ids") or ():
         if t < 0 or (vocab_size and t >= vocab_size):
             return "stop_token_ids", f"stop_token_ids: {t} is not a token id of this model (vocab {vocab_size})."
+    bias = values.get("logit_bias") or ()
+    if len(bias) > MAX_LOGIT_BIAS:
+        return "logit_bias", f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}."
+    for t, b in bias:
+        if t < 0 or (vocab_size and t >= vocab_size):
+            return "logit_bias", f"logit_bias: {t} is not a token id of this model (vocab {vocab_size})."
+        if not (math.isfinite(b) and -100 <= b <= 100):
+            return "logit_bias", f"logit_bias values must be in [-100, 100], got {b} for token {t}."
     return None
 
 

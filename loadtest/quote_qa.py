@@ -33,7 +33,7 @@ async def _metrics(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
     out = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
-        key = name.removeprefix("laneserve:").removesuffix("_total")
+        key = name.partition("{")[0].removeprefix("laneserve:").removesuffix("_total")
         if key in SPEC_METRICS:
             out[key] = float(value)
     return out

@@ -144,7 +144,9 @@ async def test_no_batcher_is_503_with_retry_after(tmp_path):
     cfg = GatewayConfig(batcher_address=f"ipc://{tmp_path}/nobody.sock", batcher_timeout=0.2, retry_after=2)
     async with TestClient(TestServer(create_app(cfg))) as c:
         resp = await c.post("/v1/completions", json={"prompt": "x"})
-        assert resp.status == 503 and resp.headers["Retry-After"] == "2"
+        # --retry-after 2, jittered by up to half (tests/test_vllm_compat.py)
+        assert resp.status == 503 and 1 <= int(resp.headers["Retry-After"]) <= 3
+        assert 1000 <= int(resp.headers["retry-after-ms"]) <= 3000
         assert (await resp.json())["error"]["type"] == "service_unavailable_error"
         resp = await c.get("/health")
         assert resp.status == 503

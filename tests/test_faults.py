@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import time
 from collections import Counter
@@ -186,8 +187,8 @@ def test_soak_through_a_worker_kill_and_a_batcher_restart_loses_nothing(make_sta
     async def engine(s) -> dict[str, float]:
         async with s.get(st.url("/metrics")) as r:
             text = await r.text()
-        return {ln.split()[0][len("laneserve:"):]: float(ln.split()[1]) for ln in text.splitlines()
-                if ln.startswith("laneserve:") and ln.split()[0].count("{") == 0}
+        series = (re.match(r'^laneserve:(\w+)\{model_name="[^"]*"\} (\S+)$', ln) for ln in text.splitlines())
+        return {m.group(1): float(m.group(2)) for m in series if m}
 
     async def drained(s) -> bool:
         m = await engine(s)

@@ -164,7 +164,7 @@ async def test_tokenize_detokenize_roundtrip(stack):
 
 
 def _metric(text: str, name: str) -> float:
-    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+    m = re.search(rf'^{re.escape(name)}{{model_name="tiny"}} ([0-9.e+-]+)$', text, re.M)
     assert m, name
     return float(m.group(1))
 

@@ -208,8 +208,8 @@ def test_rag_prefix_hits_in_the_simulator_match_the_server(stack, tmp_path):
 
     def counters() -> tuple[float, float]:
         text = urllib.request.urlopen(stack.url("/metrics"), timeout=10).read().decode()
-        return tuple(float(re.search(rf"^laneserve:prefix_cache_{k}_total (\S+)$", text, re.M).group(1))
-                     for k in ("hits", "queries"))
+        return tuple(float(re.search(rf"^laneserve:prefix_cache_{k}_total{{model_name=\S+}} (\S+)$", text,
+                                     re.M).group(1)) for k in ("hits", "queries"))
 
     flags = [*RAG_FLAGS, "--seed", "23"]  # a seed no other test's documents use on the shared stack
     hits0, queries0 = counters()

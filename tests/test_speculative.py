@@ -130,6 +130,9 @@ def test_a_tight_pool_preempts_requests_with_drafts_and_loses_nothing(pool):
     spec = _run(_drivers()["sync"], {"async_scheduling": False, "speculative": "ngram"}, pool=pool)
     assert spec.s.preemptions > 0 and spec.s.stats().spec_accepted > 0
     assert spec.tokens == plain.tokens and spec.s.bm.num_free == pool
+    for st in spec.steps:  # no drafts beside a prompt (re)computed, a preempted request's included
+        if st.spec_token_ids:
+            assert all(n == 1 + len(st.spec_token_ids.get(rid, ())) for rid, n in st.num_scheduled_tokens.items())
 
 
 def test_a_stop_token_inside_the_accepted_drafts_ends_the_request_there():

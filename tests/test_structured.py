@@ -105,6 +105,8 @@ def test_each_kind_of_constraint_becomes_a_grammar_that_holds_the_output_to_it(r
     (chat(tools=TOOLS, tool_choice="sometimes"), "tool_choice"),
     (chat(tool_choice="required"), "tool_choice"),
     (chat(tools=TOOLS, tool_choice="required", guided_regex="a"), "tool_choice"),
+    (chat(tools=TOOLS, tool_choice={"type": "function", "function": "search"}), "tool_choice"),
+    (completion(guided_json="[" * 50000), "guided_json"),
 ])
 def test_a_bad_or_conflicting_constraint_is_a_400_naming_its_field(req, param):
     with pytest.raises(ApiError) as e:
@@ -255,7 +257,8 @@ def test_a_named_tool_and_required_tools(client):
 def test_auto_tool_choice_parses_the_models_calls(client, stream):
     """The hermes parser finds a call in what the model wrote (the model is held to one here by a regex)."""
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Find Bingley."}], "tools": TOOLS,
-            "max_tokens": 120, "stream": stream, "extra_body": {"guided_regex": re.escape("Let me look. " + HERMES_CALL)}}
+            "max_tokens": 120, "stream": stream,
+            "extra_body": {"guided_regex": re.escape("Let me look. " + HERMES_CALL)}}
     r = client.chat.completions.create(**body)
     if not stream:
         msg, reason = r.choices[0].message, r.choices[0].finish_reason
@@ -357,12 +360,37 @@ def test_litellm_structured_output_and_a_tool_call(tool_stack, monkeypatch):
     jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
     # litellm drops additionalProperties from tool parameters; maxProperties keeps the random model to "q"
     search = {"type": "function", "function": {"name": "search", "parameters": {
-        "type": "object", "required": ["q"], "maxProperties": 1, "properties": {"q": {"type": "string", "maxLength": 6}}}}}
+        "type": "object", "required": ["q"], "maxProperties": 1,
+        "properties": {"q": {"type": "string", "maxLength": 6}}}}}
     r = litellm.completion(messages=[{"role": "user", "content": "Search."}], tools=[search], tool_choice="required",
                            parallel_tool_calls=False, **common)
     (call,) = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "search"
     assert list(json.loads(call.function.arguments)) == ["q"]
+
+
+def test_a_grammar_that_fails_while_running_is_a_400_and_one_completed_by_the_last_token_a_stop(client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:  # compiles, then hits llguidance's parser limits
+        client.completions.create(model="tiny", prompt="hi", max_tokens=5,
+                                  extra_body={"guided_grammar": 'root ::= a\na ::= "x" a'})
+    assert "grammar" in e.value.body["message"]
+    r = client.completions.create(model="tiny", prompt="hi", max_tokens=3, extra_body={"guided_choice": ["yes"]})
+    assert (r.choices[0].text, r.choices[0].finish_reason) == ("yes", "stop")
+
+
+def test_required_tools_whose_parameters_refer_to_their_own_defs(client):
+    """pydantic (and openai.pydantic_function_tool) writes nested models as $defs with "#/$defs/..." pointers."""
+    params = {"type": "object", "additionalProperties": False, "required": ["loc"],
+              "$defs": {"Loc": {"type": "object", "additionalProperties": False, "required": ["city"],
+                                "properties": {"city": {"type": "string", "maxLength": 5}}}},
+              "properties": {"loc": {"$ref": "#/$defs/Loc"}}}
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": params}}]
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=100,
+                                       tools=tools, tool_choice="required", parallel_tool_calls=False)
+    (call,) = r.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), params)
 
 
 def test_bad_constraints_over_http_are_400s_and_min_tokens_is_refused(client):

@@ -8,11 +8,12 @@ Semantics (vLLM's):
 - penalties: repetition over prompt + output tokens (positive logits divided, negative
   multiplied), frequency (times count) and presence (once) over output tokens only;
   applied before greedy argmax too.
+- logit_bias: each (token, bias) added to that token's logit first, before everything below.
 - min_tokens: the request's stop_token_ids are masked until it has that many outputs.
 - structured output: a row with an `allowed` bitmask (its grammar's, from the batcher) may only sample the
   tokens it allows; applied after the penalties, before temperature and the top-k/top-p/min-p filters, so
   those act on the allowed tokens alone (vLLM's order).
-- order: penalties -> temperature -> min-p -> top-k -> top-p (top-p on the top-k
+- order: logit_bias -> penalties -> temperature -> min-p -> top-k -> top-p (top-p on the top-k
   renormalised distribution) -> sample as argmax(probs / Exp(1) noise).
 - seed: a seeded request's noise comes from a generator seeded with (seed, output index),
   so its tokens depend on nothing but its own seed and history: not on batch mates, not
@@ -190,6 +191,13 @@ def sample_on_device(logits: torch.Tensor, rows: list[SampleRow]) -> Sampled:
     B, V = logits.shape
     device = logits.device
     raw_logprobs = logits.log_softmax(dim=-1) if any(r.params.logprobs is not None for r in rows) else None
+    if any(r.params.logit_bias for r in rows):
+        logits = logits.clone()
+        at = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias if t < V]
+        if at:
+            i, t, b = zip(*at)
+            logits.index_put_((to_device(i, torch.int64, device), to_device(t, torch.int64, device)),
+                              to_device(b, torch.float32, device), accumulate=True)
 
     if any(r.params.min_tokens and r.num_output_tokens < r.params.min_tokens for r in rows):
         logits = logits.clone()

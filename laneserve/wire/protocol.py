@@ -24,6 +24,7 @@ class FinishReason(enum.IntEnum):
     LENGTH = 1  # max_tokens or the context length reached
     ABORT = 2  # cancelled by the client (disconnect, timeout)
     ERROR = 3  # engine failure; the delta's `error` says what
+    INVALID = 4  # the request's own input failed while it ran (its grammar hit a parser limit): a 400, `error` says
 
 
 class Msg(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True, gc=False):
@@ -45,6 +46,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: none; k >= 0: sampled token's logprob + top-k
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), before anything else
 
 
 # ---------------------------------------------------------------- gateway -> batcher

@@ -1,0 +1,187 @@
+"""What vLLM users rely on (docs/from-vllm.md): API details through the openai SDK and aiohttp on the real stack,
+and `laneserve serve` taking vLLM's command line."""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+import pytest
+
+from gateway.errors import ApiError
+from laneserve import cli
+from laneserve.config import from_args
+
+
+@pytest.fixture(scope="module")
+def client(request):
+    import openai
+
+    stack = request.getfixturevalue("stack")
+    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="none", max_retries=0)
+
+
+def test_models_retrieve(client):
+    import openai
+
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
+
+
+def test_logit_bias_forces_or_bans_a_token(client):
+    forced = client.completions.create(model="tiny", prompt="hi", max_tokens=6, temperature=1.0, seed=3,
+                                       logit_bias={"65": 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == "A" * 6  # token 65 is "A" in the tiny byte-level vocabulary
+    plain = client.completions.create(model="tiny", prompt="hi", max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True}, logprobs=0)
+    first = plain.choices[0].logprobs.tokens[0]
+    top = next(i for i in range(320) if client.completions.create(
+        model="tiny", prompt="hi", max_tokens=1, temperature=0, logprobs=0,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}).choices[0].logprobs.tokens[0]
+        == f"token_id:{i}")
+    banned = client.completions.create(model="tiny", prompt="hi", max_tokens=1, temperature=0, logprobs=0,
+                                       logit_bias={str(top): -100}, extra_body={"ignore_eos": True})
+    assert banned.choices[0].logprobs.tokens[0] != first
+
+
+@pytest.mark.parametrize("bias, why", [({"x": 1}, "token ids"), ({"5": 101}, "[-100, 100]"),
+                                       ({"99999": 1}, "not a token id")])
+def test_bad_logit_bias_is_a_400(client, bias, why):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="hi", max_tokens=1, logit_bias=bias)
+    assert e.value.body["param"] == "logit_bias" and why in e.value.body["message"]
+
+
+def test_top_logprobs_have_exactly_n_entries_and_chat_bytes_are_the_tokens_own(client):
+    r = client.completions.create(model="tiny", prompt="\u00e9t\u00e9 \u2713", max_tokens=12, logprobs=5,
+                                  temperature=1.0, seed=0, extra_body={"ignore_eos": True})
+    assert all(len(top) == 5 for top in r.choices[0].logprobs.top_logprobs)
+    ids = client.completions.create(model="tiny", prompt="hi", max_tokens=4, logprobs=3,
+                                    extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+    lp = ids.choices[0].logprobs
+    assert all(t.startswith("token_id:") for t in lp.tokens) and all(
+        len(top) == 3 and all(k.startswith("token_id:") for k in top) for top in lp.top_logprobs)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "\u2713"}],
+                                          max_tokens=16, logprobs=True, top_logprobs=2, temperature=1.0, seed=1,
+                                          extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    entries = chat.choices[0].logprobs.content
+    raw = b"".join(bytes(e.bytes) for e in entries)
+    assert raw.decode("utf-8", "replace") == chat.choices[0].message.content  # pieces of characters join up
+    pieces = [e for e in entries if e.token == "\ufffd"]  # a byte of a character, shown as U+FFFD
+    assert pieces and all(len(e.bytes) == 1 and e.bytes != [239, 191, 189] for e in pieces)
+
+
+def test_top_logprobs_without_logprobs_is_a_400(client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=1,
+                                       top_logprobs=2)
+    assert e.value.body["param"] == "top_logprobs"
+
+
+def test_best_of_answers_the_sequences_with_the_highest_cumulative_logprob(client):
+    common = {"model": "tiny", "prompt": "Once", "max_tokens": 6, "temperature": 1.0, "seed": 5,
+              "extra_body": {"ignore_eos": True}}
+    every = client.completions.create(n=4, logprobs=0, **common)
+    score = {c.text: sum(c.logprobs.token_logprobs) for c in every.choices}
+    best = client.completions.create(n=2, best_of=4, **common)
+    assert [c.text for c in best.choices] == sorted(score, key=score.get, reverse=True)[:2]
+    assert [c.index for c in best.choices] == [0, 1] and best.choices[0].logprobs is None
+    assert best.usage.completion_tokens == 24  # every sequence generated is counted
+    import openai
+
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(n=2, best_of=1, **common)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(best_of=3, stream=True, **common)
+
+
+async def test_continuous_usage_stats_put_usage_in_every_chunk(stack):
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 5, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    usages = []
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{stack.base_url}/v1/completions", json=body) as r:
+            async for line in r.content:
+                if line.startswith(b"data: {"):
+                    usages.append(json.loads(line[6:])["usage"])
+    assert all(u is not None for u in usages) and usages[-1]["completion_tokens"] == 5, usages
+    counts = [u["completion_tokens"] for u in usages]
+    assert counts == sorted(counts) and counts[0] < 5, usages
+
+
+def test_retry_after_is_jittered_and_given_in_ms_too():
+    delays = set()
+    for _ in range(50):
+        headers = ApiError(429, "busy", retry_after=2.0).response().headers
+        ms = int(headers["retry-after-ms"])
+        assert 1000 <= ms <= 3000 and int(headers["Retry-After"]) == max(1, round(ms / 1000))
+        delays.add(ms)
+    assert len(delays) > 10
+
+
+# ---------------------------------------------------------------- the command line
+def _configs(argv: list[str]):
+    parser = cli.build_parser()
+    args = parser.parse_args(argv)
+    if args.model_arg:
+        args.model = args.model_arg
+    return [from_args(cls, args, env={}) for cls in cli._configs()]
+
+
+def test_vllm_flags_parse_to_the_same_config():
+    vllm = ["serve", "tiny", "--tensor-parallel-size", "1", "--max-model-len", "512", "--gpu-memory-utilization",
+            "0.8", "--max-num-seqs", "64", "--max-num-batched-tokens", "1024", "--no-enable-prefix-caching",
+            "--kv-cache-dtype", "int8", "--served-model-name", "m", "--api-key", "k", "--enforce-eager",
+            "--seed", "3", "--dtype", "float32", "--chat-template", "{{ 1 }}"]
+    gateway, batcher, worker = _configs(vllm)
+    assert (gateway.model, gateway.max_model_len, gateway.served_model_name, gateway.api_key, gateway.chat_template) \
+        == ("tiny", 512, "m", "k", "{{ 1 }}")
+    assert (batcher.max_num_seqs, batcher.max_num_batched_tokens, batcher.enable_prefix_caching) == (64, 1024, False)
+    assert (worker.model, worker.tensor_parallel_size, worker.gpu_memory_utilization, worker.kv_cache_dtype,
+            worker.enforce_eager, worker.seed, worker.dtype) == ("tiny", 1, 0.8, "int8", True, 3, "float32")
+    assert _configs(["serve", "--model", "tiny"])[0].model == "tiny"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["serve", "--block-size", "32"], "KV blocks are 16 tokens"),
+    (["serve", "--max-num-sequences", "4"], "nearest laneserve setting is --max-num-seqs"),
+    (["serve", "tiny", "--model", "other"], "given twice"),
+])
+def test_a_flag_laneserve_lacks_is_a_clear_error(argv, says):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert says in str(e.value)
+
+
+# ---------------------------------------------------------------- metrics
+# Every series vLLM's own Grafana dashboard queries (examples/online_serving/prometheus_grafana/grafana.json in
+# vllm-project/vllm, commit e88892c9), each filtered by model_name.
+VLLM_DASHBOARD = ["e2e_request_latency_seconds_bucket", "e2e_request_latency_seconds_sum",
+                  "e2e_request_latency_seconds_count", "prompt_tokens_total", "generation_tokens_total",
+                  "time_per_output_token_seconds_bucket", "num_requests_running", "num_requests_swapped",
+                  "num_requests_waiting", "time_to_first_token_seconds_bucket", "gpu_cache_usage_perc",
+                  "cpu_cache_usage_perc", "request_prompt_tokens_bucket", "request_generation_tokens_bucket",
+                  "request_success_total", "request_queue_time_seconds_sum", "request_prefill_time_seconds_sum",
+                  "request_decode_time_seconds_sum", "request_max_num_generation_tokens_sum"]
+
+
+async def test_vllms_dashboard_finds_its_series_under_metrics_prefix_vllm(make_stack):
+    st = make_stack("--metrics-prefix", "vllm")
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{st.base_url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3,
+                                                                  "ignore_eos": True}) as r:
+            assert r.status == 200
+        async with s.get(f"{st.base_url}/metrics") as r:
+            text = await r.text()
+    series = [line.split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")]
+    for name in VLLM_DASHBOARD + ["inter_token_latency_seconds_bucket", "request_inference_time_seconds_sum",
+                                  "kv_cache_usage_perc", "cache_config_info"]:
+        assert any(s.startswith(f"vllm:{name}{{") and 'model_name="tiny"' in s for s in series), name
+    assert all('model_name="tiny"' in s for s in series)  # every series, vLLM's label
+    assert not any(s.startswith("laneserve:") for s in series)
+    assert 'vllm:request_generation_tokens_sum{model_name="tiny"} 3.0' in text
