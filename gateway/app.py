@@ -18,7 +18,7 @@ from aiohttp import web
 
 from gateway import tool_calls
 from gateway.client import BatcherClient
-from gateway.config import GatewayConfig
+from gateway.config import AUTO_BODY_CAP, GatewayConfig
 from gateway.errors import ApiError
 from gateway.metrics import PREFIXES, Metrics
 from gateway.routes import ARRIVAL, Api
@@ -80,6 +80,29 @@ def auth_middleware(api_key: str):
     return check
 
 
+def read_api_key(cfg: GatewayConfig) -> str:
+    """--api-key, or the contents of --api-key-file (not both)."""
+    if not cfg.api_key_file:
+        return cfg.api_key
+    if cfg.api_key:
+        raise SystemExit("give --api-key or --api-key-file, not both")
+    try:
+        with open(cfg.api_key_file, encoding="utf-8") as f:
+            key = f.read().strip()
+    except OSError as exc:
+        raise SystemExit(f"--api-key-file: {exc}") from None
+    if not key:
+        raise SystemExit(f"--api-key-file {cfg.api_key_file}: empty")
+    return key
+
+
+def body_limit(cfg: GatewayConfig, tok: ModelTokenizer) -> int:
+    """--max-body-bytes, or (0) one sized to the context: JSON escapes a character in at most 6 bytes."""
+    if cfg.max_body_bytes > 0:
+        return cfg.max_body_bytes
+    return min(AUTO_BODY_CAP, 6 * tok.max_prompt_chars + (1 << 20))
+
+
 def create_app(cfg: GatewayConfig, tokenizer: ModelTokenizer | None = None) -> web.Application:
     if cfg.tool_call_parser and cfg.tool_call_parser not in tool_calls.PARSERS:
         raise SystemExit(f"--tool-call-parser must be one of {', '.join(tool_calls.PARSERS)} (or ''), got "
@@ -88,9 +111,10 @@ def create_app(cfg: GatewayConfig, tokenizer: ModelTokenizer | None = None) -> w
     if cfg.chat_template:
         tok.chat_template = read_chat_template(cfg.chat_template)
     middlewares = [error_middleware]
-    if cfg.api_key:
-        middlewares.append(auth_middleware(cfg.api_key))
-    app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=middlewares)
+    api_key = read_api_key(cfg)
+    if api_key:
+        middlewares.append(auth_middleware(api_key))
+    app = web.Application(client_max_size=body_limit(cfg, tok), middlewares=middlewares)
     if cfg.metrics_prefix not in PREFIXES:
         raise SystemExit(f"--metrics-prefix must be one of {', '.join(PREFIXES)}, got {cfg.metrics_prefix!r}")
     metrics = Metrics(lambda: (api.client.stats, api.client.workers_alive) if api.client

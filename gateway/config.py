@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from laneserve.config import flag, shared
+from laneserve.config import flag, secret, shared
+
+
+AUTO_BODY_CAP = 64 << 20  # the most --max-body-bytes 0 (sized to the context) allows
 
 
 @dataclass
@@ -26,12 +29,20 @@ class GatewayConfig:
         "hermes | mistral | llama3_json: how the model writes tool calls (vLLM's --tool-call-parser), which lets "
         "chat requests with tools use tool_choice auto (the default with tools); '' = none, then tool_choice auto "
         "is a 400 while none, required and a named function work (docs/structured_output.md)"))
+    trust_message_special_tokens: bool = field(default=False, metadata=flag(
+        "tokenize special-token text inside chat message contents (e.g. '<|im_end|>') as the control tokens; off: as "
+        "plain text, so a user cannot forge turns (turn on only for trusted callers)"))
     metrics_prefix: str = field(default="laneserve", metadata=flag(
         "laneserve | vllm: the prefix of the /metrics series' names (vllm: for dashboards written for vLLM that "
         "cannot be edited; the names after it are vLLM's either way)"))
-    api_key: str = field(default="", metadata=flag(
-        "require 'Authorization: Bearer KEY' on every route but /health and /metrics ('' = open)"))
-    max_body_bytes: int = field(default=16 * 1024 * 1024, metadata=flag("largest request body accepted (413 above)"))
+    api_key: str = field(default="", metadata=secret(
+        "require 'Authorization: Bearer KEY' on every route but /health and /metrics ('' = open); `laneserve serve` "
+        "hands it to the gateway in its environment, never on a command line"))
+    api_key_file: str = field(default="", metadata=flag(
+        "a file holding the API key (a Compose or Kubernetes secret); its contents, stripped, as --api-key"))
+    max_body_bytes: int = field(default=0, metadata=flag(
+        "largest request body accepted (413 above); 0 = sized to the context: 6 bytes for every character a prompt "
+        "that fits max_model_len can have, plus 1 MiB, at most 64 MiB"))
     max_queued_requests: int = field(default=4096, metadata=flag(
         "sequences this gateway keeps in flight at once; over it new requests get 429 + Retry-After (0 = no cap)"))
     request_timeout: float = field(default=600.0, metadata=flag(

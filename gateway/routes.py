@@ -9,6 +9,7 @@ running in the batcher, so its KV blocks are freed. Must not import torch or bat
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 
@@ -88,11 +89,12 @@ class Api:
     async def tokenize(self, request: web.Request) -> web.Response:
         req = S.parse(await request.read(), S.TokenizeRequest)
         self._check_model(req.model)
-        if req.messages is not None:
-            text = self._render_chat(S.chat_messages(req.messages), req.add_generation_prompt, S.chat_tools(req.tools))
-            ids = self.tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        if req.messages is not None:  # as a chat request's prompt is made
+            ids = await asyncio.to_thread(self._chat_ids, S.chat_messages(req.messages), req.add_generation_prompt,
+                                          S.chat_tools(req.tools), bool(req.add_special_tokens))
         elif req.prompt is not None:
-            ids = self.tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+            S.check_text_length(self.tok, req.prompt)
+            ids = await asyncio.to_thread(self.tok.encode, req.prompt, req.add_special_tokens is not False)
         else:
             raise bad_request("either prompt or messages is required.", param="prompt")
         return json_response({"count": len(ids), "max_model_len": self.tok.max_model_len, "tokens": ids,
@@ -121,15 +123,48 @@ class Api:
             if logprobs is None:
                 logprobs = 0  # the sampled tokens' logprobs rank the sequences (not shown)
         constraint = await self._constraint(req)
-        prompts = S.prompt_token_lists(req, self.tok)
+        # tokenizing (and decoding for echo) in a thread: a long prompt must not stall the event loop
+        prompts, echo = await asyncio.to_thread(self._completion_prompts, req)
         max_tokens = [S.resolve_max_tokens(req.max_tokens, 16, len(p), self.tok.max_model_len) for p in prompts]
+        return await self._generate(request, req, "cmpl", self.completion_shape, prompts, max_tokens, logprobs,
+                                    echo, constraint)
+
+    def _completion_prompts(self, req: S.CompletionRequest) -> tuple[list[list[int]], list[str] | None]:
+        prompts = S.prompt_token_lists(req, self.tok)
         echo = None
         if req.echo:
             strings = [req.prompt] if isinstance(req.prompt, str) else req.prompt
             echo = [s if isinstance(s, str) else self.tok.decode(p) for s, p in zip(strings, prompts)] \
                 if all(isinstance(s, str) for s in strings) else [self.tok.decode(p) for p in prompts]
-        return await self._generate(request, req, "cmpl", self.completion_shape, prompts, max_tokens, logprobs,
-                                    echo, constraint)
+        return prompts, echo
+
+    def _chat_ids(self, messages: list[dict], add_generation_prompt: bool | None, tools: list[dict] | None,
+                  add_special_tokens: bool) -> list[int]:
+        """The conversation rendered and tokenized (run in a thread); 400 before any work for content longer than
+        any prompt that fits the context. Special-token text inside a message's content is tokenized as plain text
+        (unless --trust-message-special-tokens): such contents are rendered as placeholders, and the text between
+        them (the template's) is tokenized with its control tokens, theirs as text."""
+        S.check_text_length(self.tok, "".join(m["content"] or "" for m in messages), param="messages")
+        specials = () if self.cfg.trust_message_special_tokens else self.tok.special_texts
+        held = [i for i, m in enumerate(messages) if m["content"] and any(s in m["content"] for s in specials)]
+        if not held:
+            text = self._render_chat(messages, add_generation_prompt, tools)
+            S.check_text_length(self.tok, text, param="messages")
+            return self.tok.encode(text, add_special_tokens=add_special_tokens)
+        marks = {f"\ue000{i}\ue001": messages[i]["content"] for i in held}
+        shown = [dict(m, content=f"\ue000{i}\ue001") if i in held else m for i, m in enumerate(messages)]
+        text = self._render_chat(shown, add_generation_prompt, tools)
+        pieces = re.split("(\ue000\\d+\ue001)", text)
+        if sorted(p for p in pieces if p in marks) != sorted(marks):
+            raise bad_request("a message's content holds special-token text, which this chat template cannot keep "
+                              "as plain text.", param="messages")
+        ids: list[int] = []
+        for j, piece in enumerate(pieces):
+            if piece in marks:
+                ids += self.tok.encode_as_text(marks[piece])
+            elif piece:
+                ids += self.tok.encode(piece, add_special_tokens=add_special_tokens and j == 0)
+        return ids
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = S.parse(await request.read(), S.ChatRequest)
@@ -142,8 +177,8 @@ class Api:
             raise bad_request("max_completion_tokens must be at least 1.", param="max_completion_tokens")
         tools = S.chat_tools(req.tools)
         constraint = await self._constraint(req)
-        text = self._render_chat(S.chat_messages(req.messages), req.add_generation_prompt, tools)
-        ids = self.tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        ids = await asyncio.to_thread(self._chat_ids, S.chat_messages(req.messages), req.add_generation_prompt, tools,
+                                      bool(req.add_special_tokens))
         if not ids:
             raise bad_request("the rendered conversation is empty.", param="messages")
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -186,6 +221,9 @@ class Api:
         if num_seqs > S.MAX_SEQUENCES:
             raise bad_request(f"prompts x n must be at most {S.MAX_SEQUENCES}, got {num_seqs}.", param="n")
         cap = self.cfg.max_queued_requests
+        if cap and num_seqs > cap:  # it can never fit: retrying would not help
+            raise bad_request(f"prompts x n is {num_seqs}, more than this server ever runs for one request "
+                              f"({cap}, --max-queued-requests).", param="n")
         if cap and self.in_flight + num_seqs > cap:
             raise ApiError(429, f"too many requests in flight ({self.in_flight} of {cap}); retry later.",
                            retry_after=self.cfg.retry_after)

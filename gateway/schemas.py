@@ -17,6 +17,7 @@ from laneserve import sampling
 from laneserve.wire.protocol import SamplingParams
 
 MAX_SEQUENCES = 256  # prompts x n in one request
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's message roles
 MAX_STOP_STRINGS = 16
 SEED_MAX = sampling.SEED_MAX - MAX_SEQUENCES  # children get seed + index
 _BOUNDED = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
@@ -259,6 +260,9 @@ def prompt_token_lists(req: CompletionRequest, tok: ModelTokenizer) -> list[list
     else:
         raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of "
                           "token-id lists.", param="prompt")
+    if len(items) * (req.n or 1) > MAX_SEQUENCES:  # before any tokenizing
+        raise bad_request(f"prompts x n must be at most {MAX_SEQUENCES}, got {len(items) * (req.n or 1)}.", param="n")
+    check_text_length(tok, *(p for p in items if isinstance(p, str)))
     out = []
     for p in items:
         if isinstance(p, str):
@@ -276,6 +280,15 @@ def prompt_token_lists(req: CompletionRequest, tok: ModelTokenizer) -> list[list
             raise bad_request(f"token id {bad} is out of vocabulary (size {tok.vocab_size}).", param="prompt")
         out.append(ids)
     return out
+
+
+def check_text_length(tok: ModelTokenizer, *texts: str, param: str = "prompt") -> None:
+    """400 for a text with more characters than any prompt that fits the context can have, before tokenizing it."""
+    for text in texts:
+        if len(text) > tok.max_prompt_chars:
+            raise bad_request(f"the {param} has {len(text)} characters: more than any text of at most "
+                              f"{tok.max_model_len} tokens (this model's context) can have.", param=param,
+                              code="context_length_exceeded")
 
 
 def _is_token(x) -> bool:
@@ -303,6 +316,16 @@ def chat_messages(messages: list[Message] | None) -> list[dict]:
         raise bad_request("messages must be a non-empty list.", param="messages")
     out = []
     for i, m in enumerate(messages):
+        if m.role not in ROLES:
+            raise bad_request(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.role[:40]!r}.",
+                              param=f"messages[{i}].role")
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            raise bad_request(f"messages[{i}].content is required (a {m.role} message"
+                              f"{' without tool_calls' if m.role == 'assistant' else ''}).",
+                              param=f"messages[{i}].content")
+        if m.role == "tool" and not m.tool_call_id:
+            raise bad_request(f"messages[{i}] is a tool message: tool_call_id is required.",
+                              param=f"messages[{i}].tool_call_id")
         if isinstance(m.content, list):
             parts = []
             for part in m.content:

@@ -73,6 +73,35 @@ class ModelTokenizer:
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
 
+    @property
+    def special_texts(self) -> tuple[str, ...]:
+        """The text of every special token (e.g. "<|im_end|>")."""
+        cached = self.__dict__.get("_special_texts")
+        if cached is None:
+            cached = self.__dict__["_special_texts"] = tuple(
+                t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special and t.content)
+        return cached
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """`text` tokenized with special-token strings in it as plain text, not control tokens (a copy of the
+        tokenizer with encode_special_tokens set: the flag is per tokenizer, and threads share this one)."""
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = Tokenizer.from_str(self.tokenizer.to_str())
+            plain.encode_special_tokens = True
+            self.__dict__["_plain"] = plain
+        return plain.encode(text, add_special_tokens=False).ids
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """No text longer than this fits the context: max_model_len tokens of the longest piece in the vocabulary
+        (a bound checked before tokenizing, so a hostile prompt costs nothing)."""
+        cached = self.__dict__.get("_max_chars")
+        if cached is None:
+            longest = max((len(p) for p in self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
+            cached = self.__dict__["_max_chars"] = self.max_model_len * max(longest, 1)
+        return cached
+
     def token_bytes(self, token_id: int) -> bytes:
         """The token's own bytes (a piece of a UTF-8 character stays that piece, where decoding it alone gives
         U+FFFD): byte-level BPE pieces mapped back through GPT-2's byte alphabet, SentencePiece byte tokens

@@ -24,6 +24,12 @@ def flag(text: str) -> dict:
     return {"help": text}
 
 
+def secret(text: str) -> dict:
+    """Field metadata of a secret: a flag like any other, but passed to child processes in their environment,
+    never on their command line (/proc/PID/cmdline is readable by every user)."""
+    return {"help": text, "secret": True}
+
+
 # Settings read by more than one process: name -> (default, help).
 SHARED: dict[str, tuple[Any, str]] = {
     "batcher_address": ("ipc:///tmp/laneserve/batcher.sock",
@@ -119,10 +125,19 @@ def from_args(cls: type[T], ns: argparse.Namespace | None = None, env: dict[str,
     return cls(**values)
 
 
+def secret_env(cfg: Any) -> dict[str, str]:
+    """The LANESERVE_* variables that carry `cfg`'s secrets (set ones) to a child process; to_argv leaves them out."""
+    return {env_name(f.name): str(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
+            if f.metadata.get("secret") and getattr(cfg, f.name)}
+
+
 def to_argv(cfg: Any) -> list[str]:
-    """The flags that rebuild `cfg` in a child process (only fields that differ from the default)."""
+    """The flags that rebuild `cfg` in a child process (only fields that differ from the default; secrets go by
+    secret_env)."""
     argv: list[str] = []
     for f in dataclasses.fields(cfg):
+        if f.metadata.get("secret"):
+            continue
         value = getattr(cfg, f.name)
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         if value == default or value is None:

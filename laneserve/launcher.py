@@ -29,7 +29,7 @@ import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
 
-from laneserve.config import flag, to_argv
+from laneserve.config import flag, secret_env, to_argv
 
 POLL_S = 0.1
 RESTART_WINDOW_S = 60.0
@@ -119,7 +119,7 @@ def serve(lc: LauncherConfig, gw, bc, wc, log_level: str = "INFO") -> int:
             env = {"CUDA_VISIBLE_DEVICES": ",".join(group)} if gpus else {}  # rank r uses cuda:r
             worker = dataclasses.replace(wc, worker_id=i)
             children.append(Child(f"worker {i}", [*common, "worker", *to_argv(worker)], env))
-        children.append(Child("gateway", [*common, "gateway", *to_argv(gw)], restartable=False))
+        children.append(Child("gateway", [*common, "gateway", *to_argv(gw)], secret_env(gw), restartable=False))
         code = _supervise(children, gw, num_workers, lc, stopping)
     finally:
         # Gateway first so it stops accepting and drains, then the engine.

@@ -126,6 +126,10 @@ async def test_over_max_queued_requests_is_429_with_retry_after(guarded):
                                        json={"prompt": "x", "max_tokens": 1}, headers=AUTH)
             assert int(headers["Retry-After"]) >= 1 and err["type"] == "rate_limit_error"
             held.close()
+        # more sequences than the cap can ever hold: a 400, not a "retry later" that never succeeds
+        err, _ = await _call(s, "POST", guarded.url("/v1/completions"), 400, json={"prompt": "x", "n": 3},
+                             headers=AUTH)
+        assert err["param"] == "n"
 
 
 async def test_request_timeout_is_504_or_an_error_event_in_a_stream(guarded):

@@ -16,6 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from tests.stack import descendants
 
@@ -251,3 +252,66 @@ async def _true(value: bool) -> bool:
 
 async def _eq(awaitable, expected) -> bool:
     return await awaitable == expected
+
+
+async def test_a_hostile_prompt_is_refused_at_once_and_other_streams_keep_flowing(stack):
+    """Issue 26 (1): prompts far over the context were tokenized on the gateway's event loop (8 MB: 6.7 s frozen,
+    1.7 GB RSS). Now a body over the context's size is a 413, a text longer than any prompt that fits is a 400
+    before tokenizing, prompts x n are counted before tokenizing, and tokenizing runs in a thread."""
+    gateway = _pid_of(stack.proc.pid, "gateway")
+    base_rss = _rss_kib(gateway)
+    gaps: list[float] = []
+
+    async with aiohttp.ClientSession() as s:
+        async def stream() -> None:
+            body = {"model": "tiny", "prompt": "steady", "max_tokens": 400, "ignore_eos": True, "stream": True}
+            last = time.monotonic()
+            async with s.post(stack.url("/v1/completions"), json=body) as r:
+                async for _ in r.content:
+                    now = time.monotonic()
+                    gaps.append(now - last)
+                    last = now
+
+        async def hostile() -> list[tuple[int, float]]:
+            out = []
+            for body in ({"prompt": "a" * 8_000_000, "max_tokens": 1},  # over the body limit
+                         {"prompt": "a" * 1_500_000, "max_tokens": 1},  # under it, longer than any prompt that fits
+                         {"prompt": ["ab"] * 200_000, "max_tokens": 1},  # prompts x n over 256
+                         {"messages": [{"role": "user", "content": "b" * 1_500_000}], "max_tokens": 1}):
+                path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+                t0 = time.monotonic()
+                async with s.post(stack.url(path), json={"model": "tiny", **body}) as r:
+                    out.append((r.status, time.monotonic() - t0))
+                    assert "error" in await r.json()
+                async with s.get(stack.url("/health")) as h:
+                    assert h.status == 200
+            return out
+
+        streaming = asyncio.create_task(stream())
+        answers = await hostile()
+        await streaming
+    assert [status for status, _ in answers] == [413, 400, 400, 400]
+    assert max(t for _, t in answers) < 3.0, answers
+    assert len(gaps) > 100 and max(gaps) < 2.0, max(gaps)  # the other stream was never frozen for seconds
+    assert _rss_kib(gateway) - base_rss < 150_000  # KiB: no lasting growth (it was +315 MB, peak +1.6 GB)
+
+
+async def test_the_api_key_never_reaches_a_command_line(make_stack, tmp_path):
+    """Issue 26 (4): LANESERVE_API_KEY went to the gateway as --api-key KEY, readable in /proc/PID/cmdline."""
+    from gateway.app import read_api_key
+    from gateway.config import GatewayConfig
+
+    key = "sekret-7f3a9c"
+    st = make_stack(env={"LANESERVE_API_KEY": key})
+    pids = [st.proc.pid, *descendants(st.proc.pid)]
+    assert len(pids) >= 4 and not any(key.encode() in _cmdline(p) for p in pids)
+    async with aiohttp.ClientSession() as s:
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 1}
+        async with s.post(st.url("/v1/completions"), json=body) as r:
+            assert r.status == 401
+        async with s.post(st.url("/v1/completions"), json=body, headers={"Authorization": f"Bearer {key}"}) as r:
+            assert r.status == 200
+    (tmp_path / "key").write_text(key + "\n")
+    assert read_api_key(GatewayConfig(api_key_file=str(tmp_path / "key"))) == key
+    with pytest.raises(SystemExit):
+        read_api_key(GatewayConfig(api_key="a", api_key_file=str(tmp_path / "key")))
