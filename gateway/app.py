@@ -97,10 +97,11 @@ def read_api_key(cfg: GatewayConfig) -> str:
 
 
 def body_limit(cfg: GatewayConfig, tok: ModelTokenizer) -> int:
-    """--max-body-bytes, or (0) one sized to the context: JSON escapes a character in at most 6 bytes."""
+    """--max-body-bytes, or (0) one sized to the context: JSON escapes a character in at most 6 bytes; at least
+    16 MiB (a batch of prompts, each of which fits), at most AUTO_BODY_CAP."""
     if cfg.max_body_bytes > 0:
         return cfg.max_body_bytes
-    return min(AUTO_BODY_CAP, 6 * tok.max_prompt_chars + (1 << 20))
+    return min(AUTO_BODY_CAP, max(16 << 20, 6 * tok.max_prompt_chars + (1 << 20)))
 
 
 def create_app(cfg: GatewayConfig, tokenizer: ModelTokenizer | None = None) -> web.Application:
@@ -157,7 +158,11 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None) -> None:
     while api.active and time.monotonic() < deadline:
         await asyncio.sleep(0.05)  # polling a counter during shutdown only
     if api.active:
-        log.warning("drain deadline passed with %d requests in flight; closing them", api.active)
+        log.warning("drain deadline passed with %d requests in flight; ending them with an error", api.active)
+        api.end_all("the server is shutting down")
+        deadline = time.monotonic() + 2.0
+        while api.active and time.monotonic() < deadline:  # they write their last event and return
+            await asyncio.sleep(0.05)
     await runner.cleanup()
 
 

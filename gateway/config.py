@@ -42,7 +42,7 @@ class GatewayConfig:
         "a file holding the API key (a Compose or Kubernetes secret); its contents, stripped, as --api-key"))
     max_body_bytes: int = field(default=0, metadata=flag(
         "largest request body accepted (413 above); 0 = sized to the context: 6 bytes for every character a prompt "
-        "that fits max_model_len can have, plus 1 MiB, at most 64 MiB"))
+        "that fits max_model_len can have, plus 1 MiB, at least 16 MiB and at most 64 MiB"))
     max_queued_requests: int = field(default=4096, metadata=flag(
         "sequences this gateway keeps in flight at once; over it new requests get 429 + Retry-After (0 = no cap)"))
     request_timeout: float = field(default=600.0, metadata=flag(
@@ -53,7 +53,8 @@ class GatewayConfig:
         "with requests in flight and no frame from the batcher for this long, they fail with 503"))
     retry_after: float = field(default=1.0, metadata=flag("Retry-After seconds sent with 429 and 503"))
     drain_timeout: float = field(default=8.0, metadata=flag(
-        "on SIGTERM/SIGINT: stop accepting, then wait this long for in-flight requests before closing "
-        "(keep it under the launcher's --shutdown-timeout, which then kills the gateway)"))
+        "on SIGTERM/SIGINT: stop accepting (503 + Retry-After), wait this long for in-flight requests, then end "
+        "those left with a 503 (an error event and [DONE] if they stream) and close; `laneserve serve` waits this "
+        "+ 5 s before it kills the gateway"))
     curve_server_public_key: str = shared("curve_server_public_key")
     curve_client_secret_key: str = shared("curve_client_secret_key")

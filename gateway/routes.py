@@ -9,6 +9,7 @@ running in the batcher, so its KV blocks are freed. Must not import torch or bat
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 import uuid
@@ -44,6 +45,7 @@ class Api:
         self.client: BatcherClient | None = None  # set on startup (needs the running loop)
         self.in_flight = 0  # sequences submitted and not finished (admission cap)
         self.active = 0  # generation handlers running (graceful drain waits for 0)
+        self.runs: set[_Run] = set()  # those handlers' requests (end_all ends them at shutdown)
         self.draining = False
         self.created = int(time.time())
         self.completion_shape = CompletionShape(tok)
@@ -120,7 +122,7 @@ class Api:
                 raise bad_request(f"best_of must be in [n, {S.MAX_SEQUENCES}], got {req.best_of}.", param="best_of")
             if req.stream and req.best_of > (req.n or 1):
                 raise bad_request("best_of greater than n cannot be streamed.", param="best_of")
-            if logprobs is None:
+            if logprobs is None and req.best_of > (req.n or 1):
                 logprobs = 0  # the sampled tokens' logprobs rank the sequences (not shown)
         constraint = await self._constraint(req)
         # tokenizing (and decoding for echo) in a thread: a long prompt must not stall the event loop
@@ -134,8 +136,8 @@ class Api:
         echo = None
         if req.echo:
             strings = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-            echo = [s if isinstance(s, str) else self.tok.decode(p) for s, p in zip(strings, prompts)] \
-                if all(isinstance(s, str) for s in strings) else [self.tok.decode(p) for p in prompts]
+            echo = [s if isinstance(s, str) else self.tok.decode_long(p) for s, p in zip(strings, prompts)] \
+                if all(isinstance(s, str) for s in strings) else [self.tok.decode_long(p) for p in prompts]
         return prompts, echo
 
     def _chat_ids(self, messages: list[dict], add_generation_prompt: bool | None, tools: list[dict] | None,
@@ -145,8 +147,16 @@ class Api:
         (unless --trust-message-special-tokens): such contents are rendered as placeholders, and the text between
         them (the template's) is tokenized with its control tokens, theirs as text."""
         S.check_text_length(self.tok, "".join(m["content"] or "" for m in messages), param="messages")
-        specials = () if self.cfg.trust_message_special_tokens else self.tok.special_texts
-        held = [i for i, m in enumerate(messages) if m["content"] and any(s in m["content"] for s in specials)]
+        trusted = self.cfg.trust_message_special_tokens
+        held = [] if trusted else [i for i, m in enumerate(messages)
+                                   if m["content"] and self.tok.has_special_text(m["content"])]
+        if not trusted:  # other strings of the request that reach the template: special-token text is refused there
+            other = [json.dumps(m.get("tool_calls", "")) + (m.get("name") or "") for m in messages]
+            if tools:
+                other.append(json.dumps(tools))
+            if any(self.tok.has_special_text(s) for s in other):
+                raise bad_request("special-token text is not allowed in tool calls, names or tool descriptions.",
+                                  param="messages")
         if not held:
             text = self._render_chat(messages, add_generation_prompt, tools)
             S.check_text_length(self.tok, text, param="messages")
@@ -158,12 +168,12 @@ class Api:
         if sorted(p for p in pieces if p in marks) != sorted(marks):
             raise bad_request("a message's content holds special-token text, which this chat template cannot keep "
                               "as plain text.", param="messages")
-        ids: list[int] = []
-        for j, piece in enumerate(pieces):
+        ids: list[int] = self.tok.prefix_ids if add_special_tokens else []  # BOS, once, for tokenizers that add it
+        for piece in pieces:
             if piece in marks:
                 ids += self.tok.encode_as_text(marks[piece])
             elif piece:
-                ids += self.tok.encode(piece, add_special_tokens=add_special_tokens and j == 0)
+                ids += self.tok.encode(piece, add_special_tokens=False)
         return ids
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -197,6 +207,12 @@ class Api:
                                   "where the output ends).", param="min_tokens")
             await asyncio.to_thread(structured.check, c)
         return c
+
+    def end_all(self, reason: str) -> None:
+        """Shutdown past the drain timeout: every request still in flight ends now with a 503 (an error event and
+        [DONE] if it streams), and what it ran in the batcher is aborted."""
+        for run in self.runs:
+            run.queue.put_nowait(BatcherLost(reason))
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.tok.model_id:
@@ -243,6 +259,7 @@ class Api:
         self.metrics.prompt_tokens.inc(prompt_tokens)
         run = _Run(self, request, req, shape, base, choices, by_id, unfinished, queue, prompt_tokens, arrival)
         run.sizes = {ch.request_id: (len(prompts[i // n]), max_tokens[i // n]) for i, ch in enumerate(choices)}
+        self.runs.add(run)
         try:
             async with asyncio.timeout(self.cfg.request_timeout or None):
                 return await (run.stream() if req.stream else run.collect())
@@ -253,6 +270,7 @@ class Api:
                 return run.response
             raise ApiError(504, f"request timed out after {self.cfg.request_timeout:g}s") from None
         finally:
+            self.runs.discard(run)
             self.in_flight -= num_seqs
             self.active -= 1
             self.metrics.in_flight.dec()

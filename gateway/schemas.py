@@ -173,13 +173,16 @@ def check_sampling(req: _Sampling, vocab_size: int) -> None:
 
 def logit_bias(req: _Sampling) -> tuple[tuple[int, float], ...]:
     """logit_bias as (token id, bias) pairs; a key that is not a token id is a 400."""
-    out = []
+    out: dict[int, float] = {}
     for key, bias in (req.logit_bias or {}).items():
         try:
-            out.append((int(key), float(bias)))
+            token = int(key)
         except ValueError:
-            raise bad_request(f"logit_bias keys must be token ids, got {key!r}.", param="logit_bias") from None
-    return tuple(out)
+            raise bad_request(f"logit_bias keys must be token ids, got {key[:20]!r}.", param="logit_bias") from None
+        if token in out:  # "65" and "065": one token given twice
+            raise bad_request(f"logit_bias names token {token} twice.", param="logit_bias")
+        out[token] = float(bias)
+    return tuple(out.items())
 
 
 def stop_strings(req: _Sampling) -> list[str]:
@@ -260,8 +263,10 @@ def prompt_token_lists(req: CompletionRequest, tok: ModelTokenizer) -> list[list
     else:
         raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of "
                           "token-id lists.", param="prompt")
-    if len(items) * (req.n or 1) > MAX_SEQUENCES:  # before any tokenizing
-        raise bad_request(f"prompts x n must be at most {MAX_SEQUENCES}, got {len(items) * (req.n or 1)}.", param="n")
+    per_prompt = req.best_of or req.n or 1
+    if len(items) * per_prompt > MAX_SEQUENCES:  # before any tokenizing
+        raise bad_request(f"prompts x {'best_of' if req.best_of else 'n'} must be at most {MAX_SEQUENCES}, got "
+                          f"{len(items) * per_prompt}.", param="best_of" if req.best_of else "n")
     check_text_length(tok, *(p for p in items if isinstance(p, str)))
     out = []
     for p in items:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -58,7 +59,9 @@ class ModelTokenizer:
     add_bos_token: bool = False  # prepend bos when tokenizer.json's post-processor does not
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode does not): the gateway tokenizes in a thread, and the
+        # event loop must keep running meanwhile
+        ids = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None \
                 and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]
@@ -66,6 +69,21 @@ class ModelTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @property
+    def prefix_ids(self) -> list[int]:
+        """The tokens encode(add_special_tokens=True) puts before a text (BOS, for tokenizers that add one)."""
+        cached = self.__dict__.get("_prefix_ids")
+        if cached is None:
+            with_specials, plain = self.encode("a", True), self.encode("a", False)
+            n = len(with_specials) - len(plain)
+            cached = with_specials[:n] if n > 0 and with_specials[n:n + len(plain)] == plain else []
+            self.__dict__["_prefix_ids"] = cached
+        return list(cached)
+
+    def decode_long(self, ids: list[int]) -> str:
+        """decode() that releases the GIL (for a whole prompt, in a thread)."""
+        return self.tokenizer.decode_batch([ids], skip_special_tokens=True)[0]
 
     def id_to_token(self, token_id: int) -> str:
         return self.tokenizer.id_to_token(token_id) or ""
@@ -82,6 +100,14 @@ class ModelTokenizer:
                 t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special and t.content)
         return cached
 
+    def has_special_text(self, text: str) -> bool:
+        """Whether `text` holds a special token's text (one compiled search)."""
+        pattern = self.__dict__.get("_special_re")
+        if pattern is None:
+            texts = sorted(self.special_texts, key=len, reverse=True)
+            pattern = self.__dict__["_special_re"] = re.compile("|".join(map(re.escape, texts))) if texts else None
+        return pattern is not None and pattern.search(text) is not None
+
     def encode_as_text(self, text: str) -> list[int]:
         """`text` tokenized with special-token strings in it as plain text, not control tokens (a copy of the
         tokenizer with encode_special_tokens set: the flag is per tokenizer, and threads share this one)."""
@@ -90,7 +116,7 @@ class ModelTokenizer:
             plain = Tokenizer.from_str(self.tokenizer.to_str())
             plain.encode_special_tokens = True
             self.__dict__["_plain"] = plain
-        return plain.encode(text, add_special_tokens=False).ids
+        return plain.encode_batch([text], add_special_tokens=False)[0].ids
 
     @property
     def max_prompt_chars(self) -> int:

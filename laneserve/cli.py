@@ -34,7 +34,6 @@ VLLM_ONLY = {
     "--swap-space": "preemption recomputes; there is no CPU swap",
     "--pipeline-parallel-size": "only tensor parallelism (--tensor-parallel-size)",
     "--quantization": "weights load as stored (GGUF quantizations are dequantized); --kv-cache-dtype int8 for KV",
-    "--enable-auto-tool-choice": "tool_choice auto is on whenever --tool-call-parser is set",
     "--speculative-config": "--speculative ngram with --num-speculative-tokens, --prompt-lookup-min/max",
 }
 
@@ -58,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run gateway, batcher and workers (one per GPU, or one CPU worker)")
     serve.add_argument("model_arg", nargs="?", metavar="MODEL", help="the model, as `vllm serve MODEL` takes it "
                        "(the same as --model)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true", help="accepted for vLLM's command line: "
+                       "tool_choice auto is on whenever --tool-call-parser is set")
     for cls in (LauncherConfig, gateway_cfg, batcher_cfg, worker_cfg):
         add_arguments(serve, cls, skip=("worker_id",))
     for name, cls, text in (("gateway", gateway_cfg, "run the HTTP gateway"),
@@ -80,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         raise SystemExit(_unknown_flags(parser, args.command, unknown))
+    if args.command == "serve" and any(a == "--api-key" or a.startswith("--api-key=") for a in argv):
+        print("laneserve: --api-key on the command line is visible to every user (/proc/PID/cmdline); use "
+              "LANESERVE_API_KEY or --api-key-file (the gateway gets it by environment either way)", file=sys.stderr)
     if getattr(args, "model_arg", None):
         if args.model is not None and args.model != args.model_arg:
             raise SystemExit(f"laneserve serve: the model is given twice ({args.model_arg!r} and --model "

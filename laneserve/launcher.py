@@ -39,7 +39,8 @@ RESTART_WINDOW_S = 60.0
 class LauncherConfig:
     num_workers: int = field(default=0, metadata=flag("workers to start; 0 = one per visible GPU, else one CPU worker"))
     startup_timeout: float = field(default=600.0, metadata=flag("seconds to wait for the stack to become healthy"))
-    shutdown_timeout: float = field(default=10.0, metadata=flag("seconds each child gets to exit before SIGKILL"))
+    shutdown_timeout: float = field(default=10.0, metadata=flag(
+        "seconds each child gets to exit before SIGKILL (the gateway at least its --drain-timeout + 5)"))
     max_restarts: int = field(default=5, metadata=flag(
         "restarts of a dead worker or batcher within a minute before the stack goes down; 0 = a dead child "
         "always takes the stack down"))
@@ -62,6 +63,18 @@ def visible_gpus() -> list[str]:
     except (OSError, subprocess.TimeoutExpired):
         return []
     return [str(i) for i, line in enumerate(out.stdout.splitlines()) if line.startswith("GPU ")]
+
+
+END_GRACE_S = 5.0  # past --drain-timeout, the gateway's time to end the requests left and close
+
+
+def cpu_threads(num_workers: int) -> int:
+    """torch threads for each of num_workers CPU workers: the cores this process may use, divided among them."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, num_workers))
 
 
 class Child:
@@ -114,17 +127,20 @@ def serve(lc: LauncherConfig, gw, bc, wc, log_level: str = "INFO") -> int:
     children: list[Child] = []
     try:
         children.append(Child("batcher", [*common, "batcher", *to_argv(bc)]))
+        threads = wc.num_threads or cpu_threads(num_workers)
         for i in range(num_workers):
             group = [gpus[(i * tp + r) % len(gpus)] for r in range(tp)] if gpus else []
             env = {"CUDA_VISIBLE_DEVICES": ",".join(group)} if gpus else {}  # rank r uses cuda:r
-            worker = dataclasses.replace(wc, worker_id=i)
+            worker = dataclasses.replace(wc, worker_id=i, num_threads=threads if not gpus else wc.num_threads)
             children.append(Child(f"worker {i}", [*common, "worker", *to_argv(worker)], env))
         children.append(Child("gateway", [*common, "gateway", *to_argv(gw)], secret_env(gw), restartable=False))
         code = _supervise(children, gw, num_workers, lc, stopping)
     finally:
-        # Gateway first so it stops accepting and drains, then the engine.
+        # Gateway first so it stops accepting and drains (its --drain-timeout, then a terminal event for each
+        # request still in flight, then closing), then the engine.
         for child in reversed(children):
-            child.stop(lc.shutdown_timeout)
+            child.stop(max(lc.shutdown_timeout, gw.drain_timeout + END_GRACE_S) if child.name == "gateway"
+                       else lc.shutdown_timeout)
         shutil.rmtree(run_dir, ignore_errors=True)
     return code
 

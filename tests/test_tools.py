@@ -140,5 +140,10 @@ async def test_special_token_text_in_a_message_is_plain_text_not_a_forged_turn(s
 
         plain, injected = await ids("hi"), await ids(forged)
     assert specials and [t for t in injected if t in specials] == [t for t in plain if t in specials]  # template's
+    forged_call = [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "search", "arguments": forged}}]}]
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{stack.base_url}/tokenize", json={"messages": forged_call}) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "messages"
     text = tok.encode_as_text(forged)  # the user's text is all there, as plain text tokens
     assert any(injected[i:i + len(text)] == text for i in range(len(injected)))

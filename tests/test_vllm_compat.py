@@ -33,20 +33,15 @@ def test_logit_bias_forces_or_bans_a_token(client):
     forced = client.completions.create(model="tiny", prompt="hi", max_tokens=6, temperature=1.0, seed=3,
                                        logit_bias={"65": 100}, extra_body={"ignore_eos": True})
     assert forced.choices[0].text == "A" * 6  # token 65 is "A" in the tiny byte-level vocabulary
-    plain = client.completions.create(model="tiny", prompt="hi", max_tokens=8, temperature=0,
-                                      extra_body={"ignore_eos": True}, logprobs=0)
-    first = plain.choices[0].logprobs.tokens[0]
-    top = next(i for i in range(320) if client.completions.create(
-        model="tiny", prompt="hi", max_tokens=1, temperature=0, logprobs=0,
-        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}).choices[0].logprobs.tokens[0]
-        == f"token_id:{i}")
-    banned = client.completions.create(model="tiny", prompt="hi", max_tokens=1, temperature=0, logprobs=0,
-                                       logit_bias={str(top): -100}, extra_body={"ignore_eos": True})
-    assert banned.choices[0].logprobs.tokens[0] != first
+    greedy = {"model": "tiny", "prompt": "hi", "max_tokens": 1, "temperature": 0, "logprobs": 0}
+    ids = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    top = client.completions.create(**greedy, extra_body=ids).choices[0].logprobs.tokens[0]  # "token_id:N"
+    banned = client.completions.create(**greedy, logit_bias={top.split(":")[1]: -100}, extra_body=ids)
+    assert banned.choices[0].logprobs.tokens[0] != top
 
 
 @pytest.mark.parametrize("bias, why", [({"x": 1}, "token ids"), ({"5": 101}, "[-100, 100]"),
-                                       ({"99999": 1}, "not a token id")])
+                                       ({"99999": 1}, "not a token id"), ({"65": 100, "065": 100}, "twice")])
 def test_bad_logit_bias_is_a_400(client, bias, why):
     import openai
 
@@ -91,6 +86,7 @@ def test_best_of_answers_the_sequences_with_the_highest_cumulative_logprob(clien
     best = client.completions.create(n=2, best_of=4, **common)
     assert [c.text for c in best.choices] == sorted(score, key=score.get, reverse=True)[:2]
     assert [c.index for c in best.choices] == [0, 1] and best.choices[0].logprobs is None
+    assert client.completions.create(best_of=1, **common).choices[0].logprobs is None  # best_of == n: no logprobs
     assert best.usage.completion_tokens == 24  # every sequence generated is counted
     import openai
 
@@ -106,6 +102,7 @@ async def test_continuous_usage_stats_put_usage_in_every_chunk(stack):
     usages = []
     async with aiohttp.ClientSession() as s:
         async with s.post(f"{stack.base_url}/v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
             async for line in r.content:
                 if line.startswith(b"data: {"):
                     usages.append(json.loads(line[6:])["usage"])

@@ -36,7 +36,9 @@ class WorkerConfig:
         "auto (on for CUDA at tensor-parallel size 1) | on | off: launch a decode-only step's forward before the "
         "previous step's sampled tokens reach the host (they are read on the device), so host work hides "
         "behind the GPU"))
-    num_threads: int = field(default=0, metadata=flag("CPU: torch intra-op threads; 0 = torch's default"))
+    num_threads: int = field(default=0, metadata=flag(
+        "CPU: torch intra-op threads; 0 = the machine's cores divided among the CPU workers `laneserve serve` "
+        "starts (two workers with torch's default each oversubscribe the cores)"))
     tensor_parallel_size: int = field(default=1, metadata=flag(
         "ranks (GPUs) per worker: this process is rank 0 and starts ranks 1..T-1; heads and MLP are split "
         "over them (NCCL on CUDA, gloo on CPU; docs/tensor_parallel.md). The batcher sees one worker"))

@@ -1,4 +1,4 @@
-# Sourced by the device scripts here: wheels the GPU image lacks (pyzmq, msgspec), carried by the device
+# Sourced by the device scripts here: wheels the GPU image lacks (pyzmq, msgspec, llguidance), carried by the device
 # call as .whl/, installed to /tmp/site; PYTHONPATH set either way.
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
