@@ -201,7 +201,7 @@ def _call(name: str, arguments: str, index: int) -> dict:
 
 class ToolOutput:
     """One chat choice's text as tool calls. Streaming: feed() each text piece -> (content to send, tool-call
-    deltas to send); finish() -> the same for what was held back. Whole: message(text) -> (content, calls)."""
+    deltas to send); finish() -> the same for what was held back. Whole: calls(text) -> (content, calls)."""
 
     def __init__(self, c: Constraint, parser: str):
         self.c = c
@@ -232,9 +232,11 @@ class ToolOutput:
             return None, [_call(it["name"], json.dumps(it["parameters"], ensure_ascii=False), i)
                           for i, it in enumerate(items)]
         content, found = tool_calls.parse(self.parser, text)
-        if not self.c.parallel:
-            found = found[:1]
-        return content, [_call(f.name, f.arguments, i) for i, f in enumerate(found)]
+        return content, self._parsed(found)
+
+    def _parsed(self, found: list[tool_calls.ParsedCall]) -> list[dict]:
+        """The calls a parser found, as OpenAI's (the first only, with parallel_tool_calls false)."""
+        return [_call(f.name, f.arguments, i) for i, f in enumerate(found if self.c.parallel else found[:1])]
 
     def feed(self, piece: str) -> tuple[str, list[dict]]:
         if self.c.tools == "named":  # the arguments stream as they come
@@ -254,7 +256,6 @@ class ToolOutput:
             content, calls = self.calls("".join(self.held))
             return content or "", calls
         content, found = self.stream.finish()
-        if not self.c.parallel:
-            found = found[:1]
-        self.called = bool(found)
-        return content, [_call(f.name, f.arguments, i) for i, f in enumerate(found)]
+        calls = self._parsed(found)
+        self.called = bool(calls)
+        return content, calls
