@@ -25,7 +25,7 @@ class InvalidRequest(Exception):
 class Choice:
     __slots__ = ("index", "request_id", "text", "eos", "finish_reason", "stop_reason", "parts", "want_logprobs",
                  "lp_tokens", "lp_entries", "needs_abort", "first_token_at", "num_cached", "prefix", "stop_ids", "tools",
-                 "lp_ids", "last_token_at")
+                 "lp_ids", "last_token_at", "lp_offset")
 
     def __init__(self, index: int, request_id: str, tok: ModelTokenizer, prompt_ids: list[int], stops: list[str],
                  include_stop_str: bool, skip_special_tokens: bool, want_logprobs: bool, prefix: str = "",
@@ -50,6 +50,7 @@ class Choice:
         self.stop_ids = frozenset(stop_ids)
         self.tools = tools  # chat with tool calling: its gateway.structured.ToolOutput
         self.lp_ids = lp_ids  # return_tokens_as_token_ids: logprobs name tokens "token_id:N"
+        self.lp_offset = len(prefix)  # streamed completion logprobs: text_offset of the next chunk's first token
 
     @property
     def num_tokens(self) -> int:
@@ -134,8 +135,11 @@ class CompletionShape(_Shape):
                 "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
 
     def chunk_choice(self, ch: Choice, text: str, ids: list[int], lps: list, finished: bool) -> dict:
-        return {"index": ch.index, "text": text,
-                "logprobs": self.logprobs(ids, lps, as_id=ch.lp_ids) if lps else None,
+        logprobs = None
+        if lps:  # text_offset counts from the start of the choice's text (the echoed prompt included), as whole
+            logprobs = self.logprobs(ids, lps, ch.lp_offset, ch.lp_ids)
+            ch.lp_offset += sum(len(self.token_text(t)) for t in ids)
+        return {"index": ch.index, "text": text, "logprobs": logprobs,
                 "finish_reason": ch.finish_reason if finished else None,
                 "stop_reason": ch.stop_reason if finished else None}
 

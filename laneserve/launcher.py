@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import glob
 import os
 import shutil
 import signal
@@ -68,6 +69,17 @@ def visible_gpus() -> list[str]:
 END_GRACE_S = 5.0  # past --drain-timeout, the gateway's time to end the requests left and close
 
 
+def remove_stale_run_dirs() -> None:
+    """Empty laneserve-* run dirs of launchers that were SIGKILLed (their children removed their sockets, nobody
+    removed the dir). A live launcher's dir holds its sockets, so it is never empty."""
+    for d in glob.glob(os.path.join(tempfile.gettempdir(), "laneserve-*")):
+        try:
+            if os.path.isdir(d) and not os.listdir(d):
+                os.rmdir(d)
+        except OSError:  # another user's, or gone meanwhile
+            pass
+
+
 def cpu_threads(num_workers: int) -> int:
     """torch threads for each of num_workers CPU workers: the cores this process may use, divided among them."""
     try:
@@ -104,6 +116,7 @@ class Child:
 
 
 def serve(lc: LauncherConfig, gw, bc, wc, log_level: str = "INFO") -> int:
+    remove_stale_run_dirs()
     run_dir = tempfile.mkdtemp(prefix="laneserve-")
     default_front = type(bc)().batcher_address
     default_back = type(bc)().worker_address

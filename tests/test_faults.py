@@ -347,3 +347,17 @@ async def test_shutdown_past_the_drain_timeout_ends_every_stream_with_an_error_e
     err = json.loads(lines[-2][len(b"data: "):])["error"]
     assert "shutting down" in err["message"] and err["type"] == "service_unavailable_error"
     assert st.proc.wait(30) is not None
+
+
+def test_an_empty_run_dir_left_by_a_killed_launcher_is_removed_at_the_next_start(tmp_path, monkeypatch):
+    """Issue 26 (6): after a launcher SIGKILL an empty /tmp/laneserve-* dir stayed behind."""
+    import tempfile
+
+    from laneserve.launcher import remove_stale_run_dirs
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    (tmp_path / "laneserve-dead").mkdir()
+    (tmp_path / "laneserve-live").mkdir()
+    (tmp_path / "laneserve-live" / "batcher.sock").write_text("")
+    remove_stale_run_dirs()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["laneserve-live"]

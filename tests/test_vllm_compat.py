@@ -182,3 +182,12 @@ async def test_vllms_dashboard_finds_its_series_under_metrics_prefix_vllm(make_s
     assert all('model_name="tiny"' in s for s in series)  # every series, vLLM's label
     assert not any(s.startswith("laneserve:") for s in series)
     assert 'vllm:request_generation_tokens_sum{model_name="tiny"} 3.0' in text
+
+
+def test_streamed_text_offsets_continue_across_chunks_as_the_whole_answer_gives_them(client):
+    common = {"model": "tiny", "prompt": "hello", "max_tokens": 6, "temperature": 0, "logprobs": 1, "echo": True,
+              "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(**common).choices[0].logprobs.text_offset
+    streamed = [o for c in client.completions.create(stream=True, **common) if c.choices[0].logprobs
+                for o in c.choices[0].logprobs.text_offset]
+    assert streamed == whole and whole[0] == len("hello")
