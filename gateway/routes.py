@@ -230,7 +230,7 @@ class Api:
                         max_tokens: list[int], logprobs: int | None, echo: list[str] | None,
                         constraint: structured.Constraint | None = None) -> web.StreamResponse:
         arrival = request.get(ARRIVAL, time.monotonic())
-        n = _per_prompt(req)
+        n = S.sequences_per_prompt(req)
         if self.draining:
             raise ApiError(503, "the gateway is shutting down", retry_after=self.cfg.retry_after)
         num_seqs = len(prompts) * n
@@ -287,7 +287,7 @@ class Api:
         """One Choice (the response side) and one AddRequest (the engine side) per prompt x n (best_of, if more),
         index p * n + j."""
         grammar = constraint.grammar if constraint is not None else ""
-        n = _per_prompt(req)
+        n = S.sequences_per_prompt(req)
         stops = S.stop_strings(req)
         include_stop, skip_special = bool(req.include_stop_str_in_output), req.skip_special_tokens is not False
         if constraint is not None and constraint.tools == "auto" and self.cfg.tool_call_parser != "hermes":
@@ -309,11 +309,6 @@ class Api:
                                        slo_ttft_ms=req.slo_ttft_ms or 0.0, slo_tpot_ms=req.slo_tpot_ms or 0.0,
                                        grammar=grammar, speculative=req.speculative is not False))
         return choices, adds
-
-
-def _per_prompt(req) -> int:
-    """Sequences generated per prompt: best_of when it is given (completions), else n."""
-    return getattr(req, "best_of", None) or req.n or 1
 
 
 class _Run:
@@ -397,7 +392,7 @@ class _Run:
     def _answered(self) -> list[Choice]:
         """The choices answered: all of them, or with best_of the n of each prompt's best_of sequences with the
         highest cumulative logprob (renumbered; logprobs shown only if asked)."""
-        best_of, n = _per_prompt(self.req), self.req.n or 1
+        best_of, n = S.sequences_per_prompt(self.req), self.req.n or 1
         if best_of == n:
             return self.choices
         out = []

@@ -263,7 +263,7 @@ def prompt_token_lists(req: CompletionRequest, tok: ModelTokenizer) -> list[list
     else:
         raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of "
                           "token-id lists.", param="prompt")
-    per_prompt = req.best_of or req.n or 1
+    per_prompt = sequences_per_prompt(req)
     if len(items) * per_prompt > MAX_SEQUENCES:  # before any tokenizing
         raise bad_request(f"prompts x {'best_of' if req.best_of else 'n'} must be at most {MAX_SEQUENCES}, got "
                           f"{len(items) * per_prompt}.", param="best_of" if req.best_of else "n")
@@ -285,6 +285,11 @@ def prompt_token_lists(req: CompletionRequest, tok: ModelTokenizer) -> list[list
             raise bad_request(f"token id {bad} is out of vocabulary (size {tok.vocab_size}).", param="prompt")
         out.append(ids)
     return out
+
+
+def sequences_per_prompt(req: _Sampling) -> int:
+    """Sequences generated per prompt: best_of when it is given (completions), else n."""
+    return getattr(req, "best_of", None) or req.n or 1
 
 
 def check_text_length(tok: ModelTokenizer, *texts: str, param: str = "prompt") -> None:

@@ -77,18 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         import importlib
 
         return importlib.import_module(TOOLS[argv[0]][0]).main(argv[1:]) or 0
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        raise SystemExit(_unknown_flags(parser, args.command, unknown))
+    args = parse_args(argv)
     if args.command == "serve" and any(a == "--api-key" or a.startswith("--api-key=") for a in argv):
         print("laneserve: --api-key on the command line is visible to every user (/proc/PID/cmdline); use "
               "LANESERVE_API_KEY or --api-key-file (the gateway gets it by environment either way)", file=sys.stderr)
-    if getattr(args, "model_arg", None):
-        if args.model is not None and args.model != args.model_arg:
-            raise SystemExit(f"laneserve serve: the model is given twice ({args.model_arg!r} and --model "
-                             f"{args.model!r})")
-        args.model = args.model_arg
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     gateway_cfg, batcher_cfg, worker_cfg = _configs()
     if args.command == "serve":
@@ -109,6 +101,21 @@ def main(argv: list[str] | None = None) -> int:
 
         run(from_args(worker_cfg, args))
     return 0
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """A component sub-command's flags: an unknown one is a clear error (_unknown_flags), and serve's positional
+    MODEL is --model."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        raise SystemExit(_unknown_flags(parser, args.command, unknown))
+    if getattr(args, "model_arg", None):
+        if args.model is not None and args.model != args.model_arg:
+            raise SystemExit(f"laneserve serve: the model is given twice ({args.model_arg!r} and --model "
+                             f"{args.model!r})")
+        args.model = args.model_arg
+    return args
 
 
 def _unknown_flags(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> str:

@@ -123,10 +123,7 @@ def test_retry_after_is_jittered_and_given_in_ms_too():
 
 # ---------------------------------------------------------------- the command line
 def _configs(argv: list[str]):
-    parser = cli.build_parser()
-    args = parser.parse_args(argv)
-    if args.model_arg:
-        args.model = args.model_arg
+    args = cli.parse_args(argv)
     return [from_args(cls, args, env={}) for cls in cli._configs()]
 
 
