@@ -86,6 +86,8 @@ class Batcher:
         self.requeue = cfg.on_worker_loss == "requeue"
         self.originals: dict[str, tuple[P.AddRequest, list[int]]] = {}  # requeue: request, tokens emitted
         self.requeued: set[str] = set()  # recomputed once already: a second loss fails them
+        # requeue with no live worker: request id -> (the request to re-add, its matcher), until a worker is ready
+        self.orphans: dict[str, tuple[P.AddRequest, object]] = {}
         self.front_decoder = P.decoder(P.GatewayToBatcher)
         self.back_decoder = P.decoder(P.WorkerToBatcher)
         self.workers: dict[int, WorkerSlot] = {}
@@ -113,11 +115,11 @@ class Batcher:
                                                      retryable=False))
         else:  # compiled off the event loop; meanwhile other requests go on, and an abort drops it
             self.compiling.add(msg.request_id)
-            task = asyncio.create_task(self._add_compiled(ident, msg))
+            task = asyncio.create_task(self._add_compiled(ident, msg, time.monotonic()))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _add_compiled(self, ident: bytes, msg: P.AddRequest) -> None:
+    async def _add_compiled(self, ident: bytes, msg: P.AddRequest, received: float) -> None:
         try:
             matcher = await self.grammars.matcher(msg.grammar)
         except Exception as exc:  # GrammarError, or llguidance failing on the tokenizer: an answer either way
@@ -127,12 +129,12 @@ class Batcher:
             return
         if msg.request_id in self.compiling:  # else aborted meanwhile
             self.compiling.discard(msg.request_id)
-            await self._add(ident, msg, matcher)
+            await self._add(ident, msg, matcher, received)  # its queue time includes the compile
 
     async def vocabulary(self, ident: bytes, msg: P.Vocabulary) -> None:
         self.grammars.set_vocabulary(msg)
 
-    async def _add(self, ident: bytes, msg: P.AddRequest, grammar=None) -> None:
+    async def _add(self, ident: bytes, msg: P.AddRequest, grammar=None, received: float | None = None) -> None:
         alive = {wid: slot.scheduler for wid, slot in self.workers.items()}
         if not alive:
             await self._send_front(ident, P.Rejected(request_id=msg.request_id, reason="no worker is ready",
@@ -155,7 +157,7 @@ class Batcher:
             await self._send_front(ident, P.Rejected(request_id=msg.request_id, retryable=True,
                                                      reason=f"{cap} requests already wait for a worker"))
             return
-        shed = sched.add_request(msg, time.monotonic(), grammar)
+        shed = sched.add_request(msg, time.monotonic(), grammar, received)
         if shed is not None:  # predictive SLO admission: the others keep their SLO
             await self._send_front(ident, P.Rejected(request_id=msg.request_id, reason=shed, retryable=True))
             return
@@ -166,6 +168,8 @@ class Batcher:
 
     async def abort_requests(self, ident: bytes, msg: P.AbortRequests) -> None:
         by_worker: dict[int, list[str]] = {}
+        held = [rid for rid in msg.request_ids if self.orphans.pop(rid, None) is not None]
+        await self.emit([P.TokenDelta(rid, [], P.FinishReason.ABORT) for rid in held])
         for rid in msg.request_ids:
             self.compiling.discard(rid)
             if rid in self.owner:
@@ -178,11 +182,16 @@ class Batcher:
         await self._send_front(ident, P.Pong(nonce=msg.nonce, workers_alive=len(self.workers), stats=self.stats()))
 
     def stats(self) -> P.EngineStats:
+        """The workers' schedulers' stats summed (a histogram's bucket counts bucket by bucket)."""
         total = P.EngineStats()
         for slot in self.workers.values():
             s = slot.scheduler.stats()
             for name in P.EngineStats.__struct_fields__:
-                setattr(total, name, getattr(total, name) + getattr(s, name))
+                mine, theirs = getattr(total, name), getattr(s, name)
+                if isinstance(theirs, list):
+                    setattr(total, name, [a + b for a, b in zip(mine, theirs)] if mine else list(theirs))
+                else:
+                    setattr(total, name, mine + theirs)
         return total
 
     # ------------------------------------------------------------------ worker side
@@ -211,6 +220,22 @@ class Batcher:
         self.workers[msg.worker_id] = WorkerSlot(msg.worker_id, ident, sched, vocab_size=msg.vocab_size)
         log.info("worker %d ready: %s, %d KV blocks of %d tokens, max_model_len %d, %s lanes", msg.worker_id,
                  msg.model, msg.num_blocks, msg.block_size, msg.max_model_len, lanes)
+        if self.orphans:
+            await self._adopt(msg.worker_id)
+
+    async def _adopt(self, wid: int) -> None:
+        """A lost worker's requests that waited for a live one (requeue, no worker left) go to this one."""
+        sched, failed = self.workers[wid].scheduler, []
+        for rid, (again, grammar) in self.orphans.items():
+            why = sched.reject_reason(again) or sched.add_request(again, time.monotonic(), grammar)
+            if why is None:
+                self.owner[rid] = (self.owner[rid][0], wid)
+            else:
+                failed.append(P.TokenDelta(rid, [], P.FinishReason.ERROR, error=f"requeue failed: {why}"))
+        log.warning("worker %d ready: %d requests that waited for a worker resume on it", wid, len(self.orphans))
+        self.orphans.clear()
+        await self.emit(failed)
+        await self.kick(wid)
 
     async def step_output(self, ident: bytes, msg: P.StepOutput) -> None:
         slot = self.workers.get(msg.worker_id)
@@ -262,32 +287,33 @@ class Batcher:
         n = slot.scheduler.num_unfinished
         deltas = slot.scheduler.fail_all(f"worker {worker_id} lost: {why}")
         kicked: set[int] = set()
-        if self.requeue and self.workers:
+        if self.requeue:
             kept = []
             for d in deltas:
                 wid = self._requeue(d.request_id) if d.finish_reason == P.FinishReason.ERROR else None
                 if wid is None:
                     kept.append(d)
-                else:
+                elif wid >= 0:
                     kicked.add(wid)
             deltas = kept
         # an error when requests were on it; a warning otherwise (e.g. workers stopping first at shutdown)
-        log.log(logging.ERROR if n else logging.WARNING, "worker %d lost (%s): %d requests, %d requeued, %d failed",
-                worker_id, why, n, n - len(deltas), len(deltas))
+        log.log(logging.ERROR if n else logging.WARNING, "worker %d lost (%s): %d requests, %d requeued (%d wait for "
+                "a worker), %d failed", worker_id, why, n, n - len(deltas), len(self.orphans), len(deltas))
         await self.emit(deltas)
         for wid in kicked:
             await self.kick(wid)
 
     def _requeue(self, rid: str) -> int | None:
         """Re-add a lost request to a live worker as prompt + the tokens already streamed (recomputed),
-        once. Returns the worker id, or None (not requeueable: the caller fails it)."""
+        once; with no live worker it waits for one (the gateway's --request-timeout aborts it if none comes).
+        Returns the worker id, -1 (waits), or None (not requeueable: the caller fails it)."""
         entry = self.originals.get(rid)
         if entry is None or rid in self.requeued or rid not in self.owner:
             return None
         orig, done = entry
         params = orig.params
         left = params.max_tokens - len(done)
-        if left < 1:
+        if left < 1 and params.max_tokens:  # (max_tokens 0 scores its prompt: run again, as it was)
             return None
         params = msgspec.structs.replace(params, max_tokens=left, min_tokens=max(0, params.min_tokens - len(done)))
         again = msgspec.structs.replace(orig, prompt_token_ids=orig.prompt_token_ids + done, params=params)
@@ -299,13 +325,16 @@ class Batcher:
                     return None
             except GrammarError:
                 return None
+        self.requeued.add(rid)
+        if not self.workers:
+            self.orphans[rid] = (again, grammar)
+            return -1
         alive = {wid: slot.scheduler for wid, slot in self.workers.items()}
         wid = pick_worker(alive, again.prompt_token_ids)
         if alive[wid].reject_reason(again) is not None:
             return None
         if alive[wid].add_request(again, time.monotonic(), grammar) is not None:  # shed by SLO admission
             return None
-        self.requeued.add(rid)
         self.owner[rid] = (self.owner[rid][0], wid)
         return wid
 

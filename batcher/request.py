@@ -26,7 +26,8 @@ class Request:
                  "internal", "on_worker", "first_delta_sent", "num_sent_blocks", "admit_seq", "seen_at",
                  "gated_since", "num_preemptions", "epoch", "num_registered_blocks", "num_output_placeholders",
                  "max_num_tokens", "length_limit", "stop_check_from", "priority", "deadline", "tpot",
-                 "first_token_at", "uncached_estimate", "arrived_at", "prefill_step", "ngrams", "grammar", "speculative")
+                 "first_token_at", "uncached_estimate", "arrived_at", "prefill_step", "ngrams", "grammar",
+                 "speculative", "received_at", "scheduled_at")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float = 0.0, max_len: int = 1 << 62, internal: bool = False):
@@ -75,6 +76,11 @@ class Request:
         self.ngrams = None  # speculative decoding: its batcher.spec.NgramIndex, made when first drafted for
         self.grammar = None  # structured output: its llguidance matcher (batcher/grammar.py), at its last token
         self.speculative = True  # it may get drafts (--speculative; a request can opt out)
+        # Its queue time, sent with its first token (vLLM's request_queue_time_seconds ends at the first schedule):
+        # when the batcher received it (None: arrived_at; earlier when a grammar compiled first) and when a step
+        # first scheduled it (the scheduler's clock both).
+        self.received_at: float | None = None
+        self.scheduled_at: float | None = None
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -114,6 +120,14 @@ class Request:
     def tokens_remaining(self) -> int:
         """Outputs still allowed (max_tokens - generated, in-flight samples included): the decode bucket key."""
         return self.params.max_tokens - self.num_output_tokens - self.num_output_placeholders
+
+    @property
+    def queued_ms(self) -> float | None:
+        """Its wait from the batcher's receipt to the first step that scheduled it, in ms (None: not scheduled)."""
+        if self.scheduled_at is None:
+            return None
+        start = self.received_at if self.received_at is not None else self.arrived_at
+        return max(0.0, (self.scheduled_at - start) * 1000.0)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}"

@@ -33,8 +33,9 @@ from batcher.grammar import GrammarError, Grammars, follow
 from batcher.request import Request, Status, blocks_for
 from batcher.slo import ADMISSION_MARGIN, MIN_PREFILL_TOKENS, SloPolicy
 from batcher.spec import INDEX_BUDGET, SpecPolicy
-from laneserve.wire.protocol import (LANE_DECODE, LANE_MIXED, LANE_PREFILL, AddRequest, CachedReq, EngineStats,
-                                     FinishReason, NewReq, SamplingParams, StepInput, StepOutput, TokenDelta)
+from laneserve.wire.protocol import (ITERATION_TOKENS_BUCKETS, LANE_DECODE, LANE_MIXED, LANE_PREFILL, AddRequest,
+                                     CachedReq, EngineStats, FinishReason, NewReq, SamplingParams, StepInput,
+                                     StepOutput, TokenDelta)
 
 WARM_PREFIX_ID = "__warm__/"  # internal requests that fill the warm prefix pool
 MAX_STEP_S = 60.0  # a step time reported above this is not learned from (a stall, or a bogus figure)
@@ -134,6 +135,8 @@ class Scheduler:
         self.admit_counter = 0
         self.preemptions = 0
         self.gated_prefills = 0
+        self.iteration_tokens = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)  # steps by tokens: EngineStats
+        self.iteration_tokens_sum = 0
         self._reset()
 
     def _reset(self) -> None:
@@ -175,9 +178,11 @@ class Scheduler:
             why = "duplicate request id"
         return why
 
-    def add_request(self, msg: AddRequest, now: float | None = None, grammar=None) -> str | None:
+    def add_request(self, msg: AddRequest, now: float | None = None, grammar=None,
+                    received: float | None = None) -> str | None:
         """Queue a request that arrived at `now` (this scheduler's clock; None: the next schedule()'s), following
-        `grammar` (an llguidance matcher at its tokens so far: batcher/grammar.py) if given. Returns why it was
+        `grammar` (an llguidance matcher at its tokens so far: batcher/grammar.py) if given; `received`: when the
+        batcher got it, if earlier (its grammar compiled meanwhile), where its queue time starts. Returns why it was
         shed instead (retryable: predictive SLO admission), else None."""
         why = self.reject_reason(msg)
         if why is not None:
@@ -185,6 +190,7 @@ class Scheduler:
             return None
         req = Request(msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival_time, self.max_len)
         req.speculative = msg.speculative
+        req.received_at = received
         self.slo.assign(req, msg.priority, msg.slo_ttft_ms, msg.slo_tpot_ms, now)
         if self.slo.reject and req.deadline is not None and now is not None:
             ttft, alone = self.slo.predicted_ttft(req, self.waiting, self.running.values(),
@@ -248,7 +254,8 @@ class Scheduler:
         queries, hits = self.bm.queries, self.bm.hits
         self.void.update(entry[0] for entry in self.in_flight)
         self._reset()
-        self.bm.queries, self.bm.hits = queries, hits  # the worker's K/V can't be trusted any more: the prefix cache goes too
+        # the worker's K/V can't be trusted any more: the prefix cache goes too (its counters stay)
+        self.bm.queries, self.bm.hits = queries, hits
         self.finished_ids = on_worker
         return deltas
 
@@ -260,6 +267,10 @@ class Scheduler:
             return None
         flight, num_running = step
         num_scheduled = {rec.req.request_id: rec.num_tokens for rec in flight}
+        n = sum(num_scheduled.values())
+        if n:  # (a step of none only tells the worker which requests finished)
+            self.iteration_tokens[bisect_left(ITERATION_TOKENS_BUCKETS, n)] += 1
+            self.iteration_tokens_sum += n
         cached_reqs = []
         for req in self.grown:  # running ones that got blocks for this step: the worker gets those
             blocks = req.block_ids
@@ -340,8 +351,8 @@ class Scheduler:
         index the first time."""
         p = req.params
         if (req.internal or not req.speculative or req.grammar is not None or p.logprobs is not None
-                or p.repetition_penalty != 1.0
-                or p.frequency_penalty or p.presence_penalty or len(req.token_ids) - req.num_prompt_tokens < p.min_tokens):
+                or not p.max_tokens or p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
+                or len(req.token_ids) - req.num_prompt_tokens < p.min_tokens):
             return False
         if req.ngrams is None:
             req.ngrams = self.spec.index()
@@ -559,9 +570,10 @@ class Scheduler:
     @staticmethod
     def _commit_chunk(flight: list[Scheduled], req: Request, n: int, left: int) -> None:
         """Put n of the `left` tokens req has to compute into the step (the decode loop above inlines the
-        n == left == 1 case): it samples once they are all computed, warm prefixes never."""
+        n == left == 1 case): it samples once they are all computed; warm prefixes never, nor a request with
+        max_tokens 0 (it ends when its prompt is computed: _apply)."""
         req.num_computed_tokens = done = req.num_computed_tokens + n
-        samples = n == left and not req.internal
+        samples = n == left and not req.internal and req.params.max_tokens > 0
         if samples:  # next step it decodes the token sampled now: the worker has it by then
             req.num_output_placeholders += 1
         flight.append(Scheduled(req, n, done, samples, req.epoch))
@@ -599,7 +611,8 @@ class Scheduler:
                 req.seen_at = now
             if req.arrived_at is None:
                 self.slo.stamp(req, now)
-            hit_blocks = bm.lookup(req)
+            # a request scoring its prompt computes all of it: a cached block's positions would go unscored
+            hit_blocks = bm.lookup(req) if req.params.prompt_logprobs is None else 0
             req.uncached_estimate = uncached = req.compute_target - hit_blocks * self.block_size
             if not req.internal and self.gate.holds(now, uncached, req.seen_at, active) and (
                     not self.slo.enabled or self.slo.may_hold(req, start, self.fit.model, self._overhead_per_token(),
@@ -625,6 +638,8 @@ class Scheduler:
             waiting.popleft()
             if req.num_preemptions == 0:
                 req.num_cached_tokens = hit_tokens
+            if req.scheduled_at is None:
+                req.scheduled_at = now
             req.status = Status.RUNNING
             self.admit_counter += 1
             req.admit_seq = self.admit_counter
@@ -702,11 +717,11 @@ class Scheduler:
         bs = self.block_size
         bm = self.bm
         caching = bm.enable_prefix_caching
-        logprobs = None
+        logprobs = scored = None
         if out is not None:
             ids = out.request_ids  # -> their rows; a request listed twice gets its first row (walked backwards)
             rows = dict(zip(reversed(ids), range(len(ids) - 1, -1, -1)))
-            sampled, logprobs = out.sampled_token_ids, out.logprobs
+            sampled, logprobs, scored = out.sampled_token_ids, out.logprobs, out.prompt_logprobs
         for rec in flight:
             req = rec.req
             if req.epoch != rec.epoch:
@@ -714,9 +729,17 @@ class Scheduler:
             done = rec.done
             if caching and done // bs > req.num_registered_blocks:  # this K/V is cached now: offer its full blocks
                 bm.cache_full_blocks(req, done)
+            # prompt logprobs go to the gateway as the chunks are scored (it keeps the latest per position)
+            prompt_lps = scored.get(req.request_id) if scored else None
             if not rec.samples:
                 if req.internal and done == req.compute_target:
                     self._finish_warm(req)
+                elif not req.params.max_tokens and done == req.compute_target:  # scored: it ends, nothing sampled
+                    self._finish(req)
+                    deltas.append(TokenDelta(req.request_id, [], FinishReason.LENGTH, prompt_logprobs=prompt_lps,
+                                             num_cached_tokens=req.num_cached_tokens))
+                elif prompt_lps is not None:
+                    deltas.append(TokenDelta(req.request_id, [], prompt_logprobs=prompt_lps))
                 continue
             req.num_output_placeholders -= 1
             rid = req.request_id
@@ -744,10 +767,13 @@ class Scheduler:
                 delta = TokenDelta(rid, [token])
             if not req.first_delta_sent:
                 delta.num_cached_tokens = req.num_cached_tokens
+                delta.queued_ms = req.queued_ms
                 req.first_delta_sent = True
                 req.first_token_at = now
             if logprobs is not None:
                 delta.logprobs = logprobs[i]
+            if prompt_lps is not None:
+                delta.prompt_logprobs = prompt_lps
             deltas.append(delta)
         # Rows left in `rows` are tokens for requests that finished, were aborted or preempted meanwhile: dropped
         # (with steps in flight a request that stopped in step N has one more token coming from step N+1).
@@ -852,4 +878,5 @@ class Scheduler:
                            steps_timed=self.fit.steps, step_ms_predicted=self.fit.predicted_ms,
                            step_ms_measured=self.fit.measured_ms, slo_shed=self.slo.shed,
                            spec_steps=self.spec.steps, spec_sequences=self.spec.sequences,
-                           spec_drafted=self.spec.drafted, spec_accepted=self.spec.accepted)
+                           spec_drafted=self.spec.drafted, spec_accepted=self.spec.accepted,
+                           iteration_tokens=list(self.iteration_tokens), iteration_tokens_sum=self.iteration_tokens_sum)

@@ -19,7 +19,9 @@ from aiohttp import web
 from gateway import tool_calls
 from gateway.client import BatcherClient
 from gateway.config import AUTO_BODY_CAP, GatewayConfig
+from gateway.connections import Connection, Guard, raise_fd_limit
 from gateway.errors import ApiError
+from gateway.memory import HeapTrimmer, mmap_large_blocks
 from gateway.metrics import PREFIXES, Metrics
 from gateway.routes import ARRIVAL, Api
 from gateway.tokenizer import ModelTokenizer, load_tokenizer, read_chat_template
@@ -27,7 +29,10 @@ from laneserve.wire.protocol import EngineStats, Vocabulary
 
 log = logging.getLogger("laneserve.gateway")
 OPEN_PATHS = frozenset({"/health", "/metrics"})
+BIG_BODY = 1 << 20  # a connection that sent a body this large is closed after its answer
 API_KEY = web.AppKey("api", Api)
+GUARD_KEY = web.AppKey("guard", Guard)
+TRIM_KEY = web.AppKey("trim", HeapTrimmer)
 
 
 def _http_error(exc: web.HTTPException, request: web.Request) -> ApiError:
@@ -43,6 +48,21 @@ def _http_error(exc: web.HTTPException, request: web.Request) -> ApiError:
 @web.middleware
 async def error_middleware(request: web.Request, handler):
     request[ARRIVAL] = time.monotonic()
+    conn = request.protocol if isinstance(request.protocol, Connection) else None
+    if conn is not None:
+        conn.begin()  # no header or keep-alive deadline while the request runs
+    try:
+        resp = await _answer(request, handler)
+    finally:
+        if conn is not None:
+            conn.end()
+    if (request.content_length or 0) >= BIG_BODY and not resp.prepared:
+        resp.force_close()  # an idle keep-alive connection keeps its last request's body alive (aiohttp)
+    return resp
+
+
+async def _answer(request: web.Request, handler) -> web.StreamResponse:
+    """The handler's response, or OpenAI's error JSON for whatever it raised (counted in the metrics)."""
     api = request.app[API_KEY]
     counted = request.path not in OPEN_PATHS  # a probe's 503 during start-up is no request error
     try:
@@ -64,6 +84,15 @@ async def error_middleware(request: web.Request, handler):
         log.exception("unexpected error in %s %s", request.method, request.path)
         api.metrics.error(500)
         return ApiError(500, "internal server error").response()
+
+
+@web.middleware
+async def body_middleware(request: web.Request, handler):
+    """The body, read within --body-timeout before any handler runs (handlers' request.read() gets it cached)."""
+    if request.body_exists:
+        request.app[TRIM_KEY].dirty = True
+        await request.app[GUARD_KEY].read_body(request)
+    return await handler(request)
 
 
 def auth_middleware(api_key: str):
@@ -115,6 +144,7 @@ def create_app(cfg: GatewayConfig, tokenizer: ModelTokenizer | None = None) -> w
     api_key = read_api_key(cfg)
     if api_key:
         middlewares.append(auth_middleware(api_key))
+    middlewares.append(body_middleware)
     app = web.Application(client_max_size=body_limit(cfg, tok), middlewares=middlewares)
     if cfg.metrics_prefix not in PREFIXES:
         raise SystemExit(f"--metrics-prefix must be one of {', '.join(PREFIXES)}, got {cfg.metrics_prefix!r}")
@@ -122,6 +152,9 @@ def create_app(cfg: GatewayConfig, tokenizer: ModelTokenizer | None = None) -> w
                       else (EngineStats(), 0), tok.model_id, cfg.metrics_prefix)
     api = Api(cfg, tok, metrics)
     app[API_KEY] = api
+    app[GUARD_KEY] = Guard(cfg.header_timeout, cfg.body_timeout, cfg.keepalive_timeout, cfg.max_connections,
+                           cfg.retry_after)
+    app[TRIM_KEY] = HeapTrimmer()
     api.add_routes(app)
 
     async def start_client(app: web.Application) -> None:
@@ -141,19 +174,22 @@ def create_app(cfg: GatewayConfig, tokenizer: ModelTokenizer | None = None) -> w
 async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None) -> None:
     """Serve until `stop` is set (or SIGINT/SIGTERM), then drain and close."""
     app = create_app(cfg)
-    api = app[API_KEY]
+    api, guard = app[API_KEY], app[GUARD_KEY]
+    if guard.max_connections > 0:
+        guard.max_connections = raise_fd_limit(guard.max_connections)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
-    await site.start()
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(guard.factory(runner.server), cfg.host, cfg.port, reuse_address=True)
+    guard.start()
+    trimming = loop.create_task(app[TRIM_KEY].run())
     log.info("gateway listening on http://%s:%d", cfg.host, cfg.port)
     stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     api.draining = True
-    await site.stop()  # no new connections; in-flight handlers keep running
+    server.close()  # no new connections; in-flight handlers keep running
     deadline = time.monotonic() + cfg.drain_timeout
     while api.active and time.monotonic() < deadline:
         await asyncio.sleep(0.05)  # polling a counter during shutdown only
@@ -163,10 +199,13 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None) -> None:
         deadline = time.monotonic() + 2.0
         while api.active and time.monotonic() < deadline:  # they write their last event and return
             await asyncio.sleep(0.05)
+    await guard.stop()
+    trimming.cancel()
     await runner.cleanup()
 
 
 def run(cfg: GatewayConfig) -> None:
+    mmap_large_blocks()
     try:
         import uvloop
 

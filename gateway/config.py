@@ -43,6 +43,18 @@ class GatewayConfig:
     max_body_bytes: int = field(default=0, metadata=flag(
         "largest request body accepted (413 above); 0 = sized to the context: 6 bytes for every character a prompt "
         "that fits max_model_len can have, plus 1 MiB, at least 16 MiB and at most 64 MiB"))
+    header_timeout: float = field(default=10.0, metadata=flag(
+        "seconds a connection has to send a request's line and headers, from its opening or from the first byte "
+        "after its previous response; slower ones are closed (slowloris); 0 = aiohttp's own limit of about an hour"))
+    body_timeout: float = field(default=30.0, metadata=flag(
+        "seconds a request's body has to arrive once its headers are in; slower ones get 408 and the connection is "
+        "closed; 0 = no limit"))
+    keepalive_timeout: float = field(default=30.0, metadata=flag(
+        "seconds an idle keep-alive connection stays open after a response (clients' pools usually close theirs "
+        "sooner: aiohttp's after 15 s, httpx's after 5 s); 0 = aiohttp's own limit of about an hour"))
+    max_connections: int = field(default=4096, metadata=flag(
+        "client connections open at once; a new one above it gets 503 + Retry-After and is closed (0 = no cap; "
+        "the open-files limit is raised to fit, up to its hard limit)"))
     max_queued_requests: int = field(default=4096, metadata=flag(
         "sequences this gateway keeps in flight at once; over it new requests get 429 + Retry-After (0 = no cap)"))
     request_timeout: float = field(default=600.0, metadata=flag(

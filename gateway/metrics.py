@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from laneserve.wire.protocol import EngineStats
+from laneserve.wire.protocol import ITERATION_TOKENS_BUCKETS, EngineStats
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0)
@@ -76,6 +76,21 @@ class EngineCollector:
             c = CounterMetricFamily(self.prefix + name, doc, labels=["model_name"])
             c.add_metric([self.model], float(value))
             yield c
+        yield self._iteration_tokens(s)
+
+    def _iteration_tokens(self, s: EngineStats) -> HistogramMetricFamily:
+        """vLLM's iteration_tokens_total: steps by tokens scheduled, from the batcher's bucket counts."""
+        h = HistogramMetricFamily(self.prefix + "iteration_tokens_total", "Tokens per engine step (prefill chunks, "
+                                  "decodes and draft tokens scheduled; steps of none not counted).",
+                                  labels=["model_name"])
+        counts = s.iteration_tokens or [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+        bounds = [str(float(b)) for b in ITERATION_TOKENS_BUCKETS] + ["+Inf"]
+        running, buckets = 0, []
+        for bound, n in zip(bounds, counts):
+            running += n
+            buckets.append((bound, float(running)))
+        h.add_metric([self.model], buckets, float(s.iteration_tokens_sum))
+        return h
 
 
 class Metrics:
@@ -97,13 +112,15 @@ class Metrics:
         self.itl = hist("inter_token_latency_seconds", "Time between two token deltas of a request (a delta of "
                         "speculative decoding may hold several tokens).", TPOT_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
-        self.queue = hist("request_queue_time_seconds", "Gateway arrival to the request being handed to the "
-                          "batcher (validation, tokenization, admission); the batcher's own queue is in "
-                          "request_prefill_time_seconds.", LATENCY_BUCKETS)
-        self.prefill_time = hist("request_prefill_time_seconds", "Handed to the batcher to its first token (its wait "
-                                 "for admission included).", LATENCY_BUCKETS)
+        # vLLM's phases: queue = arrival -> first scheduled, prefill = scheduled -> first token, decode = first
+        # token -> last, inference = scheduled -> last. "Scheduled" is the gateway's hand-off plus the batcher's
+        # wait (TokenDelta.queued_ms, a duration: the two hosts' clocks differ).
+        self.queue = hist("request_queue_time_seconds", "Gateway arrival to the first step that scheduled the "
+                          "request (validation, tokenization and the batcher's wait for admission).", LATENCY_BUCKETS)
+        self.prefill_time = hist("request_prefill_time_seconds", "First scheduled to the first token.",
+                                 LATENCY_BUCKETS)
         self.decode_time = hist("request_decode_time_seconds", "First token to the last.", LATENCY_BUCKETS)
-        self.inference_time = hist("request_inference_time_seconds", "Handed to the batcher to the last token.",
+        self.inference_time = hist("request_inference_time_seconds", "First scheduled to the last token.",
                                    LATENCY_BUCKETS)
         self.request_prompt_tokens = hist("request_prompt_tokens", "Prompt tokens of a finished request.",
                                           TOKEN_BUCKETS)

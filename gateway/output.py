@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from gateway.detokenizer import TextStream
 from gateway.tokenizer import ModelTokenizer
-from laneserve.wire.protocol import FinishReason, TokenDelta
+from laneserve.wire.protocol import FinishReason, PromptLogprobs, TokenDelta, TokenLogprobs
 
 FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
+MIN_LOGPROB = -9999.0  # what -inf is shown as (JSON has no infinity; vLLM's and OpenAI's value)
 
 
 class EngineError(Exception):
@@ -22,14 +23,49 @@ class InvalidRequest(Exception):
     """A request ended with FinishReason.INVALID (its own input failed while it ran, e.g. its grammar): a 400."""
 
 
+class ScoredPrompt:
+    """A choice's prompt logprobs, assembled from the deltas' chunks (PromptLogprobs) by position: a chunk scored
+    again (its request was preempted and recomputed) overwrites with the same values, positions past the prompt (a
+    request requeued with its outputs appended to its prompt) are dropped. Entry j scores prompt token j; entry 0
+    (no context) stays None. field_k / echo_k: the top-k shown by the `prompt_logprobs` field / by echo's logprobs
+    (None: not shown there)."""
+
+    __slots__ = ("ids", "entries", "missing", "field_k", "echo_k")
+
+    def __init__(self, prompt_ids: list[int], field_k: int | None, echo_k: int | None):
+        self.ids = prompt_ids
+        self.entries: list[tuple | None] = [None] * len(prompt_ids)  # (logprob, rank, top ids, top logprobs)
+        self.missing = len(prompt_ids) - 1
+        self.field_k, self.echo_k = field_k, echo_k
+
+    def add(self, chunk: PromptLogprobs) -> None:
+        entries = self.entries
+        for j, e in enumerate(zip(chunk.token_logprobs, chunk.ranks, chunk.top_ids, chunk.top_logprobs), chunk.start):
+            if j >= len(entries):
+                break
+            if j >= 1:
+                self.missing -= entries[j] is None
+                entries[j] = e
+
+    @property
+    def complete(self) -> bool:
+        return self.missing <= 0
+
+    def echo_entries(self) -> list[TokenLogprobs | None]:
+        """Echo's view: per prompt token its logprob and the top echo_k (None for the first)."""
+        k = self.echo_k or 0
+        return [None if e is None else TokenLogprobs(e[0], e[2][:k], e[3][:k]) for e in self.entries]
+
+
 class Choice:
     __slots__ = ("index", "request_id", "text", "eos", "finish_reason", "stop_reason", "parts", "want_logprobs",
-                 "lp_tokens", "lp_entries", "needs_abort", "first_token_at", "num_cached", "prefix", "stop_ids", "tools",
-                 "lp_ids", "last_token_at", "lp_offset")
+                 "lp_tokens", "lp_entries", "needs_abort", "first_token_at", "num_cached", "prefix", "stop_ids",
+                 "tools", "lp_ids", "last_token_at", "lp_offset", "prompt", "echoed")
 
     def __init__(self, index: int, request_id: str, tok: ModelTokenizer, prompt_ids: list[int], stops: list[str],
                  include_stop_str: bool, skip_special_tokens: bool, want_logprobs: bool, prefix: str = "",
-                 stop_ids: tuple[int, ...] = (), tools=None, lp_ids: bool = False):
+                 stop_ids: tuple[int, ...] = (), tools=None, lp_ids: bool = False,
+                 scoring: tuple[int | None, int | None] = (None, None)):
         self.index = index
         self.request_id = request_id
         self.text = TextStream(tok, prompt_ids, stops, include_stop_str, skip_special_tokens)
@@ -51,6 +87,9 @@ class Choice:
         self.tools = tools  # chat with tool calling: its gateway.structured.ToolOutput
         self.lp_ids = lp_ids  # return_tokens_as_token_ids: logprobs name tokens "token_id:N"
         self.lp_offset = len(prefix)  # streamed completion logprobs: text_offset of the next chunk's first token
+        # prompt logprobs (schemas.prompt_scoring's (field k, echo k)), None when neither shows them
+        self.prompt = ScoredPrompt(prompt_ids, *scoring) if scoring != (None, None) else None
+        self.echoed = False  # streamed: the echo chunk (the prompt's text) was sent
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +103,8 @@ class Choice:
             raise InvalidRequest(d.error or "invalid request")
         if d.num_cached_tokens:
             self.num_cached = d.num_cached_tokens
+        if d.prompt_logprobs is not None and self.prompt is not None:
+            self.prompt.add(d.prompt_logprobs)
         ids = d.new_token_ids
         before = self.text.num_tokens
         hide_stop_token = d.finish_reason == FinishReason.STOP and bool(ids) and ids[-1] in self.stop_ids
@@ -102,12 +143,34 @@ class _Shape:
             s = self._token_text[token_id] = self.tok.decode([token_id], skip_special_tokens=False)
         return s
 
+    def prompt_logprobs(self, ch: Choice) -> list[dict | None] | None:
+        """vLLM's `prompt_logprobs`: None for the first prompt token, then per token {token id (a string): {logprob,
+        rank, decoded_token}} for the prompt's own token (its rank among the vocabulary) and the top-k (ranks 1..k)."""
+        scores = ch.prompt
+        if scores is None or scores.field_k is None:
+            return None
+        k = scores.field_k
+        out: list[dict | None] = []
+        for t, e in zip(scores.ids, scores.entries):
+            if e is None:
+                out.append(None)
+                continue
+            entry = {str(t): self._scored(t, e[0], e[1])}
+            for rank, (i, v) in enumerate(zip(e[2][:k], e[3][:k]), 1):
+                entry[str(i)] = self._scored(i, v, rank)
+            out.append(entry)
+        return out
+
+    def _scored(self, token_id: int, logprob: float, rank: int) -> dict:
+        return {"logprob": max(logprob, MIN_LOGPROB), "rank": rank, "decoded_token": self.token_text(token_id)}
+
 
 class CompletionShape(_Shape):
     object = "text_completion"
     chunk_object = "text_completion"
 
     def logprobs(self, ids: list[int], lps: list, offset: int = 0, as_id: bool = False) -> dict | None:
+        """lps: a TokenLogprobs per token, or None for a token with none (the first of an echoed prompt)."""
         if not lps:
             return None
         texts = [self.token_text(t) for t in ids]
@@ -116,8 +179,14 @@ class CompletionShape(_Shape):
             offsets.append(pos)
             pos += len(t)
         return {"tokens": [self.token_text(t, True) for t in ids] if as_id else texts,
-                "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [self._top(lp, as_id) for lp in lps], "text_offset": offsets}
+                "token_logprobs": [None if lp is None else max(lp.logprob, MIN_LOGPROB) for lp in lps],
+                "top_logprobs": [None if lp is None else self._top(lp, as_id) for lp in lps], "text_offset": offsets}
+
+    def _echo_logprobs(self, ch: Choice) -> tuple[list[int], list]:
+        """Echo with logprobs: the prompt's tokens and their logprobs, which the answer's logprobs start with."""
+        if not ch.prefix or ch.prompt is None or ch.prompt.echo_k is None:
+            return [], []
+        return ch.prompt.ids, ch.prompt.echo_entries()
 
     def _top(self, lp, as_id: bool) -> dict[str, float]:
         """token -> logprob of the top ones; tokens that decode alike ("\ufffd" pieces) keep an entry each, the
@@ -125,14 +194,22 @@ class CompletionShape(_Shape):
         out: dict[str, float] = {}
         for i, v in zip(lp.top_ids, lp.top_logprobs):
             key = self.token_text(i, as_id)
-            out[key if key not in out else self.token_text(i, True)] = v
+            out[key if key not in out else self.token_text(i, True)] = max(v, MIN_LOGPROB)
         return out
 
     def choice(self, ch: Choice) -> dict:
-        return {"index": ch.index, "text": "".join(ch.parts),
-                "logprobs": self.logprobs(ch.lp_tokens, ch.lp_entries, len(ch.prefix), ch.lp_ids)
-                if ch.want_logprobs else None,
-                "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+        logprobs = None
+        if ch.want_logprobs:
+            ids, lps = self._echo_logprobs(ch)
+            # text_offset counts from the start of the choice's text: from the echoed prompt's first token when its
+            # logprobs come first (vLLM's sum of the tokens' texts), else from the end of the echoed text
+            logprobs = self.logprobs(ids + ch.lp_tokens, lps + ch.lp_entries, 0 if ids else len(ch.prefix), ch.lp_ids)
+        return {"index": ch.index, "text": "".join(ch.parts), "logprobs": logprobs,
+                "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason,
+                "prompt_logprobs": self.prompt_logprobs(ch)}
+
+    def response_fields(self, choices: list[Choice]) -> dict:
+        return {}
 
     def chunk_choice(self, ch: Choice, text: str, ids: list[int], lps: list, finished: bool) -> dict:
         logprobs = None
@@ -144,8 +221,20 @@ class CompletionShape(_Shape):
                 "stop_reason": ch.stop_reason if finished else None}
 
     def first_chunk_choice(self, ch: Choice) -> dict | None:
-        return {"index": ch.index, "text": ch.prefix, "logprobs": None, "finish_reason": None,
-                "stop_reason": None} if ch.prefix else None
+        """The echo chunk (the prompt's text), once: with echo scoring it carries the prompt's logprobs, so it waits
+        for them (None until they are all in; they come with the first token at the latest)."""
+        if not ch.prefix or ch.echoed:
+            return None
+        ids, lps = self._echo_logprobs(ch) if ch.want_logprobs else ([], [])
+        logprobs = None
+        if ids:
+            if not ch.prompt.complete:
+                return None
+            logprobs = self.logprobs(ids, lps, 0, ch.lp_ids)
+            ch.lp_offset = sum(len(self.token_text(t)) for t in ids)
+        ch.echoed = True
+        return {"index": ch.index, "text": ch.prefix, "logprobs": logprobs, "finish_reason": None,
+                "stop_reason": None}
 
 
 class ChatShape(_Shape):
@@ -164,6 +253,10 @@ class ChatShape(_Shape):
         return {"content": [{**self._entry(t, lp.logprob, as_id),
                              "top_logprobs": [self._entry(i, v, as_id) for i, v in zip(lp.top_ids, lp.top_logprobs)]}
                             for t, lp in zip(ids, lps)]}
+
+    def response_fields(self, choices: list[Choice]) -> dict:
+        """vLLM's chat answer carries the prompt's logprobs once, beside the choices (they share the prompt)."""
+        return {"prompt_logprobs": self.prompt_logprobs(choices[0]) if choices else None}
 
     def choice(self, ch: Choice) -> dict:
         message = {"role": "assistant", "content": "".join(ch.parts)}

@@ -248,7 +248,6 @@ class Api:
         if not await self.client.alive():
             raise ApiError(503, "the batcher is not answering or has no ready worker; retry later.",
                            retry_after=self.cfg.retry_after)
-        self.metrics.queue.observe(time.monotonic() - arrival)
         by_id = {ch.request_id: ch for ch in choices}
         unfinished = set(by_id)
         self.in_flight += num_seqs
@@ -292,17 +291,19 @@ class Api:
         include_stop, skip_special = bool(req.include_stop_str_in_output), req.skip_special_tokens is not False
         if constraint is not None and constraint.tools == "auto" and self.cfg.tool_call_parser != "hermes":
             skip_special = False  # [TOOL_CALLS] and <|python_tag|> are special tokens: the parser must see them
+        scoring = S.prompt_scoring(req)  # the prompt logprobs shown: the engine computes the larger top-k
+        prompt_k = max((k for k in scoring if k is not None), default=None)
         choices, adds = [], []
         now = time.time()
         for p, ids in enumerate(prompts):
             for j in range(n):
                 index = p * n + j
-                params = S.sampling_params(req, self.tok, max_tokens[p], logprobs, index=j)
+                params = S.sampling_params(req, self.tok, max_tokens[p], logprobs, index=j, prompt_logprobs=prompt_k)
                 tools = structured.ToolOutput(constraint, self.cfg.tool_call_parser) \
                     if constraint is not None and constraint.tools else None
                 ch = Choice(index, f"{base}-{index}", self.tok, ids, stops, include_stop, skip_special,
                             logprobs is not None, echo[p] if echo else "", params.stop_token_ids, tools,
-                            bool(req.return_tokens_as_token_ids))
+                            bool(req.return_tokens_as_token_ids), scoring)
                 choices.append(ch)
                 adds.append(AddRequest(request_id=ch.request_id, prompt_token_ids=ids, params=params,
                                        arrival_time=now, priority=req.priority or 0,
@@ -327,6 +328,8 @@ class _Run:
         self.include_usage = bool(opts and opts.include_usage) or self.continuous_usage
         self.submitted = time.monotonic()  # handed to the batcher
         self.sizes: dict[str, tuple[int, int]] = {}  # request id -> (prompt tokens, max_tokens), for the metrics
+        # request id -> when a step first scheduled it, on this clock: the hand-off plus the batcher's wait
+        self.scheduled: dict[str, float] = {}
 
     def _item_choice(self, item) -> Choice:
         """Raise for a terminal error item; return the choice a delta belongs to."""
@@ -340,6 +343,8 @@ class _Run:
         return self.by_id[item.request_id]
 
     def _feed(self, ch: Choice, d) -> tuple[str, list, list]:
+        if d.queued_ms is not None and ch.request_id not in self.scheduled:
+            self.scheduled[ch.request_id] = self.submitted + d.queued_ms / 1000.0
         try:
             piece, ids, lps = ch.feed(d)
         except EngineError as exc:
@@ -362,9 +367,11 @@ class _Run:
     def _observe_finish(self, ch: Choice) -> None:
         m, now = self.api.metrics, time.monotonic()
         m.e2e.observe(now - self.arrival)
-        m.inference_time.observe(now - self.submitted)
+        scheduled = self.scheduled.get(ch.request_id, self.submitted)  # an older batcher sends no queued_ms
+        m.queue.observe(scheduled - self.arrival)
+        m.inference_time.observe(now - scheduled)
         if ch.first_token_at is not None:
-            m.prefill_time.observe(ch.first_token_at - self.submitted)
+            m.prefill_time.observe(ch.first_token_at - scheduled)
             m.decode_time.observe(now - ch.first_token_at)
             if ch.num_tokens > 1:
                 m.tpot.observe((now - ch.first_token_at) / (ch.num_tokens - 1))
@@ -385,9 +392,11 @@ class _Run:
             ch = self._item_choice(item)
             if ch.finish_reason is None:
                 self._feed(ch, item)
+        answered = self._answered()
         return json_response({"id": self.base, "object": self.shape.object, "created": self.created,
-                              "model": self.model, "choices": [self.shape.choice(ch) for ch in self._answered()],
-                              "usage": self.usage()})  # usage counts every sequence generated, best_of's too
+                              "model": self.model, "choices": [self.shape.choice(ch) for ch in answered],
+                              "usage": self.usage(),  # usage counts every sequence generated, best_of's too
+                              **self.shape.response_fields(answered)})
 
     def _answered(self) -> list[Choice]:
         """The choices answered: all of them, or with best_of the n of each prompt's best_of sequences with the
@@ -424,6 +433,8 @@ class _Run:
                 ch = self._item_choice(item)
                 if ch.finish_reason is None:
                     piece, ids, lps = self._feed(ch, item)
+                    if ch.prefix and not ch.echoed and (c := self.shape.first_chunk_choice(ch)):
+                        out.append(self._chunk([c]))  # echo scoring: the prompt's logprobs are all in now
                     finished = ch.finish_reason is not None
                     calls = None
                     if ch.tools is not None:  # text -> tool calls (gateway/structured.py)

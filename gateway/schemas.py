@@ -21,7 +21,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # Open
 MAX_STOP_STRINGS = 16
 SEED_MAX = sampling.SEED_MAX - MAX_SEQUENCES  # children get seed + index
 _BOUNDED = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-            "max_tokens", "min_tokens", "top_k", "seed", "stop_token_ids")
+            "max_tokens", "min_tokens", "top_k", "seed", "stop_token_ids", "prompt_logprobs")
 
 
 class StreamOptions(msgspec.Struct):
@@ -58,6 +58,7 @@ class _Sampling(msgspec.Struct):
     speculative: bool | None = None  # false: no speculative drafts for this request (--speculative), laneserve's
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's form) -> bias in [-100, 100]
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:N"
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and the top-k at its position
     # Structured output (OpenAI's response_format; vLLM's guided_* and structured_outputs): constrained decoding,
     # gateway/structured.py
     response_format: dict | None = None
@@ -162,6 +163,11 @@ def check_sampling(req: _Sampling, vocab_size: int) -> None:
         raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings.", param="stop")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options can only be given when stream is true.", param="stream_options")
+    if req.max_tokens == 0 and not getattr(req, "echo", None):  # vLLM's rule: 0 scores an echoed prompt only
+        raise bad_request("max_tokens must be at least 1, got 0 (0 is allowed with echo, to score the prompt).",
+                          param="max_tokens")
+    if req.stream and req.prompt_logprobs:  # vLLM's rule (0 is accepted, and not shown)
+        raise bad_request("prompt_logprobs are not available when stream is true.", param="prompt_logprobs")
     if req.priority is not None and abs(req.priority) > sampling.MAX_PRIORITY:
         raise bad_request(f"priority must be within +-{sampling.MAX_PRIORITY}.", param="priority")
     for name in ("slo_ttft_ms", "slo_tpot_ms"):
@@ -219,8 +225,18 @@ def resolve_max_tokens(requested: int | None, default: int | None, prompt_len: i
     return remaining if default is None else min(default, remaining)
 
 
+def prompt_scoring(req: _Sampling) -> tuple[int | None, int | None]:
+    """The prompt logprobs a request shows: (top-k of the `prompt_logprobs` field, top-k of the prompt part of echo's
+    logprobs), None where not shown. vLLM's rules: echo with logprobs scores the prompt (its first token null) and
+    then fills the `prompt_logprobs` field too, with the logprobs' k unless the request gives its own; the field
+    is not shown in a stream. The engine computes the larger k."""
+    echo = req.logprobs if getattr(req, "echo", None) else None  # (completions: logprobs is an int)
+    field = None if req.stream else req.prompt_logprobs if req.prompt_logprobs is not None else echo
+    return field, echo
+
+
 def sampling_params(req: _Sampling, tok: ModelTokenizer, max_tokens: int, logprobs: int | None,
-                    index: int = 0) -> SamplingParams:
+                    index: int = 0, prompt_logprobs: int | None = None) -> SamplingParams:
     """The SamplingParams of choice `index` (seeded choices get seed + index, as vLLM does)."""
     min_tokens = req.min_tokens or 0
     if min_tokens > max_tokens:
@@ -243,6 +259,7 @@ def sampling_params(req: _Sampling, tok: ModelTokenizer, max_tokens: int, logpro
         frequency_penalty=float(req.frequency_penalty or 0.0),
         logprobs=logprobs,
         logit_bias=logit_bias(req),
+        prompt_logprobs=prompt_logprobs,
     )
 
 

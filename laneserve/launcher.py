@@ -90,19 +90,34 @@ def cpu_threads(num_workers: int) -> int:
 
 
 class Child:
-    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None, restartable: bool = True):
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None, restartable: bool = True,
+                 liveness: str = ""):
         self.name = name
         self.cmd = [sys.executable, "-m", "laneserve.cli", *argv]
         self.env = {**os.environ, **(env or {})}
         self.restartable = restartable
         self.restarts: deque[float] = deque()  # monotonic times of recent restarts
+        self.liveness = liveness  # a worker's --liveness-file ('' = none)
         self.start()
 
     def start(self) -> None:
+        if self.liveness and os.path.exists(self.liveness):
+            os.unlink(self.liveness)  # the new process creates it once its loop runs
         self.proc = subprocess.Popen(self.cmd, env=self.env, start_new_session=True, preexec_fn=_die_with_parent)
 
     def exited(self) -> int | None:
         return self.proc.poll()
+
+    def hung_for(self, limit: float) -> float | None:
+        """Seconds since the worker's loop last set its liveness file, if more than limit (None: fine, not started
+        yet, or no file)."""
+        if not self.liveness or limit <= 0 or self.proc.poll() is not None:
+            return None
+        try:
+            age = time.time() - os.stat(self.liveness).st_mtime
+        except OSError:  # still loading the model
+            return None
+        return age if age > limit else None
 
     def stop(self, timeout: float) -> None:
         if self.proc.poll() is None:
@@ -144,10 +159,12 @@ def serve(lc: LauncherConfig, gw, bc, wc, log_level: str = "INFO") -> int:
         for i in range(num_workers):
             group = [gpus[(i * tp + r) % len(gpus)] for r in range(tp)] if gpus else []
             env = {"CUDA_VISIBLE_DEVICES": ",".join(group)} if gpus else {}  # rank r uses cuda:r
-            worker = dataclasses.replace(wc, worker_id=i, num_threads=threads if not gpus else wc.num_threads)
-            children.append(Child(f"worker {i}", [*common, "worker", *to_argv(worker)], env))
+            worker = dataclasses.replace(wc, worker_id=i, num_threads=threads if not gpus else wc.num_threads,
+                                         liveness_file=f"{run_dir}/worker-{i}.alive")
+            children.append(Child(f"worker {i}", [*common, "worker", *to_argv(worker)], env,
+                                  liveness=worker.liveness_file))
         children.append(Child("gateway", [*common, "gateway", *to_argv(gw)], secret_env(gw), restartable=False))
-        code = _supervise(children, gw, num_workers, lc, stopping)
+        code = _supervise(children, gw, num_workers, lc, stopping, bc.worker_timeout)
     finally:
         # Gateway first so it stops accepting and drains (its --drain-timeout, then a terminal event for each
         # request still in flight, then closing), then the engine.
@@ -184,7 +201,10 @@ def _restart(child: Child, code: int, ready: bool, max_restarts: int) -> bool:
     return True
 
 
-def _supervise(children: list[Child], gw, num_workers: int, lc: LauncherConfig, stopping: list[int]) -> int:
+def _supervise(children: list[Child], gw, num_workers: int, lc: LauncherConfig, stopping: list[int],
+               worker_timeout: float) -> int:
+    """Until a signal: restart dead children (or go down), and kill a worker whose loop stopped for the batcher's
+    --worker-timeout (the batcher has declared it lost by then), which then restarts as a dead one."""
     health = f"http://{gw.host}:{gw.port}/health"
     deadline = time.monotonic() + lc.startup_timeout
     ready = False
@@ -193,11 +213,17 @@ def _supervise(children: list[Child], gw, num_workers: int, lc: LauncherConfig, 
             code = child.exited()
             if code is not None and not _restart(child, code, ready, lc.max_restarts):
                 return 1
+            hung = child.hung_for(worker_timeout) if ready else None
+            if hung is not None:
+                print(f"laneserve: {child.name} hung (its loop silent for {hung:.1f}s); killing it", file=sys.stderr,
+                      flush=True)
+                child.proc.kill()
         if not ready:
             if _healthy(health):
                 ready = True
-                print(f"laneserve ready: http://{gw.host}:{gw.port}/v1 (model {gw.served_model_name or os.path.basename(gw.model.rstrip('/'))}, "
-                      f"{num_workers} worker(s)); Ctrl-C stops it", flush=True)
+                model = gw.served_model_name or os.path.basename(gw.model.rstrip("/"))
+                print(f"laneserve ready: http://{gw.host}:{gw.port}/v1 (model {model}, {num_workers} worker(s)); "
+                      "Ctrl-C stops it", flush=True)
             elif time.monotonic() > deadline:
                 print(f"laneserve: not healthy after {lc.startup_timeout:.0f}s; shutting down", file=sys.stderr)
                 return 1

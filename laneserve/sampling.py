@@ -27,10 +27,11 @@ FLOAT_RANGES = {
 }
 # integer parameters: name -> (low, high)
 INT_RANGES = {
-    "max_tokens": (1, 2**62),
+    "max_tokens": (0, 2**62),  # 0: score the prompt only (the gateway allows it with echo alone, as vLLM)
     "min_tokens": (0, 2**62),
     "top_k": (-1, 2**62),  # -1 and 0: off
     "logprobs": (0, MAX_LOGPROBS),
+    "prompt_logprobs": (0, MAX_LOGPROBS),
     "seed": (SEED_MIN, SEED_MAX),
 }
 

@@ -82,6 +82,7 @@ class _Req:
     out: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     sent: bool = False
+    scored: list = field(default_factory=list)  # the StepOutput.prompt_logprobs chunks it got, in order
 
 
 class Sim:
@@ -133,6 +134,10 @@ class Sim:
         self.finished_ids = []
         for rid, n in sched.items():
             self.running[rid].computed += n
+        for rid, chunk in out.prompt_logprobs.items():
+            self.running[rid].scored.append(chunk)
+        for rid in [rid for rid, r in self.running.items() if not r.params.max_tokens and r.computed == len(r.tokens)]:
+            self._finish(rid)  # max_tokens 0: its prompt is computed (scored), nothing is sampled
         for i, (rid, toks) in enumerate(zip(out.request_ids, out.sampled_token_ids)):
             r = self.running[rid]
             r.tokens += toks
@@ -140,11 +145,14 @@ class Sim:
             if out.logprobs is not None:
                 r.logprobs += out.logprobs[i]
             if len(r.out) >= r.params.max_tokens:
-                self.done[rid] = self.running.pop(rid)
-                self.finished_ids.append(rid)
-                if not r.keep_blocks:
-                    self.free += r.blocks
+                self._finish(rid)
         return out
+
+    def _finish(self, rid: str) -> None:
+        r = self.done[rid] = self.running.pop(rid)
+        self.finished_ids.append(rid)
+        if not r.keep_blocks:
+            self.free += r.blocks
 
     def run(self, max_steps: int = 10_000) -> dict[str, list[int]]:
         for _ in range(max_steps):

@@ -21,7 +21,7 @@ ANY = st.recursive(SCALARS, lambda c: st.lists(c, max_size=3) | st.dictionaries(
 
 VALID = {
     "model": st.just("tiny"),
-    "max_tokens": st.integers(1, 6),
+    "max_tokens": st.integers(0, 6),  # 0: with echo, the prompt scored and nothing generated (else a 400)
     "temperature": st.floats(0, 2),
     "top_p": st.floats(0.01, 1),
     "top_k": st.integers(-1, 400),
@@ -39,6 +39,7 @@ VALID = {
     "min_tokens": st.integers(0, 2),
     "stream": st.booleans(),
     "echo": st.booleans(),
+    "prompt_logprobs": st.integers(0, 5),
     "user": st.text(max_size=5),
 }
 PROMPT = st.text(min_size=1, max_size=16) | st.lists(st.integers(0, 319), min_size=1, max_size=8) \

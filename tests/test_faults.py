@@ -97,6 +97,7 @@ class Traffic:
     def __init__(self, base: str, session: aiohttp.ClientSession, seed: int):
         self.base, self.s, self.rng = base, session, random.Random(seed)
         self.outcomes: Counter[str] = Counter()
+        self.latencies: list[float] = []  # seconds, of each complete answer
         self.streams_started = 0
         self.stop = asyncio.Event()
 
@@ -108,6 +109,7 @@ class Traffic:
     async def one(self) -> None:
         kind = self.rng.choice(["json", "stream", "stream", "hangup"])
         body = self._body(kind != "json")
+        t0 = time.monotonic()
         try:
             async with self.s.post(f"{self.base}/v1/completions", json=body) as resp:
                 if resp.status != 200:
@@ -123,6 +125,7 @@ class Traffic:
                     assert out["choices"][0]["finish_reason"] == "length"
                     assert out["usage"]["completion_tokens"] == body["max_tokens"]
                     self.outcomes["complete"] += 1
+                    self.latencies.append(time.monotonic() - t0)
                     return
                 self.streams_started += 1
                 ends, errors, tokens, done = 0, 0, 0, False
@@ -144,6 +147,8 @@ class Traffic:
                         return  # leaving the block closes the connection mid-stream
                 assert done and ends + errors == 1, (ends, errors, done)  # exactly one terminal outcome
                 self.outcomes["complete" if ends else "error event"] += 1
+                if ends:
+                    self.latencies.append(time.monotonic() - t0)
         except asyncio.TimeoutError:
             self.outcomes["LOST (hung)"] += 1
         except aiohttp.ClientError as exc:  # connection reset mid-answer: the gateway never ended it
@@ -361,3 +366,192 @@ def test_an_empty_run_dir_left_by_a_killed_launcher_is_removed_at_the_next_start
     (tmp_path / "laneserve-live" / "batcher.sock").write_text("")
     remove_stale_run_dirs()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["laneserve-live"]
+
+
+async def test_requeue_on_one_worker_carries_streams_through_its_kill_and_its_hang(make_stack):
+    """Issue 26 (7): with --on-worker-loss requeue and a single worker, a killed worker's streams failed though it
+    was back in ~3 s, and a hung (stopped) worker was never restarted. Now they wait for the restarted worker and
+    finish whole; the launcher kills and restarts a worker whose loop is silent for --worker-timeout."""
+    st = make_stack("--on-worker-loss", "requeue", "--worker-timeout", "2", "--max-restarts", "3")
+    n, tokens = 3, 1500
+    body = {"model": "tiny", "prompt": "requeue me", "max_tokens": tokens, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+    async def stream(s, started: asyncio.Event) -> tuple[str, int]:
+        async with s.post(st.url("/v1/completions"), json=body) as r:
+            assert r.status == 200
+            reasons, usage = [], 0
+            async for raw in r.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[len("data: "):])
+                assert "error" not in event, event
+                started.set()
+                reasons += [c["finish_reason"] for c in event["choices"] if c["finish_reason"]]
+                usage = (event.get("usage") or {}).get("completion_tokens", usage)
+            return ",".join(reasons), usage
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+        for fault in (signal.SIGKILL, signal.SIGSTOP):
+            worker = _pid_of(st.proc.pid, "worker")
+            started = [asyncio.Event() for _ in range(n)]
+            streams = [asyncio.ensure_future(stream(s, e)) for e in started]
+            await asyncio.gather(*(e.wait() for e in started))  # every stream has its first tokens
+            os.kill(worker, fault)
+            assert await asyncio.gather(*streams) == [("length", tokens)] * n, fault
+            assert _pid_of(st.proc.pid, "worker") != worker
+    assert any("hung (its loop silent" in line for line in st.lines), st.lines[-20:]
+
+
+class Hostile:
+    """Hostile clients next to the normal ones, until stop: oversized prompts (one every PACE_S), SLOWLORIS
+    connections held open, and a disconnect storm every 4 x PACE_S. Each outcome is counted; a hostile request must
+    end in a clean 4xx or be one we hung up."""
+
+    PACE_S, SLOWLORIS = 0.5, 20
+
+    def __init__(self, st, session: aiohttp.ClientSession, header_timeout: float):
+        self.st, self.s, self.limit = st, session, header_timeout
+        self.outcomes: Counter[str] = Counter()
+        self.stop = asyncio.Event()
+
+    async def oversized(self) -> None:
+        bodies = [json.dumps({"model": "tiny", "max_tokens": 1, "prompt": p}).encode()  # encoded once: the
+                  for p in ("a" * 8_000_000, "a" * 20_000_000, "word " * 9000)]  # test's loop
+        while True:  # at least once (see once())
+            for body in bodies:
+                async with self.s.post(self.st.url("/v1/completions"), data=body,
+                                       headers={"Content-Type": "application/json"}) as r:
+                    error = (await r.json())["error"]
+                    assert r.status in (400, 413) and error["message"], (r.status, error)
+                    self.outcomes[f"oversized: {r.status}"] += 1
+                await asyncio.sleep(self.PACE_S)  # the attacker's pace, not a synchronisation
+            if self.stop.is_set():
+                return
+
+    async def slowloris(self) -> None:
+        async def one() -> None:
+            reader, writer = await asyncio.open_connection("127.0.0.1", self.st.port)
+            t0 = time.monotonic()
+
+            async def drip():
+                head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: 1\r\n" * 1000
+                for i in range(len(head)):  # a header byte every 0.2 s: never a whole request
+                    writer.write(head[i:i + 1])
+                    await writer.drain()
+                    await asyncio.sleep(0.2)
+
+            task = asyncio.ensure_future(drip())
+            try:
+                await asyncio.wait_for(reader.read(), self.limit + 10)
+            except ConnectionResetError:
+                pass
+            finally:
+                task.cancel()
+                writer.close()
+            closed_after = time.monotonic() - t0
+            self.outcomes["slowloris: closed in time" if closed_after < self.limit + 2 else "slowloris: LATE"] += 1
+
+        async def held() -> None:
+            await one()
+            while not self.stop.is_set():
+                await one()
+
+        await asyncio.gather(*(held() for _ in range(self.SLOWLORIS)))
+
+    async def storm(self, n: int = 16) -> None:
+        """Bursts of streams that hang up after their first chunk, and of requests dropped before any answer."""
+        body = {"model": "tiny", "prompt": "storm", "max_tokens": 200, "ignore_eos": True, "stream": True}
+
+        async def first_chunk_then_hang_up() -> None:
+            async with self.s.post(self.st.url("/v1/completions"), json=body) as r:
+                if r.status != 200:  # the queue cap: a clean 429
+                    assert r.status == 429 and "error" in await r.json(), r.status
+                    self.outcomes["storm: 429"] += 1
+                    return
+                await r.content.readline()
+            self.outcomes["storm: hung up after the first chunk"] += 1
+
+        async def drop_before_the_answer() -> None:
+            reader, writer = await asyncio.open_connection("127.0.0.1", self.st.port)
+            data = json.dumps(body).encode()
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+            await writer.drain()
+            writer.close()
+            self.outcomes["storm: dropped before the answer"] += 1
+
+        while True:
+            await asyncio.gather(*(first_chunk_then_hang_up() for _ in range(n)),
+                                 *(drop_before_the_answer() for _ in range(n)))
+            if self.stop.is_set():
+                return
+            await asyncio.sleep(4 * self.PACE_S)  # the attacker's pace
+
+    async def run(self) -> None:
+        await asyncio.gather(self.oversized(), self.slowloris(), self.storm())
+
+    async def once(self) -> None:
+        """Each kind of hostile request once (the warm-up: first-time code paths and caches are not residue)."""
+        self.stop.set()  # each loop runs its body once
+        self.outcomes.clear()
+        await self.run()
+        self.stop.clear()
+        self.outcomes.clear()
+
+
+def test_soak_with_hostile_clients_next_to_normal_load_loses_nothing(make_stack):
+    """Issue 26's done-when: the soak rerun with hostile clients mixed in. The same normal traffic runs alone, then
+    next to oversized prompts, slowloris connections and disconnect storms; nothing is lost or hung, KV is back to
+    0, RSS back within 10 % of its baseline, and the normal clients' p99 latency is reported against the calm run."""
+    limit = 2.0
+    st = make_stack("--header-timeout", str(limit), "--max-queued-requests", "64")
+    launcher = st.proc.pid
+    roles = ("gateway", "batcher", "worker")
+
+    async def drained(s) -> bool:
+        async with s.get(st.url("/metrics")) as r:
+            text = await r.text()
+        series = (re.match(r'^laneserve:(\w+)\{model_name="[^"]*"\} (\S+)$', ln) for ln in text.splitlines())
+        m = {mt.group(1): float(mt.group(2)) for mt in series if mt}
+        return (m["kv_cache_blocks_total"] > 0 and m["kv_cache_blocks_free"] == m["kv_cache_blocks_total"]
+                and m["num_requests_running"] == 0 and m["num_requests_waiting"] == 0
+                and m["gateway_requests_in_flight"] == 0)
+
+    async def main():
+        async with aiohttp.ClientSession(timeout=REQUEST_TIMEOUT) as s:
+            await Traffic(st.base_url, s, seed=1).run(concurrency=6, count=24)  # warm-up
+            normal, hostile = Traffic(st.base_url, s, seed=7), Hostile(st, s, limit)
+            await hostile.once()
+            calm = Traffic(st.base_url, s, seed=7)
+            await calm.run(concurrency=6, count=160)
+            await _wait(lambda: drained(s), "drained after the calm run", 20)
+            baseline = {role: _rss_kib(_pid_of(launcher, role)) for role in roles}
+            attack = asyncio.create_task(hostile.run())
+            await normal.run(concurrency=6, count=160)
+            hostile.stop.set()
+            await attack
+            await _wait(lambda: drained(s), "KV free == total after the attack", 30)
+            pids = {role: _pid_of(launcher, role) for role in roles}
+            within = lambda: _true(all(abs(_rss_kib(pids[r]) - baseline[r]) <= baseline[r] // 10 for r in roles))
+            rss_back_after = await _wait(within, "RSS back within 10 % of its baseline", 15)
+            after = {role: _rss_kib(pids[role]) for role in roles}
+        return calm, normal, hostile, baseline, after, rss_back_after
+
+    calm, normal, hostile, baseline, after, rss_back_after = asyncio.run(main())
+
+    def p99(xs: list[float]) -> float:
+        return sorted(xs)[max(0, round(0.99 * len(xs)) - 1)]
+
+    def p50(xs: list[float]) -> float:
+        return sorted(xs)[len(xs) // 2]
+
+    print(f"\nhostile soak: normal {dict(normal.outcomes)}, hostile {dict(hostile.outcomes)}; normal p99 "
+          f"{p99(normal.latencies):.2f} s against {p99(calm.latencies):.2f} s calm (p50 {p50(normal.latencies):.2f} / "
+          f"{p50(calm.latencies):.2f} s); RSS KiB baseline {baseline}, {after} {rss_back_after:.1f} s after the attack")
+    for t in (calm, normal):  # sent = finished + clean errors: no LOST, and the normal clients all finished
+        assert set(t.outcomes) <= {"complete", "client hung up"} and t.requests == 160, t.outcomes
+    assert not any("LATE" in k for k in hostile.outcomes) and len(hostile.outcomes) >= 5, hostile.outcomes
+    assert p99(normal.latencies) < 3 * p99(calm.latencies) + 1.0  # no freeze: the loop kept serving
+    assert _zombies(launcher) == []

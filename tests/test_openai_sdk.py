@@ -144,8 +144,11 @@ def test_logprobs_and_echo(client):
     out = client.completions.create(model="tiny", prompt="echo me", max_tokens=4, logprobs=2, echo=True, **GREEDY)
     ch = out.choices[0]
     assert ch.text.startswith("echo me")
-    assert len(ch.logprobs.tokens) == 4 and len(ch.logprobs.token_logprobs) == 4
-    assert all(len(top) <= 2 for top in ch.logprobs.top_logprobs) and all(lp <= 0 for lp in ch.logprobs.token_logprobs)
+    # echo with logprobs scores the prompt too (vLLM, OpenAI): its 7 tokens first, the first one without a logprob
+    assert len(ch.logprobs.tokens) == 7 + 4 and len(ch.logprobs.token_logprobs) == 7 + 4
+    assert ch.logprobs.token_logprobs[0] is None and ch.logprobs.top_logprobs[0] is None
+    assert all(len(top) == 2 for top in ch.logprobs.top_logprobs[1:])
+    assert all(lp <= 0 for lp in ch.logprobs.token_logprobs[1:])
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "q"}], max_tokens=3,
                                           logprobs=True, top_logprobs=3, **GREEDY)
     content = chat.choices[0].logprobs.content

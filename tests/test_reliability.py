@@ -178,14 +178,35 @@ async def test_requeue_recomputes_a_lost_workers_requests_on_another_worker(tmp_
         assert side.b.requeued == set() and side.b.originals == {}
 
 
-async def test_requeue_without_another_live_worker_fails(tmp_path):
+async def test_requeue_with_no_live_worker_holds_the_requests_until_one_registers(tmp_path):
+    """Issue 26 item 7: one worker, lost; its requests wait for the restarted one and finish there with no break
+    (an abort meanwhile ends one with a single ABORT)."""
     async with batcher(tmp_path, on_worker_loss="requeue") as side:
-        wk = await side.worker(0)
-        await side.add("a", max_tokens=50)
-        await recv(wk, WK)
+        wk, sim = await side.worker(0), SimWorker(64, BS)
+        await side.add("a", prompt=[5] * 20, max_tokens=12)
+        await side.add("b", prompt=[6] * 20, max_tokens=12)
+        for _ in range(3):  # three steps: some tokens reach the gateway
+            await wk.send(P.encode(sim.execute(await recv(wk, WK))[0]))
+        first = []
+        while sum(len(d.new_token_ids) for d in first if d.request_id == "a") < 3:
+            first += (await recv(side.gw, GW)).deltas
         wk.close()
-        (end,) = (await side.deltas_until_finished({"a"}))["a"]
-        assert end.finish_reason == P.FinishReason.ERROR
+        while (await side.roundtrip()).workers_alive:  # the loss is handled on the batcher's loop
+            pass
+        assert set(side.b.orphans) == {"a", "b"}
+        await side.gw.send(P.encode(P.AbortRequests(request_ids=["b"])))
+        aborted = (await side.deltas_until_finished({"b"}))["b"]
+        wk2 = await side.worker(0)  # the launcher restarted it
+        stop = asyncio.Event()
+        loop = asyncio.create_task(serve_steps(wk2, SimWorker(64, BS), stop))
+        got = await side.deltas_until_finished({"a"})
+        stop.set()
+        await loop
+        ds = [d for d in first if d.request_id == "a"] + got["a"]
+        assert [d.finish_reason for d in ds if d.finish_reason is not None] == [P.FinishReason.LENGTH]
+        assert sum(len(d.new_token_ids) for d in ds) == 12
+        assert [d.finish_reason for d in aborted] == [P.FinishReason.ABORT]
+        assert side.b.orphans == {} and side.b.owner == {} and side.b.originals == {}
 
 
 async def test_a_worker_unknown_to_a_restarted_batcher_is_told_to_reannounce(tmp_path):
@@ -231,9 +252,9 @@ def _bad_but_well_typed() -> list[bytes]:
     """Frames that decode, with values that would hurt a worker if executed."""
     sp = P.SamplingParams
     adds = [("neg", [-1, 2], sp()), ("big", [5, 10**6], sp()), ("nan", [5], sp(temperature=math.nan)),
-            ("topp", [5], sp(top_p=0.0)), ("lp", [5], sp(logprobs=10**6)), ("mt", [5], sp(max_tokens=0)),
-            ("stop", [5], sp(stop_token_ids=(10**9,))), ("", [5], sp()), ("x" * 300, [5], sp()),
-            ("empty", [], sp()), ("long", [5] * 5000, sp())]
+            ("topp", [5], sp(top_p=0.0)), ("lp", [5], sp(logprobs=10**6)), ("mt", [5], sp(max_tokens=-1)),
+            ("plp", [5], sp(prompt_logprobs=10**6)), ("stop", [5], sp(stop_token_ids=(10**9,))), ("", [5], sp()),
+            ("x" * 300, [5], sp()), ("empty", [], sp()), ("long", [5] * 5000, sp())]
     frames = [P.encode(P.AddRequest(request_id=r, prompt_token_ids=ids, params=p, arrival_time=0.0))
               for r, ids, p in adds]
     frames.append(P.encode(P.WorkerReady(worker_id=9, num_blocks=10**12, block_size=16, max_model_len=10,
@@ -258,7 +279,7 @@ async def test_rogue_frames_on_both_sockets_are_dropped_and_the_batcher_still_se
             await sock.send_multipart([P.encode(P.Ping(nonce=1)), P.encode(P.Ping(nonce=2))])
         # the batcher's answers to the rogue front: Rejected for every bad AddRequest, never a step
         rejected = set()
-        while len(rejected) < 11:
+        while len(rejected) < 12:
             msg = await recv(rogue_front, GW)
             assert isinstance(msg, P.Rejected) and not msg.retryable, msg
             rejected.add(msg.request_id)

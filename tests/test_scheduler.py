@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from batcher.config import BatcherConfig
 from laneserve.wire.protocol import AddRequest, FinishReason, SamplingParams, StepOutput, TokenLogprobs
 from batcher.scheduler import Scheduler
@@ -337,3 +339,23 @@ def test_run_order_is_bucket_then_admission_order_under_churn():
             now += 0.01
             s.update(flight.pop(0), now)
     assert n_checked > 1000 and s.preemptions > 0
+
+
+def test_first_delta_carries_the_queue_time_and_steps_are_counted_by_tokens():
+    """queued_ms: from the batcher's receipt (before the add when a grammar compiled first) to the first step that
+    scheduled the request, a duration on the scheduler's clock; iteration_tokens counts each step by its tokens."""
+    s = Scheduler(cfg(max_num_seqs=1), 64, BS, 256)
+    d = Driver(s)
+    for rid, received, base in (("a", None, 0), ("b", -0.5, 100)):  # (other prompts: no prefix-cache hit)
+        s.add_request(AddRequest(request_id=rid, prompt_token_ids=list(range(base, base + 20)),
+                                 params=SamplingParams(max_tokens=3), arrival_time=0.0), 0.0, received=received)
+    d.run()
+    queued = [(x.request_id, x.queued_ms) for x in d.deltas if x.queued_ms is not None]
+    assert [rid for rid, _ in queued] == ["a", "b"]  # the first delta of each, only
+    assert queued[0][1] == 0.0  # scheduled at once
+    assert queued[1][1] == pytest.approx((0.5 + 0.03) * 1000)  # b waited for a's three steps (10 ms each)
+    stats = s.stats()
+    buckets = [0] * 13
+    buckets[0], buckets[3] = 4, 2  # four 1-token decodes, two 20-token prefills (16 < 20 <= 32); not the empty step
+    assert len(d.steps) == 7 and not d.steps[-1].num_scheduled_tokens
+    assert stats.iteration_tokens == buckets and stats.iteration_tokens_sum == 44

@@ -66,6 +66,15 @@ def run_batch(runner) -> dict[str, list[int]]:
     return sim.run()
 
 
+def prompt_scores(runner) -> list[P.PromptLogprobs]:
+    """The prompt logprobs of a 60-token prompt scored in chunks of 16 next to a generating request."""
+    sim = Sim(runner, budget=40)
+    sim.add("scored", random_prompt(60, seed=40), greedy(0, prompt_logprobs=2), chunk=16)
+    sim.add("gen", random_prompt(9, seed=41), greedy(12))
+    sim.run()
+    return sim.done["scored"].scored
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     # biases: column-parallel q/k/v/gate/up biases are sharded, row-parallel o/down biases added once
@@ -119,6 +128,12 @@ def test_tp2_greedy_matches_tp1_and_transformers(ckpt):
         attn = runner.model.model.layers[0].self_attn
         assert (attn.num_heads, attn.num_kv_heads, attn.qkv_proj.weight.shape[0]) == (2, 1, 32 + 16 + 16)
         assert run_batch(Leader(group, runner)) == ref
+        # prompt logprobs: rank 0 alone scores the chunks (it answers the batcher); a request with max_tokens 0
+        # samples on no rank, so the ranks' token broadcasts stay in step
+        scored = [prompt_scores(r) for r in (tp1, Leader(group, runner))]
+        assert [c.start for c in scored[0]] == [c.start for c in scored[1]] == [1, 17, 33, 49]
+        for a, b in zip(*scored):
+            assert a.top_ids == b.top_ids and a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-4)
         # a step that fails alike on every rank (unknown request) fails there too and both reset:
         # the group stays in step and a second batch still matches
         bad = P.StepInput(step=99, cached_reqs=[P.CachedReq("nope", [1])], num_scheduled_tokens={"nope": 1})

@@ -30,7 +30,8 @@ class WorkerConfig:
         "int8 KV scales JSON from `laneserve calibrate-kv`; empty = kv_scales.json in the model dir if present, "
         "else set once from the first prefill chunk (docs/kv_int8.md)"))
     attention_backend: str = field(default="auto", metadata=flag(
-        "auto (triton on CUDA, torch elsewhere) | torch (reference: gather + SDPA) | triton (paged decode/prefill kernels)"))
+        "auto (triton on CUDA, torch elsewhere) | torch (reference: gather + SDPA) | triton (paged decode/prefill "
+        "kernels)"))
     enforce_eager: bool = field(default=False, metadata=flag("CUDA: run decode eagerly instead of CUDA graphs"))
     overlap_steps: str = field(default="auto", metadata=flag(
         "auto (on for CUDA at tensor-parallel size 1) | on | off: launch a decode-only step's forward before the "
@@ -44,5 +45,9 @@ class WorkerConfig:
         "over them (NCCL on CUDA, gloo on CPU; docs/tensor_parallel.md). The batcher sees one worker"))
     dist_init_address: str = field(default="", metadata=flag(
         "rendezvous of the tensor-parallel group, e.g. tcp://127.0.0.1:29500; empty = a free local port"))
+    liveness_file: str = field(default="", metadata=flag(
+        "a file whose modification time the worker's loop sets at least every second while it runs (idle or "
+        "stepping): `laneserve serve` restarts a worker whose file is older than the batcher's --worker-timeout "
+        "(a hung process), and a Kubernetes liveness probe can do the same; '' = none"))
     curve_server_public_key: str = shared("curve_server_public_key")
     curve_client_secret_key: str = shared("curve_client_secret_key")

@@ -6,7 +6,8 @@ Blocking and single-threaded on purpose, the GPU is the bottleneck. With overlap
 already queued it is launched before the one in flight is collected and reported. With two
 lanes on their own streams (--lanes streams) one step of each lane may be in flight: the loop
 then waits for neither, but polls the socket and the lanes' events in turn.
-Liveness (docs/reliability.md): a Heartbeat every HEARTBEAT_S while idle; a batcher that does
+Liveness (docs/reliability.md): a Heartbeat every HEARTBEAT_S while idle, and --liveness-file's mtime set as
+often while the loop runs (the launcher restarts a worker whose loop stopped); a batcher that does
 not know this worker (it restarted) answers with Reannounce, and the worker then forgets every
 request and registers again with WorkerReady. ZeroMQ reconnects to a restarted batcher by itself.
 """
@@ -14,7 +15,9 @@ request and registers again with WorkerReady. ZeroMQ reconnects to a restarted b
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import time
 import traceback
 
 import zmq
@@ -48,8 +51,10 @@ def run(cfg: WorkerConfig) -> None:
                                    speculative=runner.tp_size == 1))
     sock.send(ready)
     log.info("worker %d ready: %d KV blocks", cfg.worker_id, runner.num_blocks)
+    alive = Liveness(cfg.liveness_file)
     try:
         while not stopping:
+            alive.touch()
             if runner.in_flight and not sock.poll(0):  # no step queued behind the one in flight: finish it
                 for out in finish(runner, cfg.worker_id, wait=not runner.concurrent):
                     sock.send(P.encode(out))
@@ -76,6 +81,24 @@ def run(cfg: WorkerConfig) -> None:
         ctx.term()
         if tp is not None:
             tp.close()
+
+
+class Liveness:
+    """Sets a file's mtime, at most every HEARTBEAT_S (a syscall per step would show at batch 1 on a GPU)."""
+
+    def __init__(self, path: str):
+        self.path, self.last = path, -HEARTBEAT_S
+        if path:
+            open(path, "a").close()
+
+    def touch(self) -> None:
+        now = time.monotonic()
+        if self.path and now - self.last >= HEARTBEAT_S:
+            self.last = now
+            try:
+                os.utime(self.path)
+            except OSError:  # removed (a launcher's cleanup): recreated
+                open(self.path, "a").close()
 
 
 def submit(runner, step: P.StepInput, worker_id: int) -> list[P.StepOutput]:

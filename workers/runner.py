@@ -56,6 +56,7 @@ from workers.kv_cache import (BLOCK_SIZE, DEFAULT_CPU_KV_BYTES, KVCache, bytes_p
                               parse_bytes, resolve_kv_dtype)
 from workers.loader import load_model, resolve_device, resolve_dtype
 from workers.model.layers import check_shardable
+from workers.prompt_logprobs import PromptScores, scored_span
 from workers.sampling import Sampled, SampleRow, sample_on_device, to_device
 
 log = logging.getLogger("laneserve.worker")
@@ -88,10 +89,11 @@ class _InFlight:
     collected: tuple | None = None  # TP: (tokens, logprobs), sampled and broadcast in step
     verify: _Verify | None = None  # speculative decoding: the drafts it verifies
     done: torch.cuda.Event | None = None  # two lanes: recorded after all of the step's work on its stream
+    scores: PromptScores | None = None  # the prompt logprobs of its chunks, for the requests that ask
 
     def ready(self) -> bool:
         """Its tokens are on the host (collect() would not wait)."""
-        return all(x is None or x.ready() for x in (self.sampled, self.verify)) and (
+        return all(x is None or x.ready() for x in (self.sampled, self.verify, self.scores)) and (
             self.done is None or self.done.query())
 
 
@@ -308,10 +310,11 @@ class ModelRunner:
                 self.flush(lanes)  # this step needs the tokens of the one in flight on the host
             if step.spec_token_ids and self.tp_size != 1:
                 raise ValueError("speculative drafts need tensor parallel 1")
-            sampled_reqs, logits_fn, verify = self._run(step.num_scheduled_tokens, pending, lane, step.spec_token_ids)
+            sampled_reqs, logits_fn, verify, scores = self._run(step.num_scheduled_tokens, pending, lane,
+                                                                step.spec_token_ids)
             self.flush(lanes)
             f = self._flights[lane] = self._sample(step.step, lane, sampled_reqs, logits_fn, t0)
-            f.verify = verify
+            f.verify, f.scores = verify, scores
             for rid in step.allowed_token_ids:
                 self.requests[rid].sample_row.allowed = None
             if stream is not None:  # its output must not say "done" before the GPU is: held blocks go free then
@@ -348,6 +351,8 @@ class ModelRunner:
             out.sampled_token_ids = [[t] for t in tokens]
             if logprobs is not None:
                 out.logprobs = [[lp] if lp is not None else [] for lp in logprobs]
+        if f.scores is not None:
+            out.prompt_logprobs = f.scores.collect()
         if f.verify is not None:
             for r, tokens in f.verify.accept():
                 out.request_ids.append(r.request_id)
@@ -453,6 +458,11 @@ class ModelRunner:
         tokens = broadcast_tokens(tokens, len(reqs), self.tp_rank, self.device)
         return _InFlight(step, lane, reqs, None, t0, collected=(tokens, logprobs))
 
+    def _decoding(self, rid: str) -> bool:
+        """The request's input this step is its last token (not a prompt chunk)."""
+        req = self.requests[rid]
+        return req.num_computed_tokens + 1 == len(req.token_ids)
+
     def _scales_ready(self) -> bool:
         """Dynamic int8 scales are set by the first eager forward; a graph replay cannot set them."""
         return self.kv_cache.scales is None or self.kv_cache.scales.ready
@@ -460,20 +470,22 @@ class ModelRunner:
     def _run(self, scheduled: dict[str, int], pending: dict[str, int] | None, lane: int = LANE_MIXED,
              drafts: dict[str, list[int]] | None = None):
         """The forward of one step -> (the requests that sample, a function returning their logits, the draft
-        verification or None). pending: request id -> row of the in-flight step's (of this lane) device tokens
-        holding its input token; drafts: request id -> draft tokens its input continues with."""
+        verification or None, the prompt logprobs or None). pending: request id -> row of the in-flight step's (of
+        this lane) device tokens holding its input token; drafts: request id -> draft tokens its input continues
+        with. The graph paths run decodes only (one token past the prompt, or the prompt's last token, which no
+        prompt logprob needs), and none of a request that samples nothing (max_tokens 0)."""
         prev = self._flights[lane].sampled.tokens if pending else None
         # (the decode graphs' static buffers are the decode lane's: a prefill step never replays them)
         graphs = self.graphs if lane != LANE_PREFILL else None
         if graphs is not None and len(scheduled) <= self.graphs.sizes[-1] and self._scales_ready() and all(
                 n == 1 and self.requests[rid].num_computed_tokens + 1 >= len(self.requests[rid].token_ids)
-                for rid, n in scheduled.items()):
+                and self.requests[rid].params.max_tokens for rid, n in scheduled.items()):
             src = np.array([pending.get(rid, -1) for rid in scheduled], dtype=np.int64) if pending else None
-            return *self._run_decode_graph([self.requests[rid] for rid in scheduled], src, prev), None
+            return *self._run_decode_graph([self.requests[rid] for rid in scheduled], src, prev), None, None
         if drafts and graphs is not None and sum(scheduled.values()) <= graphs.sizes[-1] and \
-                self._scales_ready() and all(n == 1 + len(drafts.get(rid, ())) and self.requests[rid].num_computed_tokens
-                                             + 1 == len(self.requests[rid].token_ids) for rid, n in scheduled.items()):
-            return self._run_verify_graph(scheduled, drafts)
+                self._scales_ready() and all(n == 1 + len(drafts.get(rid, ())) and self._decoding(rid)
+                                             for rid, n in scheduled.items()):
+            return *self._run_verify_graph(scheduled, drafts), None
         # The row layout (module docstring): decodes (one token) first, longest context first.
         order = sorted(scheduled, key=lambda rid: (scheduled[rid] != 1,
                                                    -self.requests[rid].num_computed_tokens * (scheduled[rid] == 1)))
@@ -518,26 +530,43 @@ class ModelRunner:
             rows = to_device([pending.get(rid, -1) for rid in order], torch.int64, dev)
             token_ids = torch.where(rows >= 0, prev[rows.clamp(min=0)], token_ids)
         hidden = self.model(token_ids, to_device(torch.from_numpy(np.concatenate(positions)), torch.int64, dev), meta)
+        scores = self._score_prompts(reqs, query_lens, qsl, hidden)
 
-        # A request samples when this step's chunk reaches the end of its tokens (+ a pending one); one that
-        # verifies drafts needs the logits of all its rows (they follow the sampling rows').
+        # A request samples when this step's chunk reaches the end of its tokens (+ a pending one), unless it asked
+        # for none (max_tokens 0: its prompt is scored only); one that verifies drafts needs the logits of all its
+        # rows (they follow the sampling rows').
         sample_idx, sampled_reqs, verify = [], [], []
         for i, r in enumerate(reqs):
             r.num_computed_tokens += query_lens[i]
             if drafts and r.request_id in drafts:
                 verify.append((r, drafts[r.request_id], int(qsl[i])))
-            elif r.num_computed_tokens >= len(r.token_ids):
+            elif r.num_computed_tokens >= len(r.token_ids) and r.params.max_tokens:
                 sample_idx.append(int(qsl[i + 1]) - 1)
                 sampled_reqs.append(r)
         if not verify:
             return (sampled_reqs, lambda: self.model.compute_logits(hidden[to_device(sample_idx, torch.int64, dev)]),
-                    None)
+                    None, scores)
         rows, spec = [], []
         for r, d, first in verify:
             spec.append((r, d, len(sample_idx) + len(rows)))
             rows += range(first, first + 1 + len(d))
         logits = self.model.compute_logits(hidden[to_device(sample_idx + rows, torch.int64, dev)])
-        return sampled_reqs, lambda: logits[:len(sample_idx)], _Verify(spec, logits)
+        return sampled_reqs, lambda: logits[:len(sample_idx)], _Verify(spec, logits), scores
+
+    def _score_prompts(self, reqs: list[RequestState], query_lens: list[int], qsl: np.ndarray,
+                       hidden: torch.Tensor) -> PromptScores | None:
+        """The prompt logprobs of this step's chunks (workers/prompt_logprobs.py), for the requests that ask; reqs
+        still at their chunks' starts. Under tensor parallel rank 0 alone (it alone answers the batcher)."""
+        rows = []
+        for i, r in enumerate(reqs):
+            k = r.params.prompt_logprobs
+            if k is None or self.tp_rank:
+                continue
+            start = r.num_computed_tokens
+            count = scored_span(start, query_lens[i], r.num_prompt_tokens)
+            if count:
+                rows.append((r.request_id, int(qsl[i]), start, count, r.token_ids[start + 1:start + 1 + count], k))
+        return PromptScores(rows, hidden, self.model.compute_logits) if rows else None
 
 
 def _leading_ones(query_lens: list[int]) -> int:

@@ -105,6 +105,7 @@ class SimWorker:
         self.vocab = vocab
         self.token_fn = token_fn  # (request_id, tokens so far) -> next token; default never a stop token
         self.reqs: dict[str, list] = {}  # id -> [token_ids, block_ids, num_computed]
+        self.unsampled: set[str] = set()  # requests with max_tokens 0: their prompt is computed, nothing sampled
         self.kv = [-1] * (num_blocks * block_size) if check_kv else None
         self.writer: dict[int, tuple[int, int]] = {}  # check_kv: block -> (lane, step) of its last write
         self.open: set[int] = set()  # steps executed whose output is not applied yet
@@ -126,6 +127,7 @@ class SimWorker:
         bs = self.block_size
         for rid in step.finished_req_ids:
             self.reqs.pop(rid, None)
+            self.unsampled.discard(rid)
         for nr in step.new_reqs:
             assert nr.request_id not in self.reqs, f"NewReq for a request the worker holds: {nr.request_id}"
             toks = nr.prompt_token_ids + nr.output_token_ids
@@ -135,6 +137,8 @@ class SimWorker:
                     assert self.kv[slot] == toks[pos], f"prefix hit of {nr.request_id} at {pos}: stale K/V"
                     self._touch(slot // bs, step, write=False)
             self.reqs[nr.request_id] = [toks, list(nr.block_ids), nr.num_computed_tokens]
+            if not nr.params.max_tokens:
+                self.unsampled.add(nr.request_id)
         for cr in step.cached_reqs:
             self.reqs[cr.request_id][1].extend(cr.new_block_ids)
         ids, sampled = [], []
@@ -178,7 +182,7 @@ class SimWorker:
                 st[2] = len(toks) - 1
                 ids.append(rid)
                 sampled.append(new)
-            elif not left:
+            elif not left and rid not in self.unsampled:
                 # deterministic, never a stop token: outputs end by length
                 tok = token_fn(rid, toks) if token_fn is not None else sim_token(end, rid, vocab)
                 mask = step.allowed_token_ids.get(rid) if step.allowed_token_ids else None

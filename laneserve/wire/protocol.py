@@ -34,7 +34,7 @@ class Msg(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True, gc=False):
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """Per-request sampling, already validated by the gateway."""
 
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: the prompt is only computed (scored: prompt_logprobs), nothing sampled; ends LENGTH
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
@@ -47,6 +47,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: none; k >= 0: sampled token's logprob + top-k
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), before anything else
+    # None: none; k >= 0: each prompt token's logprob and rank and the top-k at its position (vLLM's prompt_logprobs),
+    # computed by the worker as it prefills (StepOutput.prompt_logprobs); such a request skips the prefix cache
+    prompt_logprobs: int | None = None
 
 
 # ---------------------------------------------------------------- gateway -> batcher
@@ -90,6 +93,18 @@ class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
     top_logprobs: list[float]
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """Prompt tokens start, start + 1, ... scored by one prefill chunk (SamplingParams.prompt_logprobs): each one's
+    logprob given the tokens before it, its rank in that distribution (1 = the most likely) and the top-k there.
+    Token 0 has no context: start >= 1. A prompt recomputed after a preemption is scored again (same values)."""
+
+    start: int
+    token_logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
 class TokenDelta(msgspec.Struct, array_like=True, gc=False):
     request_id: str
     new_token_ids: list[int]
@@ -97,6 +112,10 @@ class TokenDelta(msgspec.Struct, array_like=True, gc=False):
     logprobs: list[TokenLogprobs] | None = None
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first delta)
+    prompt_logprobs: PromptLogprobs | None = None  # a prefill chunk's, for requests that ask (maybe without tokens)
+    # first delta: ms from the batcher's receipt of the request to its first scheduled step (None: not the first
+    # delta, or an older batcher). A duration, not a time: the gateway's host has another clock
+    queued_ms: float | None = None
 
 
 class TokenBatch(Msg):
@@ -109,6 +128,11 @@ class Rejected(Msg):
     request_id: str
     reason: str
     retryable: bool
+
+
+# Upper bounds of the tokens-per-step histogram (vLLM's iteration_tokens_total, its bounds without CUDA graphs);
+# EngineStats.iteration_tokens counts the steps in each bucket, the last one past the last bound.
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 class EngineStats(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -129,6 +153,10 @@ class EngineStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     spec_sequences: int = 0  # drafts they verified (one per request per step)
     spec_drafted: int = 0  # the draft tokens they verified
     spec_accepted: int = 0  # of which were accepted
+    # steps by tokens scheduled (prefill chunks, decodes and drafts; steps of none not counted): a count per bucket
+    # of ITERATION_TOKENS_BUCKETS (not cumulative; empty: no step yet), and the tokens summed over those steps
+    iteration_tokens: list[int] = []
+    iteration_tokens_sum: int = 0
 
 
 class Pong(Msg):
@@ -223,6 +251,7 @@ class StepOutput(Msg):
     error: str | None = None
     execute_time: float = 0.0  # seconds the worker spent on this step alone (from its start, or the end of the
     # step before when they overlap, to its tokens on the host): what the batcher's cost model learns from
+    prompt_logprobs: dict[str, PromptLogprobs] = {}  # request id -> the prompt tokens this step's chunk scored
 
 
 class Heartbeat(Msg):
