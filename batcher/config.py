@@ -78,7 +78,8 @@ class BatcherConfig:
     # reliability (docs/reliability.md)
     on_worker_loss: str = field(default="fail", metadata=flag(
         "what happens to a lost worker's requests: fail (an ERROR finish, the client sees an error) | requeue "
-        "(recomputed once on another live worker, the client sees no break; fail if none is alive)"))
+        "(recomputed once on another live worker, the client sees no break; with none alive they wait for one to "
+        "register, until the gateway's --request-timeout)"))
     worker_timeout: float = field(default=30.0, metadata=flag(
         "a worker silent this long (no heartbeat or step output) is declared lost (0 = off); a dead process "
         "or a closed connection is noticed at once from the socket's disconnect event"))

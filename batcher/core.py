@@ -225,13 +225,8 @@ class Batcher:
 
     async def _adopt(self, wid: int) -> None:
         """A lost worker's requests that waited for a live one (requeue, no worker left) go to this one."""
-        sched, failed = self.workers[wid].scheduler, []
-        for rid, (again, grammar) in self.orphans.items():
-            why = sched.reject_reason(again) or sched.add_request(again, time.monotonic(), grammar)
-            if why is None:
-                self.owner[rid] = (self.owner[rid][0], wid)
-            else:
-                failed.append(P.TokenDelta(rid, [], P.FinishReason.ERROR, error=f"requeue failed: {why}"))
+        failed = [P.TokenDelta(rid, [], P.FinishReason.ERROR, error=f"requeue failed: worker {wid} cannot take it")
+                  for rid, (again, grammar) in self.orphans.items() if not self._place(wid, rid, again, grammar)]
         log.warning("worker %d ready: %d requests that waited for a worker resume on it", wid, len(self.orphans))
         self.orphans.clear()
         await self.emit(failed)
@@ -329,14 +324,17 @@ class Batcher:
         if not self.workers:
             self.orphans[rid] = (again, grammar)
             return -1
-        alive = {wid: slot.scheduler for wid, slot in self.workers.items()}
-        wid = pick_worker(alive, again.prompt_token_ids)
-        if alive[wid].reject_reason(again) is not None:
-            return None
-        if alive[wid].add_request(again, time.monotonic(), grammar) is not None:  # shed by SLO admission
-            return None
+        wid = pick_worker({w: slot.scheduler for w, slot in self.workers.items()}, again.prompt_token_ids)
+        return wid if self._place(wid, rid, again, grammar) else None
+
+    def _place(self, wid: int, rid: str, again: P.AddRequest, grammar) -> bool:
+        """Add a lost request's continuation to worker wid; False if it cannot take it (too long for its pool, or
+        shed by SLO admission): the caller fails it."""
+        sched = self.workers[wid].scheduler
+        if sched.reject_reason(again) is not None or sched.add_request(again, time.monotonic(), grammar) is not None:
+            return False
         self.owner[rid] = (self.owner[rid][0], wid)
-        return wid
+        return True
 
     async def kick(self, worker_id: int) -> None:
         """Keep up to max_inflight_steps steps at the worker while there is work (1 without async scheduling).

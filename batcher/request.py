@@ -27,7 +27,7 @@ class Request:
                  "gated_since", "num_preemptions", "epoch", "num_registered_blocks", "num_output_placeholders",
                  "max_num_tokens", "length_limit", "stop_check_from", "priority", "deadline", "tpot",
                  "first_token_at", "uncached_estimate", "arrived_at", "prefill_step", "ngrams", "grammar",
-                 "speculative", "received_at", "scheduled_at")
+                 "speculative", "received_at", "scheduled_at", "samples")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float = 0.0, max_len: int = 1 << 62, internal: bool = False):
@@ -51,6 +51,9 @@ class Request:
         # A warm-prefix request: its last token is a sentinel that is never computed, so the
         # worker never samples for it; its full blocks are pinned when the prefill is done.
         self.internal = internal
+        # the worker samples for it once its prompt is computed: not a warm prefix, not a scored prompt (max_tokens
+        # 0, which ends when its prompt is computed: Scheduler._apply)
+        self.samples = not internal and params.max_tokens > 0
         self.on_worker = False  # the worker holds state for it (else the next step sends a NewReq)
         self.first_delta_sent = False
         self.num_sent_blocks = 0  # of block_ids, those a StepInput gave the worker (schedule() sends the rest)

@@ -506,7 +506,7 @@ class Scheduler:
                     break
                 grown.append(req)
             req.num_computed_tokens = done
-            samples = not req.internal
+            samples = req.samples
             if samples:  # next step it decodes the token sampled now: the worker has it by then
                 req.num_output_placeholders += 1
             flight.append(Scheduled(req, 1, done, samples, req.epoch))
@@ -559,9 +559,9 @@ class Scheduler:
                 if len(req.block_ids) > before:
                     self.grown.append(req)
             req.num_computed_tokens = done
-            if not req.internal:
+            if req.samples:
                 req.num_output_placeholders += 1
-            flight.append(Scheduled(req, n, done, not req.internal, req.epoch))
+            flight.append(Scheduled(req, n, done, req.samples, req.epoch))
             if drafts:
                 self.drafts[req.request_id] = drafts
             budget -= n
@@ -573,7 +573,7 @@ class Scheduler:
         n == left == 1 case): it samples once they are all computed; warm prefixes never, nor a request with
         max_tokens 0 (it ends when its prompt is computed: _apply)."""
         req.num_computed_tokens = done = req.num_computed_tokens + n
-        samples = n == left and not req.internal and req.params.max_tokens > 0
+        samples = n == left and req.samples
         if samples:  # next step it decodes the token sampled now: the worker has it by then
             req.num_output_placeholders += 1
         flight.append(Scheduled(req, n, done, samples, req.epoch))
@@ -732,14 +732,21 @@ class Scheduler:
             # prompt logprobs go to the gateway as the chunks are scored (it keeps the latest per position)
             prompt_lps = scored.get(req.request_id) if scored else None
             if not rec.samples:
-                if req.internal and done == req.compute_target:
-                    self._finish_warm(req)
-                elif not req.params.max_tokens and done == req.compute_target:  # scored: it ends, nothing sampled
+                if req.internal:
+                    if done == req.compute_target:
+                        self._finish_warm(req)
+                    continue
+                delta = None
+                if not req.samples and done == req.compute_target:  # scored (max_tokens 0): it ends, nothing sampled
                     self._finish(req)
-                    deltas.append(TokenDelta(req.request_id, [], FinishReason.LENGTH, prompt_logprobs=prompt_lps,
-                                             num_cached_tokens=req.num_cached_tokens))
+                    delta = TokenDelta(req.request_id, [], FinishReason.LENGTH, prompt_logprobs=prompt_lps)
                 elif prompt_lps is not None:
-                    deltas.append(TokenDelta(req.request_id, [], prompt_logprobs=prompt_lps))
+                    delta = TokenDelta(req.request_id, [], prompt_logprobs=prompt_lps)
+                if delta is not None:
+                    if not req.samples and not req.first_delta_sent:  # what a first token's delta carries
+                        delta.num_cached_tokens, delta.queued_ms = req.num_cached_tokens, req.queued_ms
+                        req.first_delta_sent = True
+                    deltas.append(delta)
                 continue
             req.num_output_placeholders -= 1
             rid = req.request_id

@@ -29,7 +29,7 @@ from laneserve.wire.protocol import EngineStats, Vocabulary
 
 log = logging.getLogger("laneserve.gateway")
 OPEN_PATHS = frozenset({"/health", "/metrics"})
-BIG_BODY = 1 << 20  # a connection that sent a body this large is closed after its answer
+BIG_BODY = 1 << 20  # a Content-Length this large: the connection is closed after its (unstreamed) answer
 API_KEY = web.AppKey("api", Api)
 GUARD_KEY = web.AppKey("guard", Guard)
 TRIM_KEY = web.AppKey("trim", HeapTrimmer)
@@ -199,7 +199,7 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None) -> None:
         deadline = time.monotonic() + 2.0
         while api.active and time.monotonic() < deadline:  # they write their last event and return
             await asyncio.sleep(0.05)
-    await guard.stop()
+    guard.stop()
     trimming.cancel()
     await runner.cleanup()
 

@@ -29,6 +29,7 @@ from gateway.errors import ApiError
 log = logging.getLogger("laneserve.gateway")
 LINGER_S = 1.0  # after an early answer (an error before the body was read, a refusal), the most a connection lingers
 FDS_SPARE = 256  # file descriptors kept for everything but client connections (ZeroMQ, threads' files, logs)
+MAX_LINGERING = 64  # refused connections kept open for LINGER_S at once; more are closed at once
 
 
 def _error_bytes(err: ApiError) -> bytes:
@@ -59,14 +60,22 @@ class Connection(web.RequestHandler):
                 503, f"the gateway has {self.guard.max_connections} connections open (--max-connections); retry",
                 retry_after=self.guard.retry_after)))
             # FIN after the answer, then close a moment later: closing at once would reset the connection if the
-            # client's request arrives meanwhile, and a reset can discard the answer before the client reads it
-            if transport.can_write_eof():
+            # client's request arrives meanwhile, and a reset can discard the answer before the client reads it.
+            # A flood of refusals is closed at once: their file descriptors must not starve the rest.
+            if self.guard.lingering < MAX_LINGERING and transport.can_write_eof():
                 transport.write_eof()
-            asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+                self.guard.lingering += 1
+                asyncio.get_running_loop().call_later(LINGER_S, self._close_refused, transport)
+            else:
+                transport.close()
             return
         super().connection_made(transport)
         self.deadline = self.guard.after(self.guard.header_timeout)
         self.guard.open.add(self)
+
+    def _close_refused(self, transport: asyncio.BaseTransport) -> None:
+        self.guard.lingering -= 1
+        transport.close()
 
     def data_received(self, data: bytes) -> None:
         if self.refused:
@@ -92,6 +101,8 @@ class Connection(web.RequestHandler):
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
         """aiohttp's answer to HTTP it could not parse (or a failure outside any handler), as OpenAI's JSON error."""
+        if request.writer.output_size > 0:  # an answer began: no second one on this connection (aiohttp's rule)
+            raise ConnectionError("an answer was sent already; cannot send an error after it")
         if status >= 500:
             log.error("error outside a handler from %s", request.remote, exc_info=exc)
             text = "internal server error"
@@ -113,6 +124,7 @@ class Guard:
         self.retry_after = retry_after
         self.open: set[Connection] = set()
         self.refused = 0  # connections answered 503 for the cap
+        self.lingering = 0  # of those, the ones still open (closed LINGER_S after their answer)
         self.closed = 0  # connections closed for a header or keep-alive deadline
         self.malformed = 0
         self._sweeper: asyncio.Task | None = None
@@ -135,7 +147,7 @@ class Guard:
         if limits:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep(min(max(min(limits) / 4, 0.05), 1.0)))
 
-    async def stop(self) -> None:
+    def stop(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
 

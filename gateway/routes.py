@@ -293,6 +293,8 @@ class Api:
             skip_special = False  # [TOOL_CALLS] and <|python_tag|> are special tokens: the parser must see them
         scoring = S.prompt_scoring(req)  # the prompt logprobs shown: the engine computes the larger top-k
         prompt_k = max((k for k in scoring if k is not None), default=None)
+        if prompt_k is not None:
+            S.check_prompt_scoring_size(sum(map(len, prompts)) * n, prompt_k)
         choices, adds = [], []
         now = time.time()
         for p, ids in enumerate(prompts):

@@ -235,6 +235,17 @@ def prompt_scoring(req: _Sampling) -> tuple[int | None, int | None]:
     return field, echo
 
 
+MAX_PROMPT_SCORES = 1 << 20  # prompt tokens x (k + 1) x sequences: ~75 MB of response objects at most
+
+
+def check_prompt_scoring_size(scored_tokens: int, k: int) -> None:
+    """400 for prompt scores too many to hold: each sequence scores its whole prompt (top-k + its own token)."""
+    if scored_tokens * (k + 1) > MAX_PROMPT_SCORES:
+        raise bad_request(f"prompt scoring of {scored_tokens} prompt tokens (over all prompts and sequences) x "
+                          f"{k + 1} entries is more than {MAX_PROMPT_SCORES}: score fewer tokens or fewer "
+                          "sequences, or ask for a smaller k.", param="prompt_logprobs")
+
+
 def sampling_params(req: _Sampling, tok: ModelTokenizer, max_tokens: int, logprobs: int | None,
                     index: int = 0, prompt_logprobs: int | None = None) -> SamplingParams:
     """The SamplingParams of choice `index` (seeded choices get seed + index, as vLLM does)."""

@@ -98,11 +98,13 @@ class Child:
         self.restartable = restartable
         self.restarts: deque[float] = deque()  # monotonic times of recent restarts
         self.liveness = liveness  # a worker's --liveness-file ('' = none)
+        self.beat: tuple[float, float] | None = None  # its last mtime seen, and the monotonic time it changed
         self.start()
 
     def start(self) -> None:
         if self.liveness and os.path.exists(self.liveness):
             os.unlink(self.liveness)  # the new process creates it once its loop runs
+        self.beat = None
         self.proc = subprocess.Popen(self.cmd, env=self.env, start_new_session=True, preexec_fn=_die_with_parent)
 
     def exited(self) -> int | None:
@@ -110,14 +112,20 @@ class Child:
 
     def hung_for(self, limit: float) -> float | None:
         """Seconds since the worker's loop last set its liveness file, if more than limit (None: fine, not started
-        yet, or no file)."""
+        yet, or no file). Timed on the monotonic clock from when the mtime last changed: a step of the wall clock
+        must not look like a hang."""
         if not self.liveness or limit <= 0 or self.proc.poll() is not None:
             return None
         try:
-            age = time.time() - os.stat(self.liveness).st_mtime
+            mtime = os.stat(self.liveness).st_mtime
         except OSError:  # still loading the model
+            self.beat = None
             return None
-        return age if age > limit else None
+        now = time.monotonic()
+        if self.beat is None or self.beat[0] != mtime:
+            self.beat = (mtime, now)
+        silent = now - self.beat[1]
+        return silent if silent > limit else None
 
     def stop(self, timeout: float) -> None:
         if self.proc.poll() is None:

@@ -112,6 +112,20 @@ def test_max_tokens_0_ends_after_its_prefill_with_one_length_delta_and_frees_its
         assert s.stats().preemptions == 1 and computed > 100
 
 
+@pytest.mark.parametrize("driver", [Driver, AsyncDriver])
+@pytest.mark.parametrize("length", [17, 33])
+def test_max_tokens_0_whose_last_chunk_is_one_token_ends_with_length_not_an_error(driver, length):
+    """A last prefill chunk of one token is scheduled as a decode: it must not expect a sampled token either."""
+    s = Scheduler(cfg(max_num_batched_tokens=16, async_scheduling=driver is AsyncDriver), 64, 16, 4096)
+    d = driver(s)
+    add(s, "score", length, max_tokens=0, prompt_logprobs=1)
+    d.run()
+    (only,) = [x for x in d.deltas if x.request_id == "score"]
+    assert (only.new_token_ids, only.finish_reason, only.error) == ([], P.FinishReason.LENGTH, None)
+    assert only.queued_ms is not None and only.num_cached_tokens == 0  # what a first token's delta carries
+    assert s.stats().kv_blocks_free == 64
+
+
 def test_a_request_scoring_its_prompt_skips_the_prefix_cache():
     s = Scheduler(cfg(), 64, 16, 4096)
     d = Driver(s)
@@ -334,6 +348,7 @@ def post(st, path: str, body: dict) -> tuple[int, dict]:
     ({"max_tokens": 0}, "max_tokens"),  # 0 only with echo (vLLM's rule)
     ({"max_tokens": 0, "echo": True, "min_tokens": 1}, "min_tokens"),
     ({"max_tokens": -1, "echo": True}, "max_tokens"),
+    ({"prompt": [[5] * 300] * 10, "n": 20, "prompt_logprobs": 20}, "prompt_logprobs"),  # 1.26M scores to hold
 ])
 def test_bad_scoring_values_are_400s(served, body, param):
     st, _ = served

@@ -46,8 +46,9 @@ class WorkerConfig:
     dist_init_address: str = field(default="", metadata=flag(
         "rendezvous of the tensor-parallel group, e.g. tcp://127.0.0.1:29500; empty = a free local port"))
     liveness_file: str = field(default="", metadata=flag(
-        "a file whose modification time the worker's loop sets at least every second while it runs (idle or "
-        "stepping): `laneserve serve` restarts a worker whose file is older than the batcher's --worker-timeout "
-        "(a hung process), and a Kubernetes liveness probe can do the same; '' = none"))
+        "a file whose modification time the worker's loop sets about every 0.5 s (between steps, and while idle); "
+        "created once the model is loaded. `laneserve serve` kills and restarts a worker whose file has not changed "
+        "for the batcher's --worker-timeout (a hung process, or one step longer than that), and a Kubernetes "
+        "liveness probe can do the same; '' = none"))
     curve_server_public_key: str = shared("curve_server_public_key")
     curve_client_secret_key: str = shared("curve_client_secret_key")

@@ -16,7 +16,7 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: max_tokens 0 and prompt_logprobs (an older peer would ignore them)
 
 
 class FinishReason(enum.IntEnum):
