@@ -35,6 +35,8 @@ VLLM_ONLY = {
     "--pipeline-parallel-size": "only tensor parallelism (--tensor-parallel-size)",
     "--quantization": "weights load as stored (GGUF quantizations are dequantized); --kv-cache-dtype int8 for KV",
     "--speculative-config": "--speculative ngram with --num-speculative-tokens, --prompt-lookup-min/max",
+    "--data-parallel-size": "--num-workers N: one worker per GPU (or per --tensor-parallel-size GPUs) behind one "
+                            "batcher",
 }
 
 

@@ -144,6 +144,7 @@ def test_vllm_flags_parse_to_the_same_config():
 
 @pytest.mark.parametrize("argv, says", [
     (["serve", "--block-size", "32"], "KV blocks are 16 tokens"),
+    (["serve", "--data-parallel-size", "2"], "--num-workers N"),
     (["serve", "--max-num-sequences", "4"], "nearest laneserve setting is --max-num-seqs"),
     (["serve", "tiny", "--model", "other"], "given twice"),
 ])
