@@ -55,7 +55,6 @@ class Connection(web.RequestHandler):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self.guard.full():
             self.refused = True  # aiohttp never sees it
-            self.guard.refused += 1
             transport.write(_error_bytes(ApiError(
                 503, f"the gateway has {self.guard.max_connections} connections open (--max-connections); retry",
                 retry_after=self.guard.retry_after)))
@@ -108,7 +107,6 @@ class Connection(web.RequestHandler):
             text = "internal server error"
         else:
             text = f"malformed HTTP request: {message or getattr(exc, 'message', '') or 'cannot parse'}"
-        self.guard.malformed += status < 500
         resp = ApiError(status, text).response()
         resp.force_close()
         return resp
@@ -123,10 +121,7 @@ class Guard:
         self.keepalive_timeout, self.max_connections = keepalive_timeout, max_connections
         self.retry_after = retry_after
         self.open: set[Connection] = set()
-        self.refused = 0  # connections answered 503 for the cap
-        self.lingering = 0  # of those, the ones still open (closed LINGER_S after their answer)
-        self.closed = 0  # connections closed for a header or keep-alive deadline
-        self.malformed = 0
+        self.lingering = 0  # connections refused for the cap and still open (closed LINGER_S after their answer)
         self._sweeper: asyncio.Task | None = None
 
     @staticmethod
@@ -156,7 +151,6 @@ class Guard:
             await asyncio.sleep(tick)  # a periodic timer, not synchronisation
             now = time.monotonic()
             for conn in [c for c in self.open if c.deadline is not None and c.deadline <= now]:
-                self.closed += 1
                 conn.force_close()
 
     async def read_body(self, request: web.Request) -> None:
