@@ -51,9 +51,10 @@ class BatcherConfig:
         "tensor parallel 1), else mixed (docs/lanes.md)"))
     # speculative decoding (batcher/spec.py, docs/speculative.md)
     speculative: str = field(default="off", metadata=flag(
-        "off | ngram: prompt-lookup drafts, verified in one forward (greedy and seeded outputs unchanged, sampled "
-        "ones keep the model's distribution); how many per step (0 to --num-speculative-tokens) follows from the "
-        "step-cost model and the measured acceptance, 0 while prompts wait or prefill"))
+        "off | ngram: prompt-lookup drafts | draft: drafts of the workers' --draft-model; verified in one forward "
+        "(greedy and seeded outputs unchanged, sampled ones keep the model's distribution); how many per step (0 to "
+        "--num-speculative-tokens) follows from the step-cost model and the measured acceptance, 0 while prompts "
+        "wait or prefill"))
     num_speculative_tokens: int = field(default=4, metadata=flag("the most draft tokens a step verifies per request"))
     prompt_lookup_min: int = field(default=2, metadata=flag("ngram: the shortest suffix n-gram looked up"))
     prompt_lookup_max: int = field(default=4, metadata=flag("ngram: the longest suffix n-gram looked up"))

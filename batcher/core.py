@@ -215,8 +215,12 @@ class Batcher:
             log.warning("worker %d cannot verify drafts (tensor parallel): no speculative decoding there",
                         msg.worker_id)
             speculative = "off"
+        elif speculative == "draft" and not msg.draft_model:
+            log.warning("worker %d has no --draft-model: no speculative decoding there", msg.worker_id)
+            speculative = "off"
         sched = Scheduler(dataclasses.replace(self.cfg, lanes=lanes, speculative=speculative), msg.num_blocks,
-                          msg.block_size, msg.max_model_len, cost=self.cost_prior[lanes], grammars=self.grammars)
+                          msg.block_size, msg.max_model_len, cost=self.cost_prior[lanes], grammars=self.grammars,
+                          draft_size=msg.draft_size)
         self.workers[msg.worker_id] = WorkerSlot(msg.worker_id, ident, sched, vocab_size=msg.vocab_size)
         log.info("worker %d ready: %s, %d KV blocks of %d tokens, max_model_len %d, %s lanes", msg.worker_id,
                  msg.model, msg.num_blocks, msg.block_size, msg.max_model_len, lanes)

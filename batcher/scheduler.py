@@ -32,9 +32,9 @@ from batcher.cost_model import CostModel, Features, OnlineCostFit, default_cost_
 from batcher.grammar import GrammarError, Grammars, follow
 from batcher.request import Request, Status, blocks_for
 from batcher.slo import ADMISSION_MARGIN, MIN_PREFILL_TOKENS, SloPolicy
-from batcher.spec import INDEX_BUDGET, SpecPolicy
+from batcher.spec import DRAFT_CATCHUP, INDEX_BUDGET, SpecPolicy
 from laneserve.wire.protocol import (ITERATION_TOKENS_BUCKETS, LANE_DECODE, LANE_MIXED, LANE_PREFILL, AddRequest,
-                                     CachedReq, EngineStats, FinishReason, NewReq, SamplingParams, StepInput,
+                                     CachedReq, DraftJob, EngineStats, FinishReason, NewReq, SamplingParams, StepInput,
                                      StepOutput, TokenDelta)
 
 WARM_PREFIX_ID = "__warm__/"  # internal requests that fill the warm prefix pool
@@ -98,7 +98,8 @@ def parse_buckets(spec: str) -> list[int]:
 class Scheduler:
     def __init__(self, cfg: BatcherConfig, num_blocks: int, block_size: int, max_model_len: int,
                  warm_prefixes: list[list[int]] | None = None, cost: CostModel | None = None,
-                 grammars: Grammars | None = None):
+                 grammars: Grammars | None = None, draft_size: float = 0.0):
+        """draft_size: --speculative draft, the worker's draft model's parameters over its model's."""
         self.cfg = cfg
         self.grammars = grammars  # the token masks of constrained requests (structured output)
         self.block_size = block_size
@@ -123,9 +124,10 @@ class Scheduler:
         self.grown: list[Request] = []  # running requests given blocks in the step being composed (schedule() sends)
         self.slo = SloPolicy(cfg)
         self.spec = SpecPolicy(cfg.speculative, cfg.num_speculative_tokens, cfg.prompt_lookup_min,
-                               cfg.prompt_lookup_max)
+                               cfg.prompt_lookup_max, draft_size)
         self.spec_k = 0  # draft tokens per request in the step being composed (0: no speculation)
-        self.drafts: dict[str, list[int]] = {}  # its drafts, for its StepInput
+        # its drafts, for its StepInput: request id -> the draft tokens (ngram) or its DraftJob (a draft model)
+        self.drafts: dict[str, list[int] | DraftJob] = {}
         # The step-cost model (cost, else --cost-model, else the shipped fit), learned online from the worker.
         self.fit = OnlineCostFit(cost or CostModel.load(cfg.cost_model or default_cost_model(cfg.lanes)))
         self.decode_part_ms = 0.0  # the last composed step's cost without its prefills
@@ -291,9 +293,12 @@ class Scheduler:
             if constrained:
                 masks = self.grammars.masks([req.grammar for req in constrained])
                 allowed = {req.request_id: mask for req, mask in zip(constrained, masks)}
+        drafts = self.in_flight[-1][5] or {}
+        by_model = self.spec.draft_model
         return StepInput(step=self.step_no, new_reqs=new_reqs, cached_reqs=cached_reqs,
                          num_scheduled_tokens=num_scheduled, finished_req_ids=finished, lane=self.in_flight[-1][4],
-                         spec_token_ids=self.in_flight[-1][5] or {}, allowed_token_ids=allowed)
+                         spec_token_ids={} if by_model else drafts, draft_jobs=drafts if by_model else {},
+                         allowed_token_ids=allowed)
 
     def _next_step(self, now: float) -> tuple[list[Scheduled], int] | None:
         """Decide the next step and commit it (in_flight, and each request's state); returns its requests in run
@@ -330,13 +335,14 @@ class Scheduler:
         if self.waiting or len(self.running) * 2 > self.cfg.max_num_seqs:  # (no K >= 1 fits the largest graph)
             return 0
         budget = INDEX_BUDGET  # (a long context's index is built over several steps)
+        by_model = self.spec.draft_model  # (a draft model drafts for every request that may draft)
         for r in self.running.values():
             if len(r.token_ids) + r.num_output_placeholders - r.num_computed_tokens > 1:  # (re)computing a prompt
                 return 0
             may = self._may_draft(r)
-            if may and budget > 0:
+            if may and budget > 0 and not by_model:
                 budget -= r.ngrams.grow(r.token_ids, budget)
-            if may and r.ngrams.ready(r.token_ids) and r.ngrams.propose(r.token_ids, 1):
+            if may and (by_model or r.ngrams.ready(r.token_ids) and r.ngrams.propose(r.token_ids, 1)):
                 drafters += 1
                 draft_context += r.num_computed_tokens
             else:
@@ -347,14 +353,14 @@ class Scheduler:
 
     def _may_draft(self, req: Request) -> bool:
         """Not opted out, no grammar, penalty or logprobs, min_tokens reached (a verify samples each position as
-        decoding would, with nothing that depends on the tokens before it in the same step); makes its n-gram
-        index the first time."""
+        decoding would, with nothing that depends on the tokens before it in the same step); ngram: makes its
+        n-gram index the first time."""
         p = req.params
         if (req.internal or not req.speculative or req.grammar is not None or p.logprobs is not None
                 or not p.max_tokens or p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
                 or len(req.token_ids) - req.num_prompt_tokens < p.min_tokens):
             return False
-        if req.ngrams is None:
+        if req.ngrams is None and not self.spec.draft_model:
             req.ngrams = self.spec.index()
         return True
 
@@ -535,25 +541,38 @@ class Scheduler:
 
     def _schedule_drafts(self, flight: list[Scheduled], budget: int, run_decodes: list[Request],
                          decodes: list[Request], prefills: list[tuple[Request, int]]) -> int:
-        """The decode loop of _schedule_running when the step speculates: a greedy request whose tokens are all
-        known on the host gets its last token plus up to spec_k drafts (batcher/spec.py) to verify, any other
-        one its one token. Returns the budget left."""
+        """The decode loop of _schedule_running when the step speculates: a request that may draft and whose
+        tokens are all known on the host gets its last token plus up to spec_k drafts (batcher/spec.py) to verify,
+        any other one its one token. With a draft model, a request whose draft K/V lags by more than the step's
+        catch-up allowance left decodes one token while its draft catches up by that much. Returns the budget
+        left."""
         bs = self.block_size
         bm = self.bm
+        by_model = self.spec.draft_model
+        catchup = DRAFT_CATCHUP
         for req in run_decodes:
             if budget <= 0:
                 break
-            drafts = []
-            if not req.num_output_placeholders and self._may_draft(req) and req.ngrams.ready(req.token_ids):
+            drafts, job = [], None
+            if not req.num_output_placeholders and self._may_draft(req):
                 room = min(self.spec_k, budget - 1, req.length_limit - len(req.token_ids) - 1)
-                drafts = req.ngrams.propose(req.token_ids, room)
-            n = 1 + len(drafts)
+                p = req.num_computed_tokens  # its input's position
+                if not by_model:
+                    drafts = req.ngrams.propose(req.token_ids, room) if req.ngrams.ready(req.token_ids) else []
+                elif p - req.draft_done <= catchup:
+                    catchup -= p - req.draft_done
+                    job = DraftJob(req.draft_done, p + 1, max(room, 0))
+                elif catchup:
+                    job, catchup = DraftJob(req.draft_done, req.draft_done + catchup, 0), 0
+            k = job.k if job is not None else len(drafts)
+            n = 1 + k
             done = req.num_computed_tokens + n
             if done > len(req.block_ids) * bs:
                 before = len(req.block_ids)
-                if not (drafts and bm.allocate(req, n)):  # drafts take free blocks only: they never preempt
-                    if drafts:
+                if not (k and bm.allocate(req, n)):  # drafts take free blocks only: they never preempt
+                    if k:
                         drafts, n, done = [], 1, req.num_computed_tokens + 1
+                        job = DraftJob(job.start, job.stop, 0) if job is not None else None
                     if done > len(req.block_ids) * bs and not self._make_room(req, n, decodes, prefills):
                         break
                 if len(req.block_ids) > before:
@@ -562,8 +581,8 @@ class Scheduler:
             if req.samples:
                 req.num_output_placeholders += 1
             flight.append(Scheduled(req, n, done, req.samples, req.epoch))
-            if drafts:
-                self.drafts[req.request_id] = drafts
+            if job is not None or drafts:
+                self.drafts[req.request_id] = job if job is not None else drafts
             budget -= n
         return budget
 
@@ -631,6 +650,7 @@ class Scheduler:
                 break
             hit_tokens = bm.acquire_prefix(req, hit_blocks)
             req.num_computed_tokens = hit_tokens
+            req.draft_done = 0  # a draft model's K/V: never assumed in cached blocks (a stale one costs acceptance)
             if not bm.allocate(req, n):  # possible only when nothing runs and the pool is nearly all pinned
                 bm.free_blocks(req)
                 req.num_computed_tokens = 0
@@ -672,7 +692,10 @@ class Scheduler:
             del in_flight[i]
             raise StepFailed(f"worker error: {out.error.splitlines()[-1]}")
         if 0.0 < out.execute_time < MAX_STEP_S:  # a worker's figure: a NaN or a wild one must not wipe the fit
-            self.fit.observe(in_flight[i][2], out.execute_time * 1000.0)
+            drafts = in_flight[i][5]
+            if drafts and self.spec.draft_model and 0.0 < out.draft_time < out.execute_time:
+                self.spec.observe_draft(self.spec.draft_work_ms(drafts.values(), self.fit.model), out.draft_time * 1e3)
+            self.fit.observe(in_flight[i][2], (out.execute_time - out.draft_time) * 1000.0)
         return self._apply(now, out, index=i)
 
     def _oldest_of_lane(self, step: int) -> int | None:
@@ -788,22 +811,33 @@ class Scheduler:
             self._settle_drafts(verified, drafts, out)
         return deltas
 
-    def _settle_drafts(self, verified: list[Scheduled], drafts: dict[str, list[int]], out: StepOutput) -> None:
+    def _settle_drafts(self, verified: list[Scheduled], drafts: dict[str, list[int] | DraftJob],
+                       out: StepOutput) -> None:
         """After a speculative step's tokens are appended: each request still running that verified drafts has
         K/V for its last token and the accepted drafts (the rejected ones' slots are written over later), so it
         computes from its last token on, as after any decode; the K/V now known is offered to the prefix cache.
-        The acceptance counts are the worker's rows (the tokens past a stop included)."""
+        With a draft model, its draft K/V now runs to its input, then the drafts accepted before the last one it
+        read (batcher/spec.py). The acceptance counts are the worker's rows (the tokens past a stop included)."""
         rows = {rid: len(t) for rid, t in zip(out.request_ids, out.sampled_token_ids) if rid in drafts}
-        drafted = accepted = 0
+        sequences = drafted = accepted = 0
         for rec in verified:
             req = rec.req
-            drafted += len(drafts[req.request_id])
-            accepted += max(rows.get(req.request_id, 1) - 1, 0)  # the row: accepted drafts, then one more
-            if req.epoch == rec.epoch:  # still running
+            d = drafts[req.request_id]
+            k = d.k if isinstance(d, DraftJob) else len(d)
+            accepted_here = max(rows.get(req.request_id, 1) - 1, 0)  # the row: accepted drafts, then one more
+            if k:
+                sequences += 1
+                drafted += k
+                accepted += accepted_here
+            if req.epoch != rec.epoch:  # no longer running
+                continue
+            if isinstance(d, DraftJob):
+                req.draft_done = d.stop + min(accepted_here, k - 1) if k else d.stop
+            if k:
                 req.num_computed_tokens = len(req.token_ids) - 1
                 if self.bm.enable_prefix_caching:
                     self.bm.cache_full_blocks(req)
-        self.spec.observe(len(verified), drafted, accepted)
+        self.spec.observe(sequences, drafted, accepted)
 
     def _append_tokens(self, req: Request, tokens: list[int]) -> TokenDelta:
         """Append sampled tokens up to the first stop (and finish there); STOP includes the stop token. A request

@@ -1,7 +1,8 @@
-"""Speculative decoding in the batcher (`--speculative ngram`, docs/speculative.md): drafts and how many.
+"""Speculative decoding in the batcher (`--speculative ngram|draft`, docs/speculative.md): drafts and how many.
 
 Owns the n-gram (prompt lookup) proposer, the rule that picks K, the number of draft tokens a step
-verifies per request, and the acceptance bookkeeping behind it. Pure: no I/O, no torch.
+verifies per request, and the acceptance bookkeeping behind it; with a draft model (the worker's, which proposes
+the drafts), what its work costs. Pure: no I/O, no torch.
 
 - Proposer: the longest suffix of the request's known tokens, of prompt_lookup_max down to
   prompt_lookup_min tokens, that occurred before (its latest earlier occurrence), proposes the K tokens
@@ -19,11 +20,21 @@ verifies per request, and the acceptance bookkeeping behind it. Pure: no I/O, no
   (it holds until a step verifies drafts), so a rate measured low is measured again. Only requests that
   may draft now count as drafting (no penalties, ..., and prompt lookup finds a match in their known tokens):
   with none, K is 0 and async scheduling keeps two steps in flight.
+- Draft model: the worker's draft proposes the drafts (protocol DraftJob), so every request that may draft
+  counts. Its K passes cost r * (a plain decode step of those requests) each, r the draft's cost over the model's:
+  first its parameter share (WorkerReady.draft_size), then learned from the draft time the worker reports
+  against the same work priced with the model's cost model (`draft_work_ms`). A request's draft K/V is computed
+  lazily: a speculating step first computes the positions its draft has not seen (a prompt, a prefix-cache hit,
+  tokens decoded without speculation), at most DRAFT_CATCHUP tokens per step for all requests together; one
+  that does not fit decodes plainly and catches up by that much.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from batcher.cost_model import CostModel
+from laneserve.wire.protocol import DraftJob
 
 PRIOR_ACCEPTANCE = 0.5  # the acceptance rate assumed before any draft was verified
 SMOOTHING = 0.05  # weight of one step's acceptance rate in the running estimate
@@ -33,6 +44,9 @@ PROBE_EVERY = 64  # decisions: one in this many that come out 0 speculates anywa
 INDEX_WINDOW = 4096  # the proposer looks up the latest tokens only (building an index costs ~0.3 us per n-gram)
 INDEX_BUDGET = 1024  # token positions indexed per step, all requests together (~5 ms at most); a request whose
 # index is not complete yet does not draft
+DRAFT_CATCHUP = 2048  # draft-model positions computed per step past each request's input, all requests together
+MIN_DRAFT_RATIO = 0.01  # the draft's cost share assumed at least (a tiny draft is launch-bound, not free)
+METHODS = ("off", "ngram", "draft")
 
 
 class NgramIndex:
@@ -87,14 +101,17 @@ class SpecPolicy:
     """K per step and the acceptance statistics (EngineStats: spec_steps, spec_sequences, spec_drafted,
     spec_accepted)."""
 
-    def __init__(self, method: str, max_k: int, min_n: int, max_n: int):
-        if method not in ("", "off", "ngram"):
-            raise ValueError(f"speculative must be 'off' or 'ngram', got {method!r}")
-        if method == "ngram" and not (1 <= max_k <= 16):
+    def __init__(self, method: str, max_k: int, min_n: int, max_n: int, draft_size: float = 0.0):
+        if method not in ("", *METHODS):
+            raise ValueError(f"speculative must be one of {', '.join(METHODS)}, got {method!r}")
+        if method in ("ngram", "draft") and not (1 <= max_k <= 16):
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {max_k}")
         if method == "ngram" and not (1 <= min_n <= max_n <= 16):
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max <= 16, got {min_n}, {max_n}")
-        self.enabled = method == "ngram"
+        self.enabled = method in ("ngram", "draft")
+        self.draft_model = method == "draft"
+        self.draft_ratio = max(draft_size, MIN_DRAFT_RATIO)  # the draft's step cost over the model's (learned)
+        self.draft_steps = 0
         self.max_k, self.min_n, self.max_n = max_k, min_n, max_n
         self.alpha = PRIOR_ACCEPTANCE
         self.steps = self.sequences = self.drafted = self.accepted = 0
@@ -108,7 +125,8 @@ class SpecPolicy:
                  other_context: int = 0) -> int:
         """The K that maximises tokens per ms of a step with `batch` requests that can draft (`context` K/V tokens
         in all) and `others` that decode one token each, with at most max_rows rows (the worker's largest decode
-        graph: --max-num-seqs). A step with drafts is alone in flight: it also pays the host gap (cost h)."""
+        graph: --max-num-seqs). A step with drafts is alone in flight: it also pays the host gap (cost h), and with
+        a draft model its K passes over the drafting requests."""
         if not self.enabled or batch <= 0:
             return 0
         alpha = self.alpha if self.drafted >= MIN_DRAFTS else max(self.alpha, OPTIMISTIC_ACCEPTANCE)
@@ -118,9 +136,11 @@ class SpecPolicy:
         if self.probing:  # a probe waits for a step that drafts
             return top
         best_k, best = 0, (batch + others) / cost.step_ms(0, 0, batch + others, context + other_context)
+        draft_pass = self.draft_ratio * cost.step_ms(0, 0, batch, context) if self.draft_model else 0.0
         for k in range(1, top + 1):
             rows, kv = batch * (k + 1) + others, (k + 1) * context + other_context
-            rate = (batch * expected_tokens(k, alpha) + others) / (cost.step_ms(0, 0, rows, kv) + cost.h)
+            rate = (batch * expected_tokens(k, alpha) + others) / (cost.step_ms(0, 0, rows, kv) + cost.h
+                                                                   + k * draft_pass)
             if rate > best:
                 best_k, best = k, rate
         self.decisions += 1
@@ -128,6 +148,34 @@ class SpecPolicy:
             self.probing = True
             best_k = top
         return best_k
+
+    @staticmethod
+    def draft_work_ms(jobs: Iterable[DraftJob], cost: CostModel) -> float:
+        """A step's draft-model work priced with the model's cost model: one forward over every job's positions,
+        then one decode forward per further draft over the jobs that want it."""
+        jobs = list(jobs)
+        prefill = attention = rows = kv = 0
+        for j in jobs:
+            n = j.stop - j.start
+            kv += j.stop
+            if n == 1:
+                rows += 1
+            else:
+                prefill += n
+                attention += n * j.start
+        ms = cost.step_ms(prefill, attention, rows, kv)
+        for d in range(1, max((j.k for j in jobs), default=0)):
+            live = [j for j in jobs if j.k > d]
+            ms += cost.step_ms(0, 0, len(live), sum(j.stop + d for j in live))
+        return ms
+
+    def observe_draft(self, priced_ms: float, measured_ms: float) -> None:
+        """A step's draft-model time against its work priced with the model's cost model (draft_work_ms)."""
+        if priced_ms > 0.0 and measured_ms > 0.0:
+            self.draft_steps += 1
+            weight = max(SMOOTHING, 1.0 / self.draft_steps)  # the first measurements replace the parameter share
+            self.draft_ratio = max(self.draft_ratio + weight * (measured_ms / priced_ms - self.draft_ratio),
+                                   MIN_DRAFT_RATIO)
 
     def observe(self, sequences: int, drafted: int, accepted: int) -> None:
         """One step's drafts: how many requests verified how many tokens, and how many of them were accepted."""

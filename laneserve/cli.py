@@ -34,7 +34,8 @@ VLLM_ONLY = {
     "--swap-space": "preemption recomputes; there is no CPU swap",
     "--pipeline-parallel-size": "only tensor parallelism (--tensor-parallel-size)",
     "--quantization": "weights load as stored (GGUF quantizations are dequantized); --kv-cache-dtype int8 for KV",
-    "--speculative-config": "--speculative ngram with --num-speculative-tokens, --prompt-lookup-min/max",
+    "--speculative-config": "--speculative ngram (--prompt-lookup-min/max) or draft (--draft-model DIR), with "
+                            "--num-speculative-tokens",
     "--data-parallel-size": "--num-workers N: one worker per GPU (or per --tensor-parallel-size GPUs) behind one "
                             "batcher",
 }

@@ -139,6 +139,9 @@ class Child:
 
 
 def serve(lc: LauncherConfig, gw, bc, wc, log_level: str = "INFO") -> int:
+    if (bc.speculative == "draft") != bool(wc.draft_model):
+        raise SystemExit("laneserve serve: --speculative draft and --draft-model go together (the batcher "
+                         "schedules the drafts, the workers' draft model proposes them)")
     remove_stale_run_dirs()
     run_dir = tempfile.mkdtemp(prefix="laneserve-")
     default_front = type(bc)().batcher_address

@@ -43,8 +43,9 @@ class LaneDriver(Driver):
     def fill(self) -> None:
         while (st := self.s.schedule(self.now)) is not None:
             assert st.lane in (LANE_DECODE, LANE_PREFILL)
-            assert st.lane == LANE_PREFILL or all(n == 1 + len(st.spec_token_ids.get(rid, ()))
-                                                  for rid, n in st.num_scheduled_tokens.items())
+            assert st.lane == LANE_PREFILL or all(
+                n == 1 + len(st.spec_token_ids.get(rid, ())) + (st.draft_jobs[rid].k if rid in st.draft_jobs else 0)
+                for rid, n in st.num_scheduled_tokens.items())
             self.steps.append(st)
             self.flight.append((st.lane, self.w.execute(st)[0]))
             live = {}  # lane -> requests its steps in flight compute (not the void parts)

@@ -80,6 +80,16 @@ class Side:
                         pending.discard(d.request_id)
         return got
 
+    async def served_until_finished(self, wk, rids: set[str], wid: int = 0) -> dict:
+        """deltas_until_finished(rids) while a fresh SimWorker serves every step that reaches the socket wk."""
+        stop = asyncio.Event()
+        loop = asyncio.create_task(serve_steps(wk, SimWorker(64, BS), stop, wid))
+        try:
+            return await self.deltas_until_finished(rids)
+        finally:
+            stop.set()
+            await loop
+
 
 @contextlib.asynccontextmanager
 async def batcher(tmp_path, **overrides):
@@ -127,12 +137,8 @@ async def test_a_worker_whose_connection_closes_is_lost_at_once_and_a_new_one_se
         (rej,) = (await side.deltas_until_finished({"b"}))["b"]
         assert isinstance(rej, P.Rejected) and rej.retryable  # no worker: the gateway answers 429/503
         wk2 = await side.worker(0)  # the restarted worker registers and serves
-        stop = asyncio.Event()
-        loop = asyncio.create_task(serve_steps(wk2, SimWorker(64, BS), stop))
         await side.add("c", max_tokens=5)
-        ds = (await side.deltas_until_finished({"c"}))["c"]
-        stop.set()
-        await loop
+        ds = (await side.served_until_finished(wk2, {"c"}))["c"]
         assert sum(len(d.new_token_ids) for d in ds) == 5 and ds[-1].finish_reason == P.FinishReason.LENGTH
 
 
@@ -166,11 +172,7 @@ async def test_requeue_recomputes_a_lost_workers_requests_on_another_worker(tmp_
             first += (await recv(side.gw, GW)).deltas
         await side.roundtrip()
         wa.close()
-        stop = asyncio.Event()
-        loop = asyncio.create_task(serve_steps(wb, SimWorker(64, BS), stop, wid=1))
-        rest = (await side.deltas_until_finished({"r"}))["r"]
-        stop.set()
-        await loop
+        rest = (await side.served_until_finished(wb, {"r"}, wid=1))["r"]
         ds = first + rest
         assert [d.finish_reason for d in ds if d.finish_reason is not None] == [P.FinishReason.LENGTH]
         assert sum(len(d.new_token_ids) for d in ds) == 12  # the client sees no break
@@ -197,11 +199,7 @@ async def test_requeue_with_no_live_worker_holds_the_requests_until_one_register
         await side.gw.send(P.encode(P.AbortRequests(request_ids=["b"])))
         aborted = (await side.deltas_until_finished({"b"}))["b"]
         wk2 = await side.worker(0)  # the launcher restarted it
-        stop = asyncio.Event()
-        loop = asyncio.create_task(serve_steps(wk2, SimWorker(64, BS), stop))
-        got = await side.deltas_until_finished({"a"})
-        stop.set()
-        await loop
+        got = await side.served_until_finished(wk2, {"a"})
         ds = [d for d in first if d.request_id == "a"] + got["a"]
         assert [d.finish_reason for d in ds if d.finish_reason is not None] == [P.FinishReason.LENGTH]
         assert sum(len(d.new_token_ids) for d in ds) == 12
@@ -287,12 +285,8 @@ async def test_rogue_frames_on_both_sockets_are_dropped_and_the_batcher_still_se
         assert set(side.b.workers) == {0} and side.b.owner == {}  # no fake worker, nothing admitted
         with pytest.raises(asyncio.TimeoutError):
             await recv(wk, WK, timeout=0.2)  # nothing reached the real worker
-        stop = asyncio.Event()
-        loop = asyncio.create_task(serve_steps(wk, SimWorker(64, BS), stop))
         await side.add("ok", max_tokens=4)
-        ds = (await side.deltas_until_finished({"ok"}))["ok"]
-        stop.set()
-        await loop
+        ds = (await side.served_until_finished(wk, {"ok"}))["ok"]
         assert ds[-1].finish_reason == P.FinishReason.LENGTH
         rogue_front.close()
         rogue_back.close()

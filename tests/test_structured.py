@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import asyncio
 import re
 
 import jsonschema
@@ -421,7 +420,7 @@ async def test_a_constrained_request_survives_a_worker_loss_and_a_grammar_needs_
     across the two workers (its matcher is rebuilt from the tokens streamed)."""
     from batcher.sim.engine import SimWorker
     from laneserve.wire import protocol as P
-    from tests.test_reliability import GW, WK, batcher, recv, serve_steps
+    from tests.test_reliability import GW, WK, batcher, recv
 
     async with batcher(tmp_path, on_worker_loss="requeue") as side:
         wa = await side.worker(0)
@@ -443,11 +442,7 @@ async def test_a_constrained_request_survives_a_worker_loss_and_a_grammar_needs_
             first += (await recv(side.gw, GW)).deltas
         await side.roundtrip()
         wa.close()
-        stop = asyncio.Event()
-        loop = asyncio.create_task(serve_steps(wb, SimWorker(64, BS), stop, wid=1))
-        rest = (await side.deltas_until_finished({"j"}))["j"]
-        stop.set()
-        await loop
+        rest = (await side.served_until_finished(wb, {"j"}, wid=1))["j"]
     ds = first + rest
     assert [d.finish_reason for d in ds if d.finish_reason is not None] == [FinishReason.STOP]
     jsonschema.validate(json.loads(TOK.decode([t for d in ds for t in d.new_token_ids])), SCHEMA)

@@ -19,6 +19,10 @@ class WorkerConfig:
     max_model_len: int = shared("max_model_len")
     max_num_seqs: int = shared("max_num_seqs")
     max_num_batched_tokens: int = shared("max_num_batched_tokens")
+    draft_model: str = field(default="", metadata=flag(
+        "a smaller model sharing the model's tokenizer ('tiny', an HF checkpoint dir, a .gguf) for the batcher's "
+        "--speculative draft: loaded beside the model, with its own K/V in every KV block, in the model's dtype "
+        "(random weights when --load-format dummy); '' = none"))
     kv_cache_memory: str = field(default="", metadata=flag(
         "KV pool size, e.g. 256MiB or 4GiB; empty = on CPU 256MiB or room for two --max-model-len sequences, "
         "whichever is more; on CUDA --gpu-memory-utilization"))

@@ -46,9 +46,12 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=i32, device=device)
         # pinned host staging: ids, positions, slots, seq_lens, pending-token rows in one int64 buffer;
         # tables apart. Two of each, used in turn: with overlapped steps the GPU may not yet have copied
-        # the previous step's buffer when the next step is staged (the one before that has finished).
+        # the previous step's buffer when the next step is staged. A buffer is written again only once the
+        # copies out of it are done (its event): replays with no host sync between them (a draft model's
+        # passes) would otherwise overwrite a buffer the GPU has not read yet.
         self.host_vec = [torch.zeros(5, n, dtype=i64, pin_memory=True) for _ in range(2)]
         self.host_tables = [torch.zeros(n, self.max_blocks, dtype=i32, pin_memory=True) for _ in range(2)]
+        self.copied: list[torch.cuda.Event | None] = [None, None]
         self.turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -93,8 +96,11 @@ class DecodeGraphs:
         input token is prev_tokens[src[i]] (sampled by the step in flight, still on the device)."""
         n = len(input_ids)
         bs = next(s for s in self.sizes if s >= n)
-        host_vec, host_tables = self.host_vec[self.turn], self.host_tables[self.turn]
+        turn = self.turn
+        host_vec, host_tables = self.host_vec[turn], self.host_tables[turn]
         self.turn ^= 1
+        if self.copied[turn] is not None:
+            self.copied[turn].synchronize()  # (at once, unless replays run ahead of the GPU)
         vec = host_vec.numpy()
         vec[0, :n], vec[1, :n], vec[2, :n], vec[3, :n] = input_ids, positions, slots, seq_lens
         vec[2, n:bs] = -1  # padding rows write no K/V
@@ -116,5 +122,7 @@ class DecodeGraphs:
         self.seq_lens[:bs].copy_(staged[3, :bs])
         width = max(len(t) for t in tables)
         self.block_tables[:n, :width].copy_(host_tables[:n, :width], non_blocking=True)
+        self.copied[turn] = event = self.copied[turn] or torch.cuda.Event()
+        event.record()
         self.graphs[bs].replay()
         return self.logits[bs][:n]

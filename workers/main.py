@@ -48,7 +48,8 @@ def run(cfg: WorkerConfig) -> None:
                                    protocol_version=P.PROTOCOL_VERSION, model=runner.model_name,
                                    vocab_size=runner.model_config.vocab_size,
                                    concurrent_lanes=bool(runner.lane_streams),
-                                   speculative=runner.tp_size == 1))
+                                   speculative=runner.tp_size == 1, draft_model=cfg.draft_model,
+                                   draft_size=runner.draft_size()))
     sock.send(ready)
     log.info("worker %d ready: %d KV blocks", cfg.worker_id, runner.num_blocks)
     alive = Liveness(cfg.liveness_file)

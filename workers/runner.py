@@ -52,6 +52,7 @@ from workers.attention import AttentionMetadata, get_backend
 from workers.collectives import broadcast_tokens, min_across_ranks, rank_device
 from workers.config import WorkerConfig
 from workers.cuda_graphs import DecodeGraphs
+from workers.draft import Drafter
 from workers.kv_cache import (BLOCK_SIZE, DEFAULT_CPU_KV_BYTES, KVCache, bytes_per_block, gpu_kv_budget, load_kv_scales,
                               parse_bytes, resolve_kv_dtype)
 from workers.loader import load_model, resolve_device, resolve_dtype
@@ -90,6 +91,7 @@ class _InFlight:
     verify: _Verify | None = None  # speculative decoding: the drafts it verifies
     done: torch.cuda.Event | None = None  # two lanes: recorded after all of the step's work on its stream
     scores: PromptScores | None = None  # the prompt logprobs of its chunks, for the requests that ask
+    draft_time: float = 0.0  # seconds its draft model took (StepInput.draft_jobs)
 
     def ready(self) -> bool:
         """Its tokens are on the host (collect() would not wait)."""
@@ -159,6 +161,11 @@ class ModelRunner:
         self.model = load_model(cfg.model, mc, self.dtype, self.device, cfg.load_format, cfg.seed,
                                 tp_rank, self.tp_size)
         self.backend = get_backend(cfg.attention_backend, self.device, self.num_kv_heads)
+        self.drafter: Drafter | None = None  # --draft-model: loaded before the pool is sized, which holds its K/V too
+        if cfg.draft_model:
+            if self.tp_size != 1:
+                raise ValueError("--draft-model needs --tensor-parallel-size 1")
+            self.drafter = Drafter(cfg, mc, self.dtype, self.device, self.max_model_len)
         self.requests: dict[str, RequestState] = {}
         self.overlap = cfg.overlap_steps == "on" or (
             cfg.overlap_steps == "auto" and self.device.type == "cuda" and self.tp_size == 1)
@@ -180,6 +187,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # captured below, after the pool exists
         self.kv_cache = self._allocate_kv_cache()
         self.num_blocks = self.kv_cache.num_blocks
+        if self.drafter is not None:
+            self.drafter.allocate(self.num_blocks)
         self.model.bind(self.kv_cache.layer_caches(), self.backend, self.max_model_len, self.kv_cache.layer_scales())
         if self.device.type == "cuda" and self.backend.name == "triton":
             attn = self.model.model.layers[0].self_attn
@@ -196,10 +205,18 @@ class ModelRunner:
                  str(self.kv_dtype).split(".")[-1],
                  f", scales: {self.kv_cache.scales.source}" if self.kv_cache.scales is not None else "")
 
+    def draft_size(self) -> float:
+        """The draft model's parameters over the model's (0: none)."""
+        if self.drafter is None:
+            return 0.0
+        return self.drafter.num_parameters() / sum(p.numel() for p in self.model.parameters())
+
     # ------------------------------------------------------------------ KV pool
     def _allocate_kv_cache(self) -> KVCache:
         mc = self.model_config
         per_block = bytes_per_block(mc.num_layers, self.num_kv_heads, mc.head_dim, self.kv_dtype)
+        if self.drafter is not None:  # each block id holds the draft's K/V too
+            per_block += self.drafter.bytes_per_block
         budget = parse_bytes(self.cfg.kv_cache_memory)  # per rank: each holds num_kv_heads/T heads
         need = -(-self.max_model_len // BLOCK_SIZE)
         if not budget:  # CPU: 256 MiB, or room for two full-length sequences if that is more
@@ -310,11 +327,11 @@ class ModelRunner:
                 self.flush(lanes)  # this step needs the tokens of the one in flight on the host
             if step.spec_token_ids and self.tp_size != 1:
                 raise ValueError("speculative drafts need tensor parallel 1")
-            sampled_reqs, logits_fn, verify, scores = self._run(step.num_scheduled_tokens, pending, lane,
-                                                                step.spec_token_ids)
+            drafts, draft_time = self._propose(step.draft_jobs) if step.draft_jobs else (step.spec_token_ids, 0.0)
+            sampled_reqs, logits_fn, verify, scores = self._run(step.num_scheduled_tokens, pending, lane, drafts)
             self.flush(lanes)
             f = self._flights[lane] = self._sample(step.step, lane, sampled_reqs, logits_fn, t0)
-            f.verify, f.scores = verify, scores
+            f.verify, f.scores, f.draft_time = verify, scores, draft_time
             for rid in step.allowed_token_ids:
                 self.requests[rid].sample_row.allowed = None
             if stream is not None:  # its output must not say "done" before the GPU is: held blocks go free then
@@ -362,6 +379,7 @@ class ModelRunner:
         # This step's own time: from its start, or from the end of its lane's step before when they overlapped.
         done = time.perf_counter()
         out.execute_time = done - max(f.t0, self._last_done[f.lane])
+        out.draft_time = f.draft_time
         self._last_done[f.lane] = done
         self._outbox.append(out)
 
@@ -374,6 +392,22 @@ class ModelRunner:
         lost = sorted(f.step for f in self._flights.values())
         self.reset()
         return lost
+
+    def _propose(self, jobs: dict[str, P.DraftJob]) -> tuple[dict[str, list[int]], float]:
+        """The draft model's work of a step (StepInput.draft_jobs) -> the drafts each request verifies, and the
+        seconds it took."""
+        if self.drafter is None:
+            raise ValueError("draft jobs for a worker without --draft-model")
+        work = []
+        for rid, job in jobs.items():
+            r = self.requests[rid]
+            if not 0 <= job.start < job.stop <= len(r.token_ids) or job.k < 0 or (
+                    job.k and job.stop != r.num_computed_tokens + 1):
+                raise ValueError(f"{rid}: draft job {job} for {r.num_computed_tokens} computed of "
+                                 f"{len(r.token_ids)} tokens")
+            work.append((r.token_ids, r.block_ids, job))
+        proposed, seconds = self.drafter.propose(work)
+        return {rid: d for rid, d in zip(jobs, proposed) if d}, seconds
 
     def _pending_rows(self, scheduled: dict[str, int], lane: int) -> dict[str, int] | None:
         """With a step of this lane in flight: for a decode-only step that can run before its tokens reach the
@@ -490,46 +524,24 @@ class ModelRunner:
         order = sorted(scheduled, key=lambda rid: (scheduled[rid] != 1,
                                                    -self.requests[rid].num_computed_tokens * (scheduled[rid] == 1)))
         reqs = [self.requests[rid] for rid in order]
-        input_ids, positions, slots, query_lens, seq_lens, tables = [], [], [], [], [], []
-        bs = BLOCK_SIZE
+        rows = []
         for r in reqs:
             n, start = scheduled[r.request_id], r.num_computed_tokens
-            pos = np.arange(start, start + n)
-            num_blocks = -(-(start + n) // bs)
-            blocks = np.asarray(r.block_ids[:num_blocks], dtype=np.int64)
-            ids = np.zeros(n, dtype=np.int64)  # a pending token (not yet on the host) stays 0 here
-            known = r.token_ids[start:start + n]
+            known = r.token_ids[start:start + n]  # a pending token (not yet on the host) stays 0 here
             if drafts and r.request_id in drafts:  # its last token, then the drafts to verify
                 known = known + drafts[r.request_id]
                 if len(known) != n:
                     raise ValueError(f"{r.request_id}: {n} tokens scheduled for 1 + {len(known) - 1} drafts")
-            ids[:len(known)] = known
-            input_ids.append(ids)
-            positions.append(pos)
-            slots.append(blocks[pos // bs] * bs + pos % bs)
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            tables.append(blocks)
-        width = max(len(t) for t in tables)
-        block_tables = np.zeros((len(reqs), width), dtype=np.int32)
-        for i, t in enumerate(tables):
-            block_tables[i, :len(t)] = t
-        qsl = np.zeros(len(reqs) + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=qsl[1:])
+            rows.append((r.block_ids, start, n, known))
         dev = self.device
-        meta = AttentionMetadata(
-            query_start_loc=to_device(torch.from_numpy(qsl), torch.int32, dev),
-            seq_lens=to_device(seq_lens, torch.int32, dev),
-            block_tables=to_device(torch.from_numpy(block_tables), torch.int32, dev),
-            slot_mapping=to_device(torch.from_numpy(np.concatenate(slots)), torch.int64, dev),
-            num_decodes=_leading_ones(query_lens),
-            query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
-        self.backend.prepare(meta, bs, self.model_config.sliding_window)
-        token_ids = to_device(torch.from_numpy(np.concatenate(input_ids)), torch.int64, dev)
+        meta, ids, positions = AttentionMetadata.from_rows(rows, BLOCK_SIZE, dev)
+        query_lens, qsl = meta.query_lens_cpu, np.cumsum([0, *meta.query_lens_cpu])
+        self.backend.prepare(meta, BLOCK_SIZE, self.model_config.sliding_window)
+        token_ids = to_device(torch.from_numpy(ids), torch.int64, dev)
         if pending:  # decode-only: row i is request order[i]'s single token
             rows = to_device([pending.get(rid, -1) for rid in order], torch.int64, dev)
             token_ids = torch.where(rows >= 0, prev[rows.clamp(min=0)], token_ids)
-        hidden = self.model(token_ids, to_device(torch.from_numpy(np.concatenate(positions)), torch.int64, dev), meta)
+        hidden = self.model(token_ids, to_device(torch.from_numpy(positions), torch.int64, dev), meta)
         scores = self._score_prompts(reqs, query_lens, qsl, hidden)
 
         # A request samples when this step's chunk reaches the end of its tokens (+ a pending one), unless it asked
@@ -568,9 +580,3 @@ class ModelRunner:
                 rows.append((r.request_id, int(qsl[i]), start, count, r.token_ids[start + 1:start + 1 + count], k))
         return PromptScores(rows, hidden, self.model.compute_logits) if rows else None
 
-
-def _leading_ones(query_lens: list[int]) -> int:
-    n = 0
-    while n < len(query_lens) and query_lens[n] == 1:
-        n += 1
-    return n

@@ -100,10 +100,14 @@ class SimWorker:
     """
 
     def __init__(self, num_blocks: int, block_size: int, check_kv: bool = False, vocab: int = 32000,
-                 token_fn=None):
+                 token_fn=None, draft_fn=None):
         self.block_size = block_size
         self.vocab = vocab
         self.token_fn = token_fn  # (request_id, tokens so far) -> next token; default never a stop token
+        # StepInput.draft_jobs: (request_id, tokens so far) -> the draft model's next token (default token_fn's); it
+        # checks that a draft never reads draft K/V not computed before (draft_done: request id -> its positions)
+        self.draft_fn = draft_fn
+        self.draft_done: dict[str, int] = {}
         self.reqs: dict[str, list] = {}  # id -> [token_ids, block_ids, num_computed]
         self.unsampled: set[str] = set()  # requests with max_tokens 0: their prompt is computed, nothing sampled
         self.kv = [-1] * (num_blocks * block_size) if check_kv else None
@@ -128,6 +132,7 @@ class SimWorker:
         for rid in step.finished_req_ids:
             self.reqs.pop(rid, None)
             self.unsampled.discard(rid)
+            self.draft_done.pop(rid, None)
         for nr in step.new_reqs:
             assert nr.request_id not in self.reqs, f"NewReq for a request the worker holds: {nr.request_id}"
             toks = nr.prompt_token_ids + nr.output_token_ids
@@ -137,6 +142,7 @@ class SimWorker:
                     assert self.kv[slot] == toks[pos], f"prefix hit of {nr.request_id} at {pos}: stale K/V"
                     self._touch(slot // bs, step, write=False)
             self.reqs[nr.request_id] = [toks, list(nr.block_ids), nr.num_computed_tokens]
+            self.draft_done[nr.request_id] = 0
             if not nr.params.max_tokens:
                 self.unsampled.add(nr.request_id)
         for cr in step.cached_reqs:
@@ -144,7 +150,7 @@ class SimWorker:
         ids, sampled = [], []
         prefill_tokens = attention = decode_seqs = kv_read = 0
         reqs, kv, token_fn, vocab = self.reqs, self.kv, self.token_fn, self.vocab
-        spec = step.spec_token_ids
+        spec = self._draft(step) if step.draft_jobs else step.spec_token_ids
         for rid, n in step.num_scheduled_tokens.items():
             st = reqs[rid]
             toks, blocks, done = st
@@ -191,11 +197,37 @@ class SimWorker:
                 toks.append(tok)
                 ids.append(rid)
                 sampled.append([tok])
+        for rid, job in step.draft_jobs.items():  # the draft K/V now known: up to the first rejected draft's
+            toks, drafts = reqs[rid][0], spec.get(rid, ())
+            kept = 0
+            while kept < len(drafts) and job.stop + kept < len(toks) and toks[job.stop + kept] == drafts[kept]:
+                kept += 1
+            self.draft_done[rid] = job.stop + min(kept, max(job.k - 1, 0))
         if step.allowed_token_ids and not set(step.allowed_token_ids) <= set(ids):
             raise AssertionError(f"step {step.step} has token masks for requests that do not sample in it")
         self.open.add(step.step)
         return (StepOutput(step=step.step, worker_id=0, request_ids=ids, sampled_token_ids=sampled),
                 (prefill_tokens, attention, decode_seqs, kv_read, 1 if prefill_tokens else 0))
+
+
+    def _draft(self, step: StepInput) -> dict[str, list[int]]:
+        """The drafts of StepInput.draft_jobs (the draft model's work: workers/draft.py), checking the contract:
+        positions [start, stop) known, start at or before the draft K/V computed so far, and a job that drafts
+        ends at its request's input."""
+        drafts = {}
+        fn = self.draft_fn or self.token_fn
+        for rid, job in step.draft_jobs.items():
+            toks, _, done = self.reqs[rid]
+            if not (0 <= job.start < job.stop <= len(toks) and job.start <= self.draft_done[rid] and job.k >= 0
+                    and (not job.k or job.stop == done + 1 == len(toks))):
+                raise AssertionError(f"bad draft job {job} for {rid}: {done} computed of {len(toks)}, draft K/V of "
+                                     f"{self.draft_done[rid]}")
+            proposed = list(toks)
+            for _ in range(job.k):
+                proposed.append(fn(rid, proposed) if fn is not None else sim_token(len(proposed), rid, self.vocab))
+            if job.k:
+                drafts[rid] = proposed[len(toks):]
+        return drafts
 
 
 class InProcessScheduler(Scheduler):

@@ -188,6 +188,17 @@ class CachedReq(msgspec.Struct, array_like=True, gc=False):
 LANE_MIXED, LANE_DECODE, LANE_PREFILL = 0, 1, 2  # StepInput.lane
 
 
+class DraftJob(msgspec.Struct, array_like=True, gc=False):
+    """Draft-model work for one request in a step (`--speculative draft`, docs/speculative.md). The worker's draft
+    model computes its K/V of the request's positions [start, stop) (every token there is known to the worker),
+    then, when k > 0, proposes k drafts: its argmax after position stop - 1, which is then the request's input
+    position this step (its num_scheduled_tokens is 1 + k), and after each draft in turn. k = 0: the K/V only."""
+
+    start: int
+    stop: int
+    k: int
+
+
 class StepInput(Msg):
     """One forward: new requests in full, running ones as a diff.
 
@@ -209,6 +220,8 @@ class StepInput(Msg):
     # num_scheduled_tokens is 1 + len(drafts), its input its last token then the drafts, and its
     # output row the accepted drafts then one token sampled after them (greedy verification)
     spec_token_ids: dict[str, list[int]] = {}
+    # the same with a draft model: request id -> its DraftJob; the worker proposes the drafts itself
+    draft_jobs: dict[str, DraftJob] = {}
     new_reqs: list[NewReq] = []
     cached_reqs: list[CachedReq] = []
     num_scheduled_tokens: dict[str, int] = {}
@@ -240,6 +253,8 @@ class WorkerReady(Msg):
     vocab_size: int = 0  # 0 = unknown; else the batcher rejects token ids outside [0, vocab_size)
     concurrent_lanes: bool = False  # it runs LANE_DECODE and LANE_PREFILL steps at once (--lanes auto: streams)
     speculative: bool = False  # it verifies StepInput.spec_token_ids (tensor parallel 1)
+    draft_model: str = ""  # its draft model (--draft-model): it runs StepInput.draft_jobs
+    draft_size: float = 0.0  # the draft model's parameters over the model's (the batcher's first guess of its cost)
 
 
 class StepOutput(Msg):
@@ -252,6 +267,7 @@ class StepOutput(Msg):
     execute_time: float = 0.0  # seconds the worker spent on this step alone (from its start, or the end of the
     # step before when they overlap, to its tokens on the host): what the batcher's cost model learns from
     prompt_logprobs: dict[str, PromptLogprobs] = {}  # request id -> the prompt tokens this step's chunk scored
+    draft_time: float = 0.0  # seconds of execute_time its draft model took (StepInput.draft_jobs)
 
 
 class Heartbeat(Msg):

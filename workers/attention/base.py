@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from workers.kv_cache import LayerScales
@@ -31,6 +32,40 @@ class AttentionMetadata:
     seq_lens_cpu: list[int] = field(default_factory=list)
     # filled by AttentionBackend.prepare(); backend-private, computed once per step for all layers
     plan: object = None
+
+    @classmethod
+    def from_rows(cls, rows: list[tuple[list[int], int, int, list[int]]], block_size: int,
+                  device: torch.device) -> tuple[AttentionMetadata, np.ndarray, np.ndarray]:
+        """A step's metadata, input ids and positions (host arrays) from its sequences in row order, one-token ones
+        first: each (block ids, first position, tokens computed, the known ones of those tokens: any missing at
+        the end are input 0, for the caller to fill). Host values reach the device without a sync."""
+        from workers.sampling import to_device
+
+        ids, positions, slots, query_lens, seq_lens = [], [], [], [], []
+        width = max(-(-(start + n) // block_size) for _, start, n, _ in rows)
+        block_tables = np.zeros((len(rows), width), dtype=np.int32)
+        for i, (block_ids, start, n, known) in enumerate(rows):
+            pos = np.arange(start, start + n)
+            blocks = np.asarray(block_ids[:-(-(start + n) // block_size)], dtype=np.int64)
+            block_tables[i, :len(blocks)] = blocks
+            row = np.zeros(n, dtype=np.int64)
+            row[:len(known)] = known
+            ids.append(row)
+            positions.append(pos)
+            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+            query_lens.append(n)
+            seq_lens.append(start + n)
+        qsl = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=qsl[1:])
+        decodes = 0
+        while decodes < len(query_lens) and query_lens[decodes] == 1:
+            decodes += 1
+        meta = cls(query_start_loc=to_device(torch.from_numpy(qsl), torch.int32, device),
+                   seq_lens=to_device(seq_lens, torch.int32, device),
+                   block_tables=to_device(torch.from_numpy(block_tables), torch.int32, device),
+                   slot_mapping=to_device(torch.from_numpy(np.concatenate(slots)), torch.int64, device),
+                   num_decodes=decodes, query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+        return meta, np.concatenate(ids), np.concatenate(positions)
 
     @property
     def num_seqs(self) -> int:

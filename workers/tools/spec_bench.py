@@ -12,6 +12,11 @@ given acceptance rate buy end to end.
   results that differ in the last bit can flip a near-tie, so it falls a little below alpha. (A first version
   took every draft from one continuation computed up front: after the first such flip the request left that
   continuation and nearly every later draft was rejected, 0-10% acceptance at alpha 1.)
+- draft (`--draft-model dummy` for a ~0.33B draft of the 7B's vocabulary with dummy weights, or a path): the time
+  of one step whose worker's draft model proposes K drafts for each of B requests and the model verifies them
+  (`--speculative draft`), and the draft's share of it (StepOutput.draft_time), for K = 1..8; with the verify
+  and plain step times of the same call, the speedup K drafts of acceptance alpha would give, E(K) times the
+  plain step over the draft-and-verify step (random weights accept nothing, so this is computed, not run).
 `python -m workers.tools.spec_bench plot out.json out.png [ACCEPTANCE]` draws the alpha sweep: speedup against the
 measured acceptance rate, with a mark at a real model's rate.
 Steps go through ModelRunner.execute as the worker runs them (CUDA graphs: a verify is a decode graph replay with
@@ -33,8 +38,14 @@ import torch
 from laneserve.wire import protocol as P
 from workers.config import WorkerConfig
 from workers.runner import ModelRunner
-from workers.tools.bench import write_dummy_model_dir
+from batcher.spec import expected_tokens
+from workers.tools.bench import MISTRAL_7B, write_dummy_model_dir
 from workers.tools.driver import EngineDriver, sync
+
+
+# a ~0.33B draft of the Mistral-7B vocabulary (24 layers of 1024, 4 KV heads)
+DRAFT_SHAPE = MISTRAL_7B | {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 24,
+                            "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64}
 
 
 class Bench:
@@ -67,6 +78,37 @@ class Bench:
         sched = {rid: 1 + len(drafts.get(rid, ())) for rid in self.runner.requests}
         return self.runner.execute(P.StepInput(step=self.step, num_scheduled_tokens=sched,
                                                spec_token_ids={r: d for r, d in drafts.items() if d}))
+
+
+    def run_draft(self, k: int, catch_up: bool = False) -> P.StepOutput:
+        """One step whose draft model proposes k drafts per request (its draft K/V complete: catch_up computes it
+        for the whole context first, with no drafts)."""
+        self.step += 1
+        jobs = {rid: P.DraftJob(0 if catch_up else r.num_computed_tokens, r.num_computed_tokens + 1, k)
+                for rid, r in self.runner.requests.items()}
+        return self.runner.execute(P.StepInput(step=self.step, num_scheduled_tokens={r: 1 + k for r in jobs},
+                                               draft_jobs=jobs))
+
+
+def draft_costs(bench: Bench, ks: list[int], reps: int) -> dict[int, tuple[float, float]]:
+    """K -> (ms of a draft-and-verify step, ms of its draft part), medians after warm-up."""
+    bench.run_draft(0, catch_up=True)
+    bench.restore()
+    out = {}
+    for k in ks:
+        steps, drafts = [], []
+        for i in range(reps + 3):
+            bench.restore()
+            sync()
+            t0 = time.perf_counter()
+            result = bench.run_draft(k)
+            sync()
+            if i >= 3:
+                steps.append(time.perf_counter() - t0)
+                drafts.append(result.draft_time)
+        out[k] = (statistics.median(steps) * 1000.0, statistics.median(drafts) * 1000.0)
+    bench.restore()
+    return out
 
 
 def verify_costs(bench: Bench, ks: list[int], reps: int) -> dict[int, float]:
@@ -163,15 +205,21 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=96, help="tokens generated per request in the alpha sweep")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--model", default="", help="default: the Mistral-7B shape with dummy bf16 weights")
+    ap.add_argument("--draft-model", default="", help="also time draft-model steps: 'dummy' (a ~0.33B shape, dummy "
+                    "weights) or a model path")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    draft = args.draft_model
+    if draft == "dummy":
+        draft = write_dummy_model_dir(tempfile.mkdtemp(), DRAFT_SHAPE)
     if args.model:  # e.g. tiny, to try the tool on a CPU
-        runner = ModelRunner(WorkerConfig(model=args.model, max_model_len=4096, kv_cache_memory="64MiB"))
+        runner = ModelRunner(WorkerConfig(model=args.model, max_model_len=4096, kv_cache_memory="64MiB",
+                                          draft_model=draft))
     else:
         runner = ModelRunner(WorkerConfig(model=write_dummy_model_dir(tempfile.mkdtemp()), load_format="dummy",
-                                          dtype="bfloat16", max_model_len=4096, max_num_seqs=256))
+                                          dtype="bfloat16", max_model_len=4096, max_num_seqs=256, draft_model=draft))
     device = torch.cuda.get_device_name() if runner.device.type == "cuda" else "cpu"
-    result = {"device": device, "context": args.context, "verify_ms": {}, "alpha": {}}
+    result = {"device": device, "context": args.context, "verify_ms": {}, "alpha": {}, "draft_ms": {}}
     alpha_batches = {int(b) for b in args.alpha_batches.split(",")}
     for b in (int(x) for x in args.batches.split(",")):
         runner.reset()
@@ -179,6 +227,13 @@ def main(argv=None) -> int:
         costs = verify_costs(bench, list(range(9)), args.reps)
         result["verify_ms"][b] = costs
         print(f"batch {b}: verify ms by K " + " ".join(f"{k}:{v:.2f}" for k, v in costs.items()), flush=True)
+        if draft:
+            drafted = draft_costs(bench, list(range(1, 9)), args.reps)
+            result["draft_ms"][b] = {k: {"step": step, "draft": part, "speedup": {
+                a: round(expected_tokens(k, float(a)) * costs[0] / step, 3) for a in args.alphas.split(",")}}
+                for k, (step, part) in drafted.items()}
+            print(f"batch {b}: draft+verify ms (draft part) by K " + " ".join(
+                f"{k}:{step:.2f}({part:.2f})" for k, (step, part) in drafted.items()), flush=True)
         if b not in alpha_batches:
             continue
         base = decode_with_drafts(bench, 0, 0.0, args.tokens)
