@@ -21,7 +21,7 @@ from laneserve.wire.protocol import DraftJob, FinishReason
 from tests.test_async_scheduling import AsyncDriver
 from tests.test_lanes import LaneDriver, engine, family  # noqa: F401  (family: the per-architecture fixture)
 from tests.test_scheduler import Driver, add
-from tests.test_speculative import BS, CHEAP_VERIFY, JOBS, cfg, cycle
+from tests.test_speculative import BS, CHEAP_VERIFY, JOBS, EagerGraphs, cfg, cycle
 
 
 # ---------------------------------------------------------------------- pricing
@@ -146,6 +146,22 @@ def test_every_family_gives_transformers_greedy_tokens_with_a_draft_model(family
         assert st.spec_steps > 0
         if draft == runner.cfg.model:
             assert st.spec_accepted > 0.9 * st.spec_drafted
+
+
+def test_the_draft_models_graph_passes_give_transformers_tokens(family, drafts):  # noqa: F811
+    """workers/draft.py's CUDA-graph passes (a row per position, the first pass's catch-up included while it fits
+    the largest graph) run on the CPU through the eager stand-in for DecodeGraphs."""
+    from tests.helpers_models import hf_greedy, random_prompt
+
+    hf, runner = family
+    drafted = _with_draft(runner, runner.cfg.model)
+    d = drafted.drafter
+    d.graphs = graphs = EagerGraphs(d.model, d.backend, d.model_config.sliding_window)
+    jobs = {"loop": (random_prompt(6, seed=5) * 5, 40), "a": (random_prompt(37, seed=21), 30)}
+    out, s = engine(drafted, "mixed", jobs, random.Random(1), cost=CHEAP_VERIFY, speculative="draft")
+    assert out == {rid: hf_greedy(hf, prompt, n) for rid, (prompt, n) in jobs.items()}
+    assert s.stats().spec_accepted > 0.9 * s.stats().spec_drafted
+    assert graphs.rows and max(graphs.rows) > len(jobs)  # a first pass of several positions went through a graph
 
 
 def test_a_seeded_sampled_request_gets_the_same_tokens_with_a_draft_model(family, drafts):  # noqa: F811

@@ -266,45 +266,50 @@ def test_drafts_never_preempt_or_fail_a_request_that_one_token_would_fit():
     assert runs[1].s.preemptions == 0 and runs[1].s.stats().spec_accepted > 0
 
 
+class EagerGraphs:
+    """A stand-in for workers/cuda_graphs.py DecodeGraphs on the CPU: runs the same rows eagerly as decode rows,
+    which is what a captured graph computes."""
+
+    sizes = [1, 2, 4, 8, 64]
+
+    def __init__(self, model, backend, window):
+        self.model, self.backend, self.window = model, backend, window
+        self.rows: list[int] = []
+
+    def run(self, ids, pos, slots, lens, tables, src=None, prev=None):
+        import numpy as np
+        import torch
+
+        from workers.attention import AttentionMetadata
+
+        n = len(ids)
+        self.rows.append(n)
+        table = np.zeros((n, max(len(t) for t in tables)), dtype=np.int32)
+        for i, t in enumerate(tables):
+            table[i, :len(t)] = t
+        lens = [int(x) for x in lens]
+        meta = AttentionMetadata(query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+                                 seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=torch.from_numpy(table),
+                                 slot_mapping=torch.tensor(np.asarray(slots), dtype=torch.int64), num_decodes=n,
+                                 query_lens_cpu=[1] * n, seq_lens_cpu=lens)
+        self.backend.prepare(meta, BS, self.window)
+        tokens = torch.tensor(np.asarray(ids), dtype=torch.int64)
+        if src is not None:
+            rows = torch.tensor(src)
+            tokens = torch.where(rows >= 0, prev[rows.clamp(min=0)], tokens)
+        hidden = self.model(tokens, torch.tensor(np.asarray(pos), dtype=torch.int64), meta)
+        return self.model.compute_logits(hidden)
+
+
 def test_the_verify_graph_path_gives_transformers_tokens(family):  # noqa: F811
     """workers/runner.py's CUDA-graph verify (a row per position) run on the CPU: a stand-in for DecodeGraphs runs
     the same rows eagerly as decode rows, which is what the captured graph computes."""
-    import numpy as np
-    import torch
-
     from tests.helpers_models import hf_greedy, random_prompt
-    from workers.attention import AttentionMetadata
 
     hf, runner = family
-
-    class EagerGraphs:
-        sizes = [1, 2, 4, 8, 64]
-
-        def __init__(self):
-            self.rows: list[int] = []
-
-        def run(self, ids, pos, slots, lens, tables, src=None, prev=None):
-            n = len(ids)
-            self.rows.append(n)
-            table = np.zeros((n, max(len(t) for t in tables)), dtype=np.int32)
-            for i, t in enumerate(tables):
-                table[i, :len(t)] = t
-            lens = [int(x) for x in lens]
-            meta = AttentionMetadata(query_start_loc=torch.arange(n + 1, dtype=torch.int32),
-                                     seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=torch.from_numpy(table),
-                                     slot_mapping=torch.tensor(np.asarray(slots), dtype=torch.int64), num_decodes=n,
-                                     query_lens_cpu=[1] * n, seq_lens_cpu=lens)
-            runner.backend.prepare(meta, runner.block_size, runner.model_config.sliding_window)
-            tokens = torch.tensor(np.asarray(ids), dtype=torch.int64)
-            if src is not None:
-                rows = torch.tensor(src)
-                tokens = torch.where(rows >= 0, prev[rows.clamp(min=0)], tokens)
-            hidden = runner.model(tokens, torch.tensor(np.asarray(pos), dtype=torch.int64), meta)
-            return runner.model.compute_logits(hidden)
-
     pattern = random_prompt(6, seed=5)
     jobs = {"loop": (pattern * 5, 40), "a": (random_prompt(37, seed=21), 30), "c": (random_prompt(5, seed=1) * 8, 60)}
-    runner.graphs = graphs = EagerGraphs()
+    runner.graphs = graphs = EagerGraphs(runner.model, runner.backend, runner.model_config.sliding_window)
     try:
         out, s = engine(runner, "mixed", jobs, random.Random(1), cost=CHEAP_VERIFY, speculative="ngram")
     finally:

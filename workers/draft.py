@@ -23,6 +23,7 @@ from laneserve.modelspec import ModelConfig, load_model_config
 from laneserve.wire.protocol import DraftJob
 from workers.attention import AttentionMetadata, get_backend
 from workers.config import WorkerConfig
+from workers.cuda_graphs import DecodeGraphs
 from workers.kv_cache import BLOCK_SIZE, KVCache, bytes_per_block
 from workers.loader import load_model
 from workers.sampling import to_device
@@ -44,6 +45,7 @@ class Drafter:
         self.backend = get_backend(cfg.attention_backend, device, mc.num_kv_heads)
         self.bytes_per_block = bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
         self.kv_cache: KVCache | None = None
+        self.graphs: DecodeGraphs | None = None  # capture_graphs(): CUDA, the Triton backend, not --enforce-eager
 
     def allocate(self, num_blocks: int) -> None:
         """The draft pool: as many blocks as the model's pool."""
@@ -59,46 +61,85 @@ class Drafter:
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
+    def capture_graphs(self, max_num_seqs: int) -> None:
+        """CUDA graphs for the draft's passes (the decode graphs of workers/cuda_graphs.py, on the draft)."""
+        self.graphs = DecodeGraphs(self.model, self.backend, max_num_seqs, self.max_model_len, BLOCK_SIZE,
+                                   self.device)
+        self.graphs.capture()
+
     def propose(self, jobs: list[tuple[list[int], list[int], DraftJob]]) -> tuple[list[list[int]], float]:
         """For each job (the request's tokens, its block ids, the job): its drafts ([] for k = 0), and the seconds
         it all took. One forward over every job's positions [start, stop), then one decode forward per further
-        draft, each over the jobs that want that many; the drafts stay on the device until the end (one sync)."""
+        draft, each over the jobs that want that many; the drafts stay on the device until the end (one sync).
+        With CUDA graphs each pass is a decode graph replay, a row per position (the first pass too while its
+        positions fit the largest graph: every row's K/V is written before any row's attention reads it)."""
         t0 = time.perf_counter()
-        bs, dev, window = BLOCK_SIZE, self.device, self.model_config.sliding_window
-        order = sorted(range(len(jobs)), key=lambda i: jobs[i][2].stop - jobs[i][2].start != 1)  # decodes first
-        rows = [(jobs[i][1], jobs[i][2].start, jobs[i][2].stop - jobs[i][2].start,
-                 jobs[i][0][jobs[i][2].start:jobs[i][2].stop]) for i in order]
-        meta, ids, positions = AttentionMetadata.from_rows(rows, bs, dev)
-        self.backend.prepare(meta, bs, window)
-        hidden = self.model(to_device(torch.from_numpy(ids), torch.int64, dev),
-                            to_device(torch.from_numpy(positions), torch.int64, dev), meta)
+        bs, graphs = BLOCK_SIZE, self.graphs
         # the drafting jobs, most drafts first: the jobs that want a further draft are always a leading run
-        ends = np.cumsum(meta.query_lens_cpu) - 1
-        row_of = {i: int(ends[n]) for n, i in enumerate(order)}
         drafting = sorted((i for i in range(len(jobs)) if jobs[i][2].k > 0), key=lambda i: -jobs[i][2].k)
+        if graphs is not None and sum(j.stop - j.start for _, _, j in jobs) <= graphs.sizes[-1]:
+            rows, last = [], {}
+            for i, (tokens, blocks, job) in enumerate(jobs):
+                rows += [(tokens[q], q, blocks) for q in range(job.start, job.stop)]
+                last[i] = len(rows) - 1
+            logits = self._replay(rows)
+        else:
+            logits, last = self._eager(jobs)
         out: list[list[int]] = [[] for _ in jobs]
         if not drafting:
             return out, time.perf_counter() - t0
-        tokens = [self._argmax(hidden[to_device([row_of[i] for i in drafting], torch.int64, dev)])]
+        drafts = [self._pick(logits[to_device([last[i] for i in drafting], torch.int64, self.device)])]
         for d in range(1, jobs[drafting[0]][2].k):
-            live = [i for i in drafting if jobs[i][2].k > d]
+            live = [jobs[i] for i in drafting if jobs[i][2].k > d]
             # draft d - 1 sits at position stop - 1 + d: its K/V is written, the next draft read off it
-            rows = [(jobs[i][1], jobs[i][2].stop - 1 + d, 1, []) for i in live]
-            meta, _, positions = AttentionMetadata.from_rows(rows, bs, dev)
-            self.backend.prepare(meta, bs, window)
-            hidden = self.model(tokens[-1][:len(live)], to_device(torch.from_numpy(positions), torch.int64, dev),
-                                meta)
-            tokens.append(self._argmax(hidden))
-        host = torch.cat(tokens).tolist()  # the one sync
+            rows = [(0, job.stop - 1 + d, blocks) for _, blocks, job in live]
+            drafts.append(self._pick(self._replay(rows, drafts[-1]) if graphs is not None else
+                                     self._eager_decode(rows, drafts[-1][:len(live)])))
+        host = torch.cat(drafts).tolist()  # the one sync
         at = 0
-        for d, t in enumerate(tokens):
+        for t in drafts:
             for n, i in enumerate(drafting[:len(t)]):
                 out[i].append(host[at + n])
             at += len(t)
         return out, time.perf_counter() - t0
 
-    def _argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden)[:, :self.vocab].argmax(dim=-1)
+    def _eager(self, jobs: list[tuple[list[int], list[int], DraftJob]]) -> tuple[torch.Tensor, dict[int, int]]:
+        """The first pass run eagerly: logits of every job's last position (row index by job)."""
+        dev = self.device
+        order = sorted(range(len(jobs)), key=lambda i: jobs[i][2].stop - jobs[i][2].start != 1)  # decodes first
+        meta, ids, positions = AttentionMetadata.from_rows(
+            [(jobs[i][1], jobs[i][2].start, jobs[i][2].stop - jobs[i][2].start,
+              jobs[i][0][jobs[i][2].start:jobs[i][2].stop]) for i in order], BLOCK_SIZE, dev)
+        self.backend.prepare(meta, BLOCK_SIZE, self.model_config.sliding_window)
+        hidden = self.model(to_device(torch.from_numpy(ids), torch.int64, dev),
+                            to_device(torch.from_numpy(positions), torch.int64, dev), meta)
+        ends = np.cumsum(meta.query_lens_cpu) - 1
+        end_of = {i: int(ends[n]) for n, i in enumerate(order)}
+        rows = [i for i in range(len(jobs)) if jobs[i][2].k > 0]
+        logits = self.model.compute_logits(hidden[to_device([end_of[i] for i in rows], torch.int64, dev)])
+        return logits, {i: n for n, i in enumerate(rows)}
+
+    def _eager_decode(self, rows: list[tuple[int, int, list[int]]], tokens: torch.Tensor) -> torch.Tensor:
+        """One decode pass run eagerly: rows (unused, position, block ids), their input tokens on the device."""
+        meta, _, positions = AttentionMetadata.from_rows([(blocks, q, 1, []) for _, q, blocks in rows], BLOCK_SIZE,
+                                                         self.device)
+        self.backend.prepare(meta, BLOCK_SIZE, self.model_config.sliding_window)
+        hidden = self.model(tokens, to_device(torch.from_numpy(positions), torch.int64, self.device), meta)
+        return self.model.compute_logits(hidden)
+
+    def _replay(self, rows: list[tuple[int, int, list[int]]], prev: torch.Tensor | None = None) -> torch.Tensor:
+        """One pass as a decode graph replay, a row per (input token, position, block ids); prev: the input
+        tokens on the device instead (row i's is prev[i])."""
+        bs = BLOCK_SIZE
+        ids = np.array([t for t, _, _ in rows], dtype=np.int64)
+        pos = np.array([q for _, q, _ in rows], dtype=np.int64)
+        slots = np.array([blocks[q // bs] * bs + q % bs for _, q, blocks in rows], dtype=np.int64)
+        tables = [blocks[:q // bs + 1] for _, q, blocks in rows]
+        src = np.arange(len(rows), dtype=np.int64) if prev is not None else None
+        return self.graphs.run(ids, pos, slots, pos + 1, tables, src, prev)
+
+    def _pick(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits[:, :self.vocab].argmax(dim=-1)
 
 
 def _same_tokenizer(draft: str, model: str) -> bool:

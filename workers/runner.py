@@ -200,6 +200,8 @@ class ModelRunner:
                                        BLOCK_SIZE, self.device)
             with self._hold_dynamic_scales():  # graphs read the scale tensors by pointer, set later in place
                 self.graphs.capture()
+            if self.drafter is not None:
+                self.drafter.capture_graphs(cfg.max_num_seqs)
         log.info("model %s on %s/%s: %d KV blocks (%.0f MiB, %s KV%s)", cfg.model, self.device,
                  str(self.dtype).split(".")[-1], self.num_blocks, self.kv_cache.nbytes / 2**20,
                  str(self.kv_dtype).split(".")[-1],
