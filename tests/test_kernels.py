@@ -16,6 +16,7 @@ if not ON_GPU:  # must be set before triton is first imported
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
+from workers.kernels import paged_attention as pa  # noqa: E402
 from workers.kernels.paged_attention import paged_decode, paged_prefill, write_kv  # noqa: E402
 from workers.kv_cache import transpose_v_pages, v_rows  # noqa: E402
 
@@ -86,6 +87,64 @@ def test_paged_decode_sliding_window():
         out = paged_decode(q, kc, vc, bt, lens, 32 ** -0.5, num_parts=parts, window=40)
         ref = reference_decode(q, kc, vc, bt, lens, 32 ** -0.5, window=40)
         assert rel_err(out, ref) < (1e-2 if ON_GPU else 1e-5)
+
+
+# ---------------------------------------------------------------------------------------- persistent decode
+def persistent(q, kc, vc, bt, lens, scale, window=None, **kw):
+    """plan, then decode: what the Triton backend runs once per step and once per layer."""
+    buffers = pa.PersistentDecodeBuffers(q.shape[0], q.shape[1], q.shape[2], DEVICE)
+    pa.plan_persistent_decode(lens, buffers, window, block_n=kw.get("config", {}).get("BLOCK_N"))
+    out = torch.full_like(q, float("nan"))
+    pa.paged_decode_persistent(q, kc, vc, bt, lens, scale, buffers, num_sms=2, out=out, window=window, **kw)
+    return out, buffers
+
+
+SKEWED = [  # (q heads, kv heads, head dim, context lengths): one long context among short ones, and uniform ones
+    (8, 2, 32, [600, 20, 33, 5, 17]),
+    (4, 4, 16, [70, 70, 70]),
+    (7, 1, 32, [1, 300, 2, 129]),
+]
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,lens", SKEWED)
+@pytest.mark.parametrize("min_chunk", [64, 256])  # (64: the default)
+def test_persistent_decode_matches_reference_on_skewed_batches(heads, kv_heads, dim, lens, min_chunk, monkeypatch):
+    """The device-side plan splits each context into chunks of one length (min_chunk: long contexts into several,
+    merged after); every sequence's output is the reference's."""
+    monkeypatch.setattr(pa, "PERSISTENT_MIN_CHUNK", min_chunk)
+    q, kc, vc, bt, _ = make_case(len(lens), heads, kv_heads, dim, max(lens), 3)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    out, buffers = persistent(q, kc, vc, bt, lens_t, dim ** -0.5)
+    assert not torch.isnan(out).any()
+    assert rel_err(out, reference_decode(q, kc, vc, bt, lens_t, dim ** -0.5)) < (1e-2 if ON_GPU else 1e-5)
+    plan = buffers.plan.cpu().tolist()
+    chunk = plan[0]
+    assert chunk % 64 == 0 and chunk >= min_chunk
+    counts = [-(-n // chunk) for n in lens]
+    assert plan[1:2 + len(lens)] == [sum(counts[:i]) for i in range(len(lens) + 1)]
+    assert buffers.seq_of[:sum(counts)].cpu().tolist() == [b for b, c in enumerate(counts) for _ in range(c)]
+    if min_chunk == 64 and max(lens) > 64:
+        assert max(counts) > 1  # some context was split (the merge ran)
+
+
+def test_persistent_decode_sliding_window_and_int8(monkeypatch):
+    monkeypatch.setattr(pa, "PERSISTENT_MIN_CHUNK", 64)
+    q, kc, vc, bt, _ = make_case(3, 8, 2, 32, 300, 5)
+    lens = torch.tensor([300, 90, 41], dtype=torch.int32, device=DEVICE)
+    out, _ = persistent(q, kc, vc, bt, lens, 32 ** -0.5, window=100)
+    assert rel_err(out, reference_decode(q, kc, vc, bt, lens, 32 ** -0.5, window=100)) < (1e-2 if ON_GPU else 1e-5)
+    k_scale = (kc.float().abs().amax(dim=(0, 1, 3)) / 127).to(DEVICE)
+    v_scale = (vc.float().abs().amax(dim=(0, 1, 3)) / 127).to(DEVICE)
+    kq = torch.zeros(kc.shape, dtype=torch.int8, device=DEVICE)
+    vq = transpose_v_pages(torch.zeros_like(kq))
+    slots = torch.arange(kc.shape[0] * PAGE, device=DEVICE)
+    write_kv(kc.reshape(-1, 2, 32), vc.reshape(-1, 2, 32), kq, vq, slots, k_scale, v_scale)
+    for variant, tol in ((EXACT, 1e-2 if ON_GPU else 1e-5), ({}, 2e-2)):  # dequantised exactly; int8 dots
+        for window in (None, 100):
+            out, _ = persistent(q, kq, vq, bt, lens, 32 ** -0.5, window=window, k_scale=k_scale, v_scale=v_scale,
+                                config=variant)
+            ref = reference_decode(q, kq, v_rows(vq), bt, lens, 32 ** -0.5, k_scale, v_scale, window=window)
+            assert rel_err(out, ref) < tol, (variant, window)
 
 
 EXACT = {"INT8_QK": False, "INT8_PV": False}

@@ -15,16 +15,26 @@ from workers.runner import ModelRunner  # noqa: E402
 N_NEW = 12
 
 
-@pytest.mark.parametrize("arch", ["mistral", "qwen2"])  # sliding window; qkv bias + GQA group 2
-def test_triton_backend_matches_hf_greedy_in_a_chunked_batch(arch, tmp_path):
+@pytest.mark.parametrize("arch,decode", [("mistral", "partitioned"), ("qwen2", "partitioned"),  # sliding window;
+                                         ("mistral", "persistent")])  # qkv bias + GQA group 2; issue 25's kernel
+def test_triton_backend_matches_hf_greedy_in_a_chunked_batch(arch, decode, tmp_path):
     hf = make_checkpoint(str(tmp_path), arch, seed=3)
     runner = ModelRunner(WorkerConfig(model=str(tmp_path), device=DEVICE, dtype="float32", kv_cache_memory="2MiB",
-                                      max_model_len=512, attention_backend="triton"))
+                                      max_model_len=512, attention_backend="triton", decode_attention=decode,
+                                      max_num_seqs=8))
     assert runner.backend.name == "triton"
-    prompts = [random_prompt(n, seed=n) for n in (40, 9, 23)]
+    prompts = [random_prompt(n, seed=n) for n in (90, 9, 23)]  # persistent: the first one's context split in two
     sim = Sim(runner, budget=32)  # chunked prefill mixed with decodes in the same steps
     for i, p in enumerate(prompts):
         sim.add(f"r{i}", p, greedy(N_NEW))
     out = sim.run()
     for i, p in enumerate(prompts):
         assert out[f"r{i}"] == hf_greedy(hf, p, N_NEW), f"request {i}"
+    assert bool(runner.backend.buffers) == (decode == "persistent")  # the persistent kernel ran
+
+
+def test_persistent_decode_attention_needs_the_triton_backend():
+    with pytest.raises(ValueError, match="needs --attention-backend triton"):
+        ModelRunner(WorkerConfig(model="tiny", device="cpu", attention_backend="torch", decode_attention="persistent"))
+    with pytest.raises(ValueError, match="choose partitioned or persistent"):
+        ModelRunner(WorkerConfig(model="tiny", device="cpu", decode_attention="grid"))

@@ -42,7 +42,8 @@ class Drafter:
         # random target weights (benchmarks) get a random draft; otherwise the draft's own file decides
         load_format = "dummy" if cfg.load_format == "dummy" else "auto"
         self.model = load_model(cfg.draft_model, mc, dtype, device, load_format, cfg.seed)
-        self.backend = get_backend(cfg.attention_backend, device, mc.num_kv_heads)
+        self.backend = get_backend(cfg.attention_backend, device, mc.num_kv_heads, cfg.decode_attention,
+                                   cfg.max_num_seqs)
         self.bytes_per_block = bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
         self.kv_cache: KVCache | None = None
         self.graphs: DecodeGraphs | None = None  # capture_graphs(): CUDA, the Triton backend, not --enforce-eager

@@ -160,7 +160,8 @@ class ModelRunner:
         self.max_model_len = resolve_max_model_len(mc.max_position_embeddings, cfg.max_model_len)
         self.model = load_model(cfg.model, mc, self.dtype, self.device, cfg.load_format, cfg.seed,
                                 tp_rank, self.tp_size)
-        self.backend = get_backend(cfg.attention_backend, self.device, self.num_kv_heads)
+        self.backend = get_backend(cfg.attention_backend, self.device, self.num_kv_heads, cfg.decode_attention,
+                                   cfg.max_num_seqs)
         self.drafter: Drafter | None = None  # --draft-model: loaded before the pool is sized, which holds its K/V too
         if cfg.draft_model:
             if self.tp_size != 1:

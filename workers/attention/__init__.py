@@ -8,22 +8,30 @@ from workers.attention.base import AttentionBackend, AttentionMetadata
 from workers.attention.torch_ref import TorchAttentionBackend
 
 BACKENDS = ("torch", "triton")
+DECODE_KERNELS = ("partitioned", "persistent")  # the Triton backend's (--decode-attention)
 
 
-def get_backend(name: str, device: torch.device, num_kv_heads: int) -> AttentionBackend:
+def get_backend(name: str, device: torch.device, num_kv_heads: int, decode: str = "partitioned",
+                max_batch: int = 256) -> AttentionBackend:
     """`auto`: Triton (paged decode kernel, CUDA-graph safe) on CUDA, the torch reference elsewhere.
-    `triton` on CPU runs the same kernels under Triton's interpreter (tests only: slow)."""
+    `triton` on CPU runs the same kernels under Triton's interpreter (tests only: slow). decode: the Triton
+    backend's decode kernel (`--decode-attention`), for at most max_batch decodes a step."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(BACKENDS)} or auto")
+    if decode not in DECODE_KERNELS:
+        raise ValueError(f"--decode-attention {decode!r}: choose {' or '.join(DECODE_KERNELS)}")
+    if name == "torch" and decode != "partitioned":
+        raise ValueError(f"--decode-attention {decode} is a Triton kernel: it needs --attention-backend triton (the "
+                         "default on CUDA)")
     if name == "torch":
         return TorchAttentionBackend()
     # imported here, not at the top: Triton is optional, and the torch backend must work without it
     from workers.attention.triton_backend import TritonAttentionBackend
 
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    return TritonAttentionBackend(num_kv_heads, sms)
+    return TritonAttentionBackend(num_kv_heads, sms, decode, max_batch)
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "get_backend"]

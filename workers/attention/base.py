@@ -84,6 +84,10 @@ class AttentionBackend:
     def prepare(self, meta: AttentionMetadata, block_size: int, sliding_window: int | None) -> None:
         raise NotImplementedError
 
+    def begin(self, meta: AttentionMetadata) -> None:
+        """Called by the model at the start of each forward, before any layer's forward(): device-side work the
+        layers share (inside a CUDA graph's capture, so replays redo it)."""
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 kv_scales: LayerScales | None = None) -> torch.Tensor:

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from workers.attention.base import AttentionBackend, AttentionMetadata
-from workers.kernels.paged_attention import MAX_PARTITIONS, num_partitions, paged_decode, paged_prefill, write_kv
+from workers.kernels.paged_attention import (MAX_PARTITIONS, PersistentDecodeBuffers, num_partitions, paged_decode,
+                                             paged_decode_persistent, paged_prefill, plan_persistent_decode,
+                                             target_chunks, write_kv)
 from workers.kv_cache import LayerScales
 
 
@@ -23,15 +25,26 @@ class _Plan:
     num_parts: int  # decode partitions (flash-decoding)
     num_prefills: int  # sequences after the decodes
     max_prefill_len: int  # longest prefill chunk: sizes the prefill grid
+    replan: bool = False  # persistent decode: the next layer builds the work plan (the first of each forward)
 
 
 class TritonAttentionBackend(AttentionBackend):
+    """decode: `partitioned`, a grid of (sequence, KV head, partition), the partition count chosen per step from
+    the batch size and longest context; or `persistent` (issue 25), a fixed grid over a work plan the device builds
+    from the context lengths once per forward (begin()), for batches of at most max_batch decodes (larger eager
+    ones fall back to partitioned)."""
+
     name = "triton"
 
-    def __init__(self, num_kv_heads: int, num_sms: int):
+    def __init__(self, num_kv_heads: int, num_sms: int, decode: str = "partitioned", max_batch: int = 256):
         self.num_kv_heads = num_kv_heads
         self.num_sms = num_sms
         self.window: int | None = None
+        self.persistent = decode == "persistent"
+        self.max_batch = max_batch
+        # per CUDA stream (two lanes' steps may both hold decode rows at once): allocated once, never replaced, as
+        # CUDA graphs keep their addresses
+        self.buffers: dict[int | None, PersistentDecodeBuffers] = {}
 
     def prepare(self, meta: AttentionMetadata, block_size: int, sliding_window: int | None) -> None:
         self.window = sliding_window
@@ -41,6 +54,17 @@ class TritonAttentionBackend(AttentionBackend):
             parts = num_partitions(nd, self.num_kv_heads, max(meta.seq_lens_cpu[:nd]), self.num_sms)
         prefill_lens = meta.query_lens_cpu[nd:]
         meta.plan = _Plan(parts, len(prefill_lens), max(prefill_lens, default=0))
+
+    def begin(self, meta: AttentionMetadata) -> None:
+        meta.plan.replan = True
+
+    def _persistent_buffers(self, q: torch.Tensor) -> PersistentDecodeBuffers:
+        device = q.device
+        key = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+        if key not in self.buffers:
+            self.buffers[key] = PersistentDecodeBuffers(self.max_batch, q.shape[1], q.shape[2], device,
+                                                        target_chunks(self.num_sms, self.num_kv_heads))
+        return self.buffers[key]
 
     def compile_kernels(self, num_heads: int, head_dim: int, dtype: torch.dtype, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, kv_scales: LayerScales | None, window: int | None) -> None:
@@ -56,6 +80,17 @@ class TritonAttentionBackend(AttentionBackend):
         while parts <= MAX_PARTITIONS:
             paged_decode(q, k_cache, v_cache, table, one, 1.0, num_parts=parts, k_scale=ks, v_scale=vs, window=window)
             parts *= 2
+        if self.persistent:  # the plan kernel is compiled per power-of-two batch padding
+            pad = 16
+            while pad < 2 * self.max_batch:
+                batch = min(pad, self.max_batch)
+                lens = torch.ones(batch, dtype=torch.int32, device=dev)
+                buffers = self._persistent_buffers(q)
+                plan_persistent_decode(lens, buffers, window)
+                paged_decode_persistent(q.expand(batch, -1, -1).contiguous(), k_cache, v_cache,
+                                        table.expand(batch, -1).contiguous(), lens, 1.0, buffers, self.num_sms,
+                                        k_scale=ks, v_scale=vs, window=window)
+                pad *= 2
         qsl = torch.tensor([0, 1], dtype=torch.int32, device=dev)
         paged_prefill(q, k_cache, v_cache, table, one, qsl, 0, 1, 1, 1.0, torch.empty_like(q), ks, vs, window)
 
@@ -70,7 +105,14 @@ class TritonAttentionBackend(AttentionBackend):
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        if nd:
+        if nd and self.persistent and nd <= self.max_batch:
+            buffers = self._persistent_buffers(q)
+            if plan.replan:  # once per forward, in the first layer: every layer reads the same plan
+                plan_persistent_decode(meta.seq_lens[:nd], buffers, self.window)
+                plan.replan = False
+            paged_decode_persistent(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
+                                    buffers, self.num_sms, k_scale=ks, v_scale=vs, out=out[:nd], window=self.window)
+        elif nd:
             paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
                          num_parts=plan.num_parts, k_scale=ks, v_scale=vs, out=out[:nd], window=self.window)
         if plan.num_prefills:

@@ -109,30 +109,14 @@ def _decode_tile(q, q_scale, m_i, l_i, acc, n0, lo, end, k_ptr, v_ptr, bt_row_pt
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["s_btb"])
-def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, ks_ptr, vs_ptr,
-    out_ptr, po_ptr, pm_ptr, pl_ptr,
-    sm_scale,
-    s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vh, s_vd, s_btb, s_ob, s_oh,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_PARTS: tl.constexpr, QUANT: tl.constexpr, WINDOW: tl.constexpr, INT8_QK: tl.constexpr,
-    INT8_PV: tl.constexpr,
-):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    part = tl.program_id(2)
-    seq_len = tl.load(lens_ptr + b)
-    lo = 0
-    if WINDOW > 0:  # sliding window: the query (at seq_len - 1) sees the last WINDOW positions
-        lo = tl.maximum(seq_len - WINDOW, 0)
-    # Each sequence splits its own span into NUM_PARTS chunks of whole BLOCK_N tiles, from the tile that
-    # holds lo (tiles start on page boundaries; keys before lo are masked).
-    first = lo // BLOCK_N * BLOCK_N
-    part_len = tl.cdiv(tl.cdiv(seq_len - first, NUM_PARTS), BLOCK_N) * BLOCK_N
-    start = first + part * part_len
-    end = tl.minimum(start + part_len, seq_len)
-
+@triton.jit
+def _decode_span(q_ptr, k_ptr, v_ptr, bt_ptr, ks_ptr, vs_ptr, b, kvh, lo, start, end, sm_scale,
+                 s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vh, s_vd, s_btb,
+                 G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 QUANT: tl.constexpr, WINDOW: tl.constexpr, INT8_QK: tl.constexpr, INT8_PV: tl.constexpr,
+                 DT: tl.constexpr):
+    """Sequence b's keys [start, end) (start a multiple of BLOCK_N; keys < lo masked with a WINDOW) for the G query
+    heads of KV head kvh -> the online softmax's (m, l, acc), acc in V's units (an int8 pool's scale applied)."""
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D)
     mask_g = offs_g < G
@@ -157,14 +141,53 @@ def _decode_kernel(
     for n0 in range(start, full_end, BLOCK_N):
         m_i, l_i, acc = _decode_tile(q, q_scale, m_i, l_i, acc, n0, lo, end, k_ptr, v_ptr, bt_row_ptr, kvh, s_kb,
                                      s_kt, s_kh, s_vb, s_vh, s_vd, D, PAGE, BLOCK_N, QUANT, INT8_QK, INT8_PV,
-                                     False, WINDOW, out_ptr.dtype.element_ty)
+                                     False, WINDOW, DT)
     for n0 in range(full_end, end, BLOCK_N):
         m_i, l_i, acc = _decode_tile(q, q_scale, m_i, l_i, acc, n0, lo, end, k_ptr, v_ptr, bt_row_ptr, kvh, s_kb,
                                      s_kt, s_kh, s_vb, s_vh, s_vd, D, PAGE, BLOCK_N, QUANT, INT8_QK, INT8_PV,
-                                     True, WINDOW, out_ptr.dtype.element_ty)
+                                     True, WINDOW, DT)
     if QUANT:
         acc = acc * (tl.load(vs_ptr + kvh) / (127.0 * 254.0) if INT8_PV else tl.load(vs_ptr + kvh))
+    return m_i, l_i, acc
 
+
+@triton.jit
+def _window_start(seq_len, WINDOW: tl.constexpr):
+    """The first key the query at seq_len - 1 sees: the last WINDOW positions with a sliding window."""
+    lo = 0
+    if WINDOW > 0:
+        lo = tl.maximum(seq_len - WINDOW, 0)
+    return lo
+
+
+@triton.jit(do_not_specialize=["s_btb"])
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, ks_ptr, vs_ptr,
+    out_ptr, po_ptr, pm_ptr, pl_ptr,
+    sm_scale,
+    s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vh, s_vd, s_btb, s_ob, s_oh,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_PARTS: tl.constexpr, QUANT: tl.constexpr, WINDOW: tl.constexpr, INT8_QK: tl.constexpr,
+    INT8_PV: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    part = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + b)
+    lo = _window_start(seq_len, WINDOW)
+    # Each sequence splits its own span into NUM_PARTS chunks of whole BLOCK_N tiles, from the tile that
+    # holds lo (tiles start on page boundaries; keys before lo are masked).
+    first = lo // BLOCK_N * BLOCK_N
+    part_len = tl.cdiv(tl.cdiv(seq_len - first, NUM_PARTS), BLOCK_N) * BLOCK_N
+    start = first + part * part_len
+    end = tl.minimum(start + part_len, seq_len)
+    m_i, l_i, acc = _decode_span(q_ptr, k_ptr, v_ptr, bt_ptr, ks_ptr, vs_ptr, b, kvh, lo, start, end, sm_scale,
+                                 s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vh, s_vd, s_btb, G, G_PAD, D, PAGE, BLOCK_N,
+                                 QUANT, WINDOW, INT8_QK, INT8_PV, out_ptr.dtype.element_ty)
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D)
+    mask_g = offs_g < G
+    heads = kvh * G + offs_g
     if NUM_PARTS == 1:
         out = acc / l_i[:, None]
         tl.store(out_ptr + b * s_ob + heads[:, None] * s_oh + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
@@ -191,6 +214,172 @@ def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, s_ob, s_oh, H, D: tl.constex
     acc = tl.load(po_ptr + row[:, None] * D + offs_d[None, :])
     out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
     tl.store(out_ptr + b * s_ob + h * s_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+# ---------------------------------------------------------------------------------------- persistent decode
+# `paged_decode_persistent` (issue 25): a fixed grid of programs pulls work items (sequence, KV head, chunk) from a
+# plan built on the device from the context lengths, so a batch that mixes one long context with many short ones
+# splits the long one into chunks of the same size as the others' whole spans, and one capture serves any mix of
+# lengths. The chunk length is chosen per step on the device: at least PERSISTENT_MIN_CHUNK keys, and long enough
+# that the batch makes at most `target` chunks beyond one per sequence (which bounds the partial results' buffer);
+# target_chunks() makes that about PERSISTENT_PROGRAMS_PER_SM work items per SM, the partitioned kernel's aim.
+PERSISTENT_MIN_CHUNK = 64
+PERSISTENT_PROGRAMS_PER_SM = 4
+
+
+def target_chunks(num_sms: int, num_kv_heads: int) -> int:
+    return max(16, PERSISTENT_PROGRAMS_PER_SM * num_sms // num_kv_heads)
+
+
+@triton.jit
+def _plan_kernel(lens_ptr, plan_ptr, seq_of_ptr, B, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
+                 MIN_CHUNK: tl.constexpr, TARGET: tl.constexpr, B_PAD: tl.constexpr):
+    """One program: plan[0] = the chunk length (a multiple of BLOCK_N), plan[1 + i] = the chunks of sequences
+    before i (i = 0..B: plan[1 + B] is the total), seq_of[c] = chunk c's sequence. A sequence's span starts at
+    the tile that holds its window's first key."""
+    offs = tl.arange(0, B_PAD)
+    ok = offs < B
+    lens = tl.load(lens_ptr + offs, mask=ok, other=0)
+    lo = _window_start(lens, WINDOW)
+    span = tl.where(ok, lens - lo // BLOCK_N * BLOCK_N, 0)
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(tl.sum(span, 0), TARGET), BLOCK_N) * BLOCK_N, MIN_CHUNK)
+    counts = tl.where(ok, tl.cdiv(span, chunk), 0)
+    ends = tl.cumsum(counts, 0)
+    tl.store(plan_ptr, chunk)
+    tl.store(plan_ptr + 1, 0)
+    tl.store(plan_ptr + 2 + offs, ends, mask=ok)
+    for j in range(tl.max(counts, 0)):  # at most TARGET + 1 rounds
+        tl.store(seq_of_ptr + ends - counts + j, offs, mask=ok & (j < counts))
+
+
+@triton.jit(do_not_specialize=["s_btb", "B"])
+def _persistent_decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, ks_ptr, vs_ptr, plan_ptr, seq_of_ptr,
+    out_ptr, po_ptr, pm_ptr, pl_ptr,
+    sm_scale, B,
+    s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vh, s_vd, s_btb, s_ob, s_oh,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HKV: tl.constexpr, PROGRAMS: tl.constexpr, QUANT: tl.constexpr, WINDOW: tl.constexpr,
+    INT8_QK: tl.constexpr, INT8_PV: tl.constexpr,
+):
+    """Work item w = (chunk c of the plan, KV head w % HKV), programs taking every PROGRAMS-th. A sequence of one
+    chunk writes its output; one of several writes partials [chunk, Hq] for _merge_kernel."""
+    chunk = tl.load(plan_ptr)
+    total = tl.load(plan_ptr + 1 + B) * HKV
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D)
+    mask_g = offs_g < G
+    for w in range(tl.program_id(0), total, PROGRAMS):
+        c = w // HKV
+        kvh = w % HKV
+        b = tl.load(seq_of_ptr + c)
+        first_chunk = tl.load(plan_ptr + 1 + b)
+        chunks = tl.load(plan_ptr + 2 + b) - first_chunk
+        seq_len = tl.load(lens_ptr + b)
+        lo = _window_start(seq_len, WINDOW)
+        start = lo // BLOCK_N * BLOCK_N + (c - first_chunk) * chunk
+        end = tl.minimum(start + chunk, seq_len)
+        m_i, l_i, acc = _decode_span(q_ptr, k_ptr, v_ptr, bt_ptr, ks_ptr, vs_ptr, b, kvh, lo, start, end, sm_scale,
+                                     s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vh, s_vd, s_btb, G, G_PAD, D, PAGE,
+                                     BLOCK_N, QUANT, WINDOW, INT8_QK, INT8_PV, out_ptr.dtype.element_ty)
+        heads = kvh * G + offs_g
+        if chunks == 1:
+            tl.store(out_ptr + b * s_ob + heads[:, None] * s_oh + offs_d[None, :],
+                     (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask_g[:, None])
+        else:
+            row = c * (HKV * G) + heads  # partials: po [chunks, Hq, D], pm / pl [chunks, Hq]
+            tl.store(pm_ptr + row, m_i, mask=mask_g)
+            tl.store(pl_ptr + row, l_i, mask=mask_g)
+            tl.store(po_ptr + row[:, None] * D + offs_d[None, :], acc, mask=mask_g[:, None])
+
+
+@triton.jit
+def _merge_kernel(plan_ptr, po_ptr, pm_ptr, pl_ptr, out_ptr, s_ob, s_oh, H, D: tl.constexpr):
+    """Program (b, h): sequence b's chunks' partials of query head h into its output (a one-chunk sequence's
+    output is written already). Every chunk holds a key its query sees, so each l > 0."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    first = tl.load(plan_ptr + 1 + b)
+    chunks = tl.load(plan_ptr + 2 + b) - first
+    if chunks > 1:
+        offs_d = tl.arange(0, D)
+        row = first * H + h
+        m_max = tl.load(pm_ptr + row)
+        for i in range(1, chunks):
+            m_max = tl.maximum(m_max, tl.load(pm_ptr + row + i * H))
+        w = tl.exp2(tl.load(pm_ptr + row) - m_max)
+        l_sum = tl.load(pl_ptr + row) * w
+        acc = tl.load(po_ptr + row * D + offs_d) * w
+        for i in range(1, chunks):
+            r = row + i * H
+            w = tl.exp2(tl.load(pm_ptr + r) - m_max)
+            l_sum += tl.load(pl_ptr + r) * w
+            acc += tl.load(po_ptr + r * D + offs_d) * w
+        tl.store(out_ptr + b * s_ob + h * s_oh + offs_d, (acc / l_sum).to(out_ptr.dtype.element_ty))
+
+
+class PersistentDecodeBuffers:
+    """What paged_decode_persistent needs besides its inputs, allocated once (CUDA-graph safe): the plan and
+    the partial results of at most target + max_batch chunks (target: target_chunks())."""
+
+    def __init__(self, max_batch: int, num_heads: int, head_dim: int, device, target: int = 64):
+        cap = target + max_batch
+        self.max_batch, self.target = max_batch, target
+        self.plan = torch.zeros(2 + max_batch, dtype=torch.int32, device=device)
+        self.seq_of = torch.zeros(cap, dtype=torch.int32, device=device)
+        self.po = torch.empty(cap, num_heads, head_dim, dtype=torch.float32, device=device)
+        self.pm = torch.empty(cap, num_heads, dtype=torch.float32, device=device)
+        self.pl = torch.empty_like(self.pm)
+
+
+def plan_persistent_decode(seq_lens: torch.Tensor, buffers: PersistentDecodeBuffers, window: int | None = None,
+                           block_n: int | None = None) -> None:
+    """Fill buffers.plan from the batch's context lengths (on the device: no host sync). Once per step: every
+    layer's paged_decode_persistent reads it."""
+    batch = seq_lens.shape[0]
+    if batch > buffers.max_batch:
+        raise ValueError(f"persistent decode: batch {batch} > the buffers' {buffers.max_batch}")
+    _plan_kernel[(1,)](seq_lens, buffers.plan, buffers.seq_of, batch, WINDOW=window or 0,
+                       BLOCK_N=block_n or _decode_config(False, None)["BLOCK_N"], MIN_CHUNK=PERSISTENT_MIN_CHUNK,
+                       TARGET=buffers.target, B_PAD=max(16, triton.next_power_of_2(batch)))
+
+
+def paged_decode_persistent(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
+                            buffers: PersistentDecodeBuffers, num_sms: int = 132,
+                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                            out: torch.Tensor | None = None, window: int | None = None,
+                            config: dict | None = None) -> torch.Tensor:
+    """paged_decode's arguments and result, over the work plan plan_persistent_decode() left in buffers (same
+    seq_lens and window, the same BLOCK_N): a grid of PERSISTENT_PROGRAMS_PER_SM programs per SM, then the merge
+    of split sequences."""
+    batch, num_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    quant = k_cache.dtype == torch.int8
+    if out is None:
+        out = torch.empty_like(q)
+    cfg = _decode_config(quant, config)
+    int8_qk = cfg.pop("INT8_QK") and quant
+    int8_pv = cfg.pop("INT8_PV") and quant
+    programs = PERSISTENT_PROGRAMS_PER_SM * num_sms
+    dummy = seq_lens
+    _persistent_decode_kernel[(programs,)](
+        q, k_cache, v_cache, block_tables, seq_lens, k_scale if quant else dummy, v_scale if quant else dummy,
+        buffers.plan, buffers.seq_of, out, buffers.po, buffers.pm, buffers.pl, sm_scale, batch,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *_v_strides(v_cache),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        G=num_heads // num_kv_heads, G_PAD=max(16, triton.next_power_of_2(num_heads // num_kv_heads)), D=head_dim,
+        PAGE=page, HKV=num_kv_heads, PROGRAMS=programs, QUANT=quant,
+        WINDOW=window or 0, INT8_QK=int8_qk, INT8_PV=int8_pv, **cfg,
+    )
+    _merge_kernel[(batch, num_heads)](buffers.plan, buffers.po, buffers.pm, buffers.pl, out, out.stride(0),
+                                      out.stride(1), num_heads, D=head_dim, num_warps=1)
+    return out
+
+
+def _decode_config(quant: bool, config: dict | None) -> dict:
+    """The decode launch config (INT8_QK / INT8_PV included), with the bench's overrides."""
+    return {"INT8_QK": False, "INT8_PV": False, **(DECODE_CONFIG_INT8 if quant else DECODE_CONFIG), **(config or {})}
 
 
 def num_partitions(batch: int, num_kv_heads: int, max_model_len: int, num_sms: int = 132) -> int:
@@ -228,7 +417,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         pl = torch.empty_like(pm)
     else:
         po = pm = pl = out
-    cfg = {"INT8_QK": False, "INT8_PV": False, **(DECODE_CONFIG_INT8 if quant else DECODE_CONFIG), **(config or {})}
+    cfg = _decode_config(quant, config)
     int8_qk = cfg.pop("INT8_QK") and quant
     int8_pv = cfg.pop("INT8_PV") and quant
     dummy = seq_lens

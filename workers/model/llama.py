@@ -182,6 +182,7 @@ class LlamaForCausalLM(nn.Module):
         # Replicated under TP (only rank 0 computes logits, so a vocab split would buy nothing but memory).
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope: RotaryEmbedding | None = None
+        self.backend: AttentionBackend | None = None
         self.sliding_window = cfg.sliding_window
 
     def bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend,
@@ -190,6 +191,7 @@ class LlamaForCausalLM(nn.Module):
         int8 pools also pass each layer's scales (workers.kv_cache.KVCache.layer_scales())."""
         device = self.model.embed_tokens.weight.device
         self.rope = RotaryEmbedding(self.config, max_len, device)
+        self.backend = backend
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.model.layers, kv_caches)):
             layer.self_attn.k_cache, layer.self_attn.v_cache = k_cache, v_cache
             layer.self_attn.backend = backend
@@ -198,6 +200,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden] before the final norm; the caller
         picks the rows it samples from and hands only those to compute_logits()."""
+        self.backend.begin(meta)
         x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
             x, residual = layer(x, residual, positions, self.rope, meta)

@@ -1,10 +1,11 @@
 """Attention kernel bench: paged decode and paged prefill on one layer of a 7B shape, with launch-config sweeps.
 
-`python -m workers.tools.kernel_bench [--sweep] [--out FILE]` on a GPU. Decode is reported as bytes of K/V
+`python -m workers.tools.kernel_bench [--sweep] [--persistent] [--out FILE]` on a GPU. Decode is reported as bytes of K/V
 read per second (its roofline is the copy bandwidth); prefill as attention TFLOP/s (causal: half the
 QK^T and PV work), against SDPA's flash attention on the same chunk (contiguous K/V, no pages) as
 the baseline. CUDA events around CUDA-graph replays after warm-up, medians. --sweep times each config of the grid below and
-prints the best; workers/kernels/paged_attention.py holds the chosen defaults.
+prints the best; workers/kernels/paged_attention.py holds the chosen defaults. --persistent times the persistent
+decode kernel (issue 25) against the partitioned one on skewed and uniform batches (SKEWED below).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from workers.kernels.paged_attention import DECODE_CONFIG, PREFILL_CONFIG, num_partitions, paged_decode, paged_prefill
+from workers.kernels.paged_attention import (DECODE_CONFIG, PREFILL_CONFIG, PersistentDecodeBuffers, num_partitions,
+                                             paged_decode, paged_decode_persistent, paged_prefill,
+                                             plan_persistent_decode, target_chunks)
 from workers.kv_cache import transpose_v_pages
 
 HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 16
@@ -26,6 +29,8 @@ DECODE_GRID = {"BLOCK_N": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 
 INT8_GRID = {"INT8_PV": [True, False], "BLOCK_N": [32, 64, 128], "num_warps": [1, 2], "num_stages": [2, 3]}
 PARTS_SHAPES = [(1, 1024), (1, 2048), (4, 2048), (8, 1024), (32, 1024), (64, 1024), (32, 2048), (64, 2048),
                 (128, 1024), (128, 2048), (256, 1024)]
+# issue 25's batches: (count, context) groups; the first three skewed, the last two uniform
+SKEWED = [[(1, 32768), (63, 512)], [(8, 16384), (120, 256)], [(1, 8192), (7, 128)], [(32, 1024)], [(128, 2048)]]
 PREFILL_GRID = {"BLOCK_M": [64, 128], "BLOCK_N": [64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}
 
 
@@ -86,6 +91,41 @@ def bench_decode(batch: int, ctx: int, kv_dtype: torch.dtype, config: dict | Non
             "us": ms * 1e3, "tb_s": nbytes / ms / 1e9, "rel_err_vs_dequant": err}
 
 
+def bench_persistent(groups: list[tuple[int, int]], kv_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """One layer's decode attention over a batch of these (count, context) groups: the partitioned kernel at the
+    partition count the backend would pick (from the batch size and the longest context) against the persistent
+    kernel (decode + merge; its plan, built once per step for every layer, timed apart)."""
+    lens_list = [ctx for count, ctx in groups for _ in range(count)]
+    batch = len(lens_list)
+    torch.manual_seed(batch)
+    k, v, _, (ks, vs) = pages(1, sum(-(-n // PAGE) * PAGE for n in lens_list), kv_dtype)
+    bt = torch.zeros(batch, -(-max(lens_list) // PAGE), dtype=torch.int32, device="cuda")
+    perm = torch.randperm(k.shape[0], device="cuda").to(torch.int32)
+    at = 0
+    for i, n in enumerate(lens_list):
+        bt[i, :-(-n // PAGE)] = perm[at:at - (-n // PAGE)]
+        at += -(-n // PAGE)
+    q = torch.randn(batch, HEADS, DIM, dtype=torch.bfloat16, device="cuda")
+    lens = torch.tensor(lens_list, dtype=torch.int32, device="cuda")
+    parts = num_partitions(batch, KV_HEADS, max(lens_list))
+    out_a, out_b = torch.empty_like(q), torch.empty_like(q)
+    sms = torch.cuda.get_device_properties("cuda").multi_processor_count
+    buffers = PersistentDecodeBuffers(batch, HEADS, DIM, "cuda", target_chunks(sms, KV_HEADS))
+    plan_persistent_decode(lens, buffers)
+    partitioned = time_ms(lambda: paged_decode(q, k, v, bt, lens, DIM ** -0.5, num_parts=parts, k_scale=ks,
+                                               v_scale=vs, out=out_a))
+    persistent = time_ms(lambda: paged_decode_persistent(q, k, v, bt, lens, DIM ** -0.5, buffers, sms, k_scale=ks,
+                                                         v_scale=vs, out=out_b))
+    plan = time_ms(lambda: plan_persistent_decode(lens, buffers))
+    err = ((out_a.float() - out_b.float()).abs().max() / out_a.float().abs().max()).item()
+    chunk, chunks = int(buffers.plan[0]), int(buffers.plan[1 + batch])
+    nbytes = 2 * sum(lens_list) * KV_HEADS * DIM * k.element_size()
+    return {"groups": groups, "kv": str(kv_dtype).split(".")[-1], "parts": parts, "partitioned_us": partitioned * 1e3,
+            "persistent_us": persistent * 1e3, "plan_us": plan * 1e3, "chunk": chunk, "chunks": chunks,
+            "speedup": partitioned / (persistent + plan / 32), "persistent_tb_s": nbytes / persistent / 1e9,
+            "rel_err_vs_partitioned": err}
+
+
 def bench_prefill(num_seqs: int, chunk: int, prefix: int, kv_dtype: torch.dtype, config: dict | None) -> dict:
     ctx = prefix + chunk
     k, v, bt, (ks, vs) = pages(num_seqs, ctx, kv_dtype)
@@ -138,11 +178,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true", help="sweep launch configs (slow: compiles each)")
     ap.add_argument("--parts", action="store_true", help="time decode at 1 to 32 partitions over batch x context")
     ap.add_argument("--int8", action="store_true", help="sweep the int8 decode launch configs")
+    ap.add_argument("--persistent", action="store_true", help="the persistent decode kernel against the partitioned "
+                    "one on skewed and uniform batches")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     result: dict = {"device": torch.cuda.get_device_name(), "decode": [], "prefill": [], "best": {}, "parts": []}
     bf16, i8 = torch.bfloat16, torch.int8
+    if args.persistent:
+        result["persistent"] = []
+        for groups, kv in itertools.product(SKEWED, (bf16, i8)):
+            row = bench_persistent(groups, kv)
+            result["persistent"].append(row)
+            print(f"  persistent {row['kv']:9} {' + '.join(f'{c}x{n}' for c, n in groups):16}: partitioned "
+                  f"({row['parts']} parts) {row['partitioned_us']:8.1f} us, persistent {row['persistent_us']:8.1f} us "
+                  f"(+ plan {row['plan_us']:.1f} us per step; {row['chunks']} chunks of {row['chunk']}): "
+                  f"{row['speedup']:.2f}x, err {row['rel_err_vs_partitioned']:.1e}", flush=True)
     if args.parts:
         for batch, ctx in PARTS_SHAPES:
             rows = [bench_decode(batch, ctx, bf16, None, parts) for parts in (1, 2, 4, 8, 16, 32)]
