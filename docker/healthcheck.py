@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Container healthchecks for Compose: `http URL` (the gateway's /health) and `zmq ADDRESS` (the batcher).
+"""Container healthchecks for Compose: `http URL` (the gateway's /health), `zmq ADDRESS` (the batcher) and
+`file PATH` (a worker's --liveness-file).
 
 The zmq check speaks the real protocol: it connects a DEALER to the batcher's gateway socket, sends
 `Ping(nonce)` and waits for the matching `Pong`, so "healthy" means the batcher's event loop answers,
@@ -9,6 +10,10 @@ not merely that a port is open. Exit status 0 = healthy, 1 = not. Stdlib + what 
 
     laneserve-healthcheck http http://127.0.0.1:8000/health
     laneserve-healthcheck zmq tcp://127.0.0.1:5555 [--min-workers N]
+    laneserve-healthcheck file /tmp/laneserve-worker.alive [--max-age 30]
+
+The file check: healthy while the file's modification time is at most --max-age seconds old (the worker's loop
+sets it about every 0.5 s once the model is loaded, between steps and while idle; a hung worker stops).
 """
 
 from __future__ import annotations
@@ -29,6 +34,17 @@ def check_http(url: str, timeout: float) -> str | None:
         return f"HTTP {exc.code}"
     except (urllib.error.URLError, OSError) as exc:
         return str(exc)
+
+
+def check_file(path: str, max_age: float) -> str | None:
+    """None when the file changed within max_age seconds, else why not."""
+    import time
+
+    try:
+        age = time.time() - os.stat(path).st_mtime
+    except OSError as exc:
+        return f"{path}: {exc.strerror}"
+    return None if age <= max_age else f"{path} last set {age:.0f}s ago (> {max_age:.0f}s): the worker's loop is stuck"
 
 
 def check_zmq(address: str, timeout: float, min_workers: int) -> str | None:
@@ -68,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     zmq_.add_argument("--min-workers", type=int, default=0, help="also require this many registered workers")
     for p in (http, zmq_):
         p.add_argument("--timeout", type=float, default=3.0, help="seconds")
+    file_ = sub.add_parser("file", help="a worker's --liveness-file, healthy while recently set")
+    file_.add_argument("path")
+    file_.add_argument("--max-age", type=float, default=30.0, help="seconds (the batcher's --worker-timeout)")
     return parser
 
 
@@ -75,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.kind == "http":
         problem = check_http(args.url, args.timeout)
+    elif args.kind == "file":
+        problem = check_file(args.path, args.max_age)
     else:
         problem = check_zmq(args.address, args.timeout, args.min_workers)
     if problem:

@@ -213,8 +213,9 @@ def test_cpu_profile_runs_the_same_configuration_as_the_tests():
         command, cfg = build_config(argv, environment(svc))
         seen.add(command)
         expected = from_args(CONFIGS[command], serve, env={})
-        # Only the transport differs: tcp on the Compose network instead of private ipc:// sockets.
-        transport = ADDRESS_FIELDS | {"host"}
+        # Only the transport differs: tcp on the Compose network instead of private ipc:// sockets; and the
+        # worker's liveness file, which `laneserve serve` also sets (in its run directory), not by flag.
+        transport = ADDRESS_FIELDS | {"host", "liveness_file"}
         for f in dataclasses.fields(cfg):
             if f.name not in transport:
                 assert getattr(cfg, f.name) == getattr(expected, f.name), f"{svc_name}: {f.name} differs"
@@ -279,6 +280,15 @@ def test_healthchecks_probe_the_configured_endpoints():
     args = parser.parse_args(test[2:])
     assert args.kind == "zmq" and urlparse(args.address).port == urlparse(bc.batcher_address).port
     check_address(args.address)
+    # Workers: their liveness file (the worker sets it) within the batcher's --worker-timeout.
+    for file in ("compose.yaml", "compose.gpu-host.yaml"):
+        for svc_name, svc in load(file)["services"].items():
+            if not svc_name.startswith("worker"):
+                continue
+            _, wc = build_config(["worker"], environment(svc))
+            args = parser.parse_args(svc["healthcheck"]["test"][2:])
+            assert args.kind == "file" and args.path == wc.liveness_file and args.max_age <= bc.worker_timeout, \
+                (file, svc_name)
     # The load balancer forwards to the gateway service's port and is published on the host.
     nginx = (DOCKER / "nginx.conf").read_text()
     assert f"http://gateway:{gw.port}" in nginx and "listen 8000;" in nginx
@@ -303,6 +313,20 @@ def test_timeouts_fit_the_gateway_config():
 
     # the gateway's 413 is the one users see (0: sized to the context, at most AUTO_BODY_CAP)
     assert int(body) * 2**20 >= (gw.max_body_bytes or AUTO_BODY_CAP)
+
+
+def test_worker_healthcheck_reads_the_liveness_file(tmp_path):
+    import os
+    import time
+
+    alive = tmp_path / "worker.alive"
+    assert "No such file" in healthcheck.check_file(str(alive), 30)
+    alive.touch()
+    assert healthcheck.check_file(str(alive), 30) is None
+    old = time.time() - 45
+    os.utime(alive, (old, old))
+    assert "stuck" in healthcheck.check_file(str(alive), 30)
+    assert healthcheck.main(["file", str(alive), "--max-age", "60"]) == 0
 
 
 def test_batcher_healthcheck_against_a_real_batcher():
