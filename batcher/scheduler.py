@@ -128,6 +128,7 @@ class Scheduler:
         self.spec_k = 0  # draft tokens per request in the step being composed (0: no speculation)
         # its drafts, for its StepInput: request id -> the draft tokens (ngram) or its DraftJob (a draft model)
         self.drafts: dict[str, list[int] | DraftJob] = {}
+        self.catchup: dict[str, int] = {}  # --speculative draft: _draft_catchup() for the step being composed
         # The step-cost model (cost, else --cost-model, else the shipped fit), learned online from the worker.
         self.fit = OnlineCostFit(cost or CostModel.load(cfg.cost_model or default_cost_model(cfg.lanes)))
         self.decode_part_ms = 0.0  # the last composed step's cost without its prefills
@@ -335,14 +336,17 @@ class Scheduler:
         if self.waiting or len(self.running) * 2 > self.cfg.max_num_seqs:  # (no K >= 1 fits the largest graph)
             return 0
         budget = INDEX_BUDGET  # (a long context's index is built over several steps)
-        by_model = self.spec.draft_model  # (a draft model drafts for every request that may draft)
+        by_model = self.spec.draft_model  # a draft model drafts for every request whose draft K/V catches up
+        if by_model:
+            self.catchup = self._draft_catchup()
         for r in self.running.values():
             if len(r.token_ids) + r.num_output_placeholders - r.num_computed_tokens > 1:  # (re)computing a prompt
                 return 0
             may = self._may_draft(r)
             if may and budget > 0 and not by_model:
                 budget -= r.ngrams.grow(r.token_ids, budget)
-            if may and (by_model or r.ngrams.ready(r.token_ids) and r.ngrams.propose(r.token_ids, 1)):
+            if may and (self.catchup.get(r.request_id) == r.num_computed_tokens + 1 if by_model else
+                        r.ngrams.ready(r.token_ids) and r.ngrams.propose(r.token_ids, 1)):
                 drafters += 1
                 draft_context += r.num_computed_tokens
             else:
@@ -350,6 +354,23 @@ class Scheduler:
                 other_context += r.num_computed_tokens
         return self.spec.choose_k(drafters, draft_context, self.fit.model, self.cfg.max_num_seqs, others,
                                   other_context)
+
+    def _draft_catchup(self) -> dict[str, int]:
+        """--speculative draft: request id -> where the draft model's K/V computation of it stops in the next step
+        (batcher/spec.py), for the running requests that may draft: its input's position + 1 when its lag fits the
+        step's allowance (DRAFT_CATCHUP positions for all; least lag first), so it drafts; else what is left of the
+        allowance, for the first one that does not fit (it decodes one token and catches up by that much)."""
+        plan, left = {}, DRAFT_CATCHUP
+        for r in sorted((r for r in self.running.values() if self._may_draft(r)),
+                        key=lambda r: r.num_computed_tokens - r.draft_done):
+            behind = r.num_computed_tokens - r.draft_done
+            if behind <= left:
+                plan[r.request_id] = r.num_computed_tokens + 1
+                left -= behind
+            elif left:
+                plan[r.request_id] = r.draft_done + left
+                left = 0
+        return plan
 
     def _may_draft(self, req: Request) -> bool:
         """Not opted out, no grammar, penalty or logprobs, min_tokens reached (a verify samples each position as
@@ -395,6 +416,8 @@ class Scheduler:
         self.step_no += 1
         features = step_features(flight, self.drafts)
         predicted = self.fit.model.step_ms(*features)
+        if self.drafts and self.spec.draft_model:  # and the draft model's passes
+            predicted += self.spec.draft_ratio * self.spec.draft_work_ms(self.drafts.values(), self.fit.model)
         self.busy[lane] = start + predicted / 1000.0
         drafts, self.drafts = self.drafts, {}
         self.in_flight.append((self.step_no, flight, features, predicted, lane, drafts or None))
@@ -543,13 +566,12 @@ class Scheduler:
                          decodes: list[Request], prefills: list[tuple[Request, int]]) -> int:
         """The decode loop of _schedule_running when the step speculates: a request that may draft and whose
         tokens are all known on the host gets its last token plus up to spec_k drafts (batcher/spec.py) to verify,
-        any other one its one token. With a draft model, a request whose draft K/V lags by more than the step's
-        catch-up allowance left decodes one token while its draft catches up by that much. Returns the budget
-        left."""
+        any other one its one token. With a draft model, what _draft_catchup() planned: a request whose draft K/V
+        does not catch up in this step decodes one token while it catches up by what the plan says. Returns the
+        budget left."""
         bs = self.block_size
         bm = self.bm
         by_model = self.spec.draft_model
-        catchup = DRAFT_CATCHUP
         for req in run_decodes:
             if budget <= 0:
                 break
@@ -557,13 +579,11 @@ class Scheduler:
             if not req.num_output_placeholders and self._may_draft(req):
                 room = min(self.spec_k, budget - 1, req.length_limit - len(req.token_ids) - 1)
                 p = req.num_computed_tokens  # its input's position
+                stop = self.catchup.get(req.request_id) if by_model else None
                 if not by_model:
                     drafts = req.ngrams.propose(req.token_ids, room) if req.ngrams.ready(req.token_ids) else []
-                elif p - req.draft_done <= catchup:
-                    catchup -= p - req.draft_done
-                    job = DraftJob(req.draft_done, p + 1, max(room, 0))
-                elif catchup:
-                    job, catchup = DraftJob(req.draft_done, req.draft_done + catchup, 0), 0
+                elif stop is not None:
+                    job = DraftJob(req.draft_done, stop, max(room, 0) if stop == p + 1 else 0)
             k = job.k if job is not None else len(drafts)
             n = 1 + k
             done = req.num_computed_tokens + n
@@ -693,9 +713,11 @@ class Scheduler:
             raise StepFailed(f"worker error: {out.error.splitlines()[-1]}")
         if 0.0 < out.execute_time < MAX_STEP_S:  # a worker's figure: a NaN or a wild one must not wipe the fit
             drafts = in_flight[i][5]
-            if drafts and self.spec.draft_model and 0.0 < out.draft_time < out.execute_time:
-                self.spec.observe_draft(self.spec.draft_work_ms(drafts.values(), self.fit.model), out.draft_time * 1e3)
-            self.fit.observe(in_flight[i][2], (out.execute_time - out.draft_time) * 1000.0)
+            draft = out.draft_time if drafts and self.spec.draft_model and 0.0 < out.draft_time < out.execute_time \
+                else 0.0  # (the model's fit learns the step without its draft model's part)
+            if draft:
+                self.spec.observe_draft(self.spec.draft_work_ms(drafts.values(), self.fit.model), draft * 1000.0)
+            self.fit.observe(in_flight[i][2], (out.execute_time - draft) * 1000.0)
         return self._apply(now, out, index=i)
 
     def _oldest_of_lane(self, step: int) -> int | None:

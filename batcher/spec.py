@@ -25,8 +25,9 @@ the drafts), what its work costs. Pure: no I/O, no torch.
   first its parameter share (WorkerReady.draft_size), then learned from the draft time the worker reports
   against the same work priced with the model's cost model (`draft_work_ms`). A request's draft K/V is computed
   lazily: a speculating step first computes the positions its draft has not seen (a prompt, a prefix-cache hit,
-  tokens decoded without speculation), at most DRAFT_CATCHUP tokens per step for all requests together; one
-  that does not fit decodes plainly and catches up by that much.
+  tokens decoded without speculation), at most DRAFT_CATCHUP tokens per step for all requests together, least
+  lag first (Scheduler._draft_catchup); the first that does not fit decodes plainly and catches up by what is
+  left. Only requests that catch up count as drafting.
 """
 
 from __future__ import annotations

@@ -88,16 +88,20 @@ def test_draft_model_drafts_give_the_same_tokens_in_fewer_steps(mode):
 
 
 def test_a_long_prompt_catches_up_over_several_steps_then_drafts():
+    """The draft K/V of a long prompt is computed over several steps, within the step's allowance, while a short
+    request (least lag first) drafts from the first speculating step on."""
     prompt = 2 * DRAFT_CATCHUP + 700
     d = _run(DRIVERS["sync"], {"async_scheduling": False, "speculative": "draft"}, pool=512,
              jobs=[(prompt, 40), (20, 60)])
-    jobs = [(step.draft_jobs["r0"], step.num_scheduled_tokens["r0"]) for step in d.steps if "r0" in step.draft_jobs]
-    assert [(j.start, j.stop, j.k, n) for j, n in jobs[:2]] == [(0, DRAFT_CATCHUP, 0, 1),
-                                                              (DRAFT_CATCHUP, 2 * DRAFT_CATCHUP, 0, 1)]
-    j, n = jobs[2]  # the rest of the prompt, the tokens decoded meanwhile and its input: then its drafts
-    assert j.start == 2 * DRAFT_CATCHUP and j.stop == prompt + 3 and j.k > 0 and n == 1 + j.k
-    assert all(step.num_scheduled_tokens.get("r1", 1) > 1 for step in d.steps
-               if "r0" in step.draft_jobs and step.draft_jobs["r0"].k == 0 and "r1" in step.draft_jobs)
+    steps = [step for step in d.steps if step.draft_jobs]
+    assert steps[0].draft_jobs["r1"].k > 0
+    long = [(step.draft_jobs["r0"], step.num_scheduled_tokens["r0"]) for step in steps if "r0" in step.draft_jobs]
+    assert long[0][0].start == 0 and all(b.start == a.stop for (a, _), (b, _) in zip(long[:2], long[1:3]))
+    assert [(j.k, n) for j, n in long[:2]] == [(0, 1), (0, 1)]  # catching up: one token decoded, no drafts
+    j, n = long[2]  # the rest of the prompt, the tokens decoded meanwhile and its input: then its drafts
+    assert j.stop == prompt + 3 and j.k > 0 and n == 1 + j.k
+    for step in steps:  # the allowance: the positions before each job's input, all jobs together
+        assert sum(j.stop - j.start for j in step.draft_jobs.values()) <= DRAFT_CATCHUP + len(step.draft_jobs)
     assert d.s.stats().spec_accepted > 0
 
 
@@ -107,6 +111,14 @@ def test_a_tight_pool_preempts_requests_with_draft_jobs_and_loses_nothing(pool):
     spec = _run(DRIVERS["sync"], {"async_scheduling": False, "speculative": "draft"}, noisy, pool=pool)
     assert spec.s.preemptions > 0 and spec.s.stats().spec_accepted > 0
     assert spec.tokens == plain.tokens and spec.s.bm.num_free == pool
+
+
+def test_the_simulator_refuses_a_draft_model_it_does_not_have():
+    from batcher.sim.engine import SimRequest, simulate
+    from laneserve.wire.protocol import SamplingParams
+
+    with pytest.raises(ValueError, match="no draft model"):
+        simulate([SimRequest(0.0, [1, 2, 3], 4, SamplingParams(max_tokens=4))], cfg(speculative="draft"), CHEAP_VERIFY)
 
 
 # ---------------------------------------------------------------------- the real model runner

@@ -92,8 +92,9 @@ def test_paged_decode_sliding_window():
 # ---------------------------------------------------------------------------------------- persistent decode
 def persistent(q, kc, vc, bt, lens, scale, window=None, **kw):
     """plan, then decode: what the Triton backend runs once per step and once per layer."""
-    buffers = pa.PersistentDecodeBuffers(q.shape[0], q.shape[1], q.shape[2], DEVICE)
-    pa.plan_persistent_decode(lens, buffers, window, block_n=kw.get("config", {}).get("BLOCK_N"))
+    buffers = pa.PersistentDecodeBuffers(q.shape[0], q.shape[1], q.shape[2], DEVICE,
+                                         quant=kc.dtype == torch.int8, config=kw.get("config"))
+    pa.plan_persistent_decode(lens, buffers, window)
     out = torch.full_like(q, float("nan"))
     pa.paged_decode_persistent(q, kc, vc, bt, lens, scale, buffers, num_sms=2, out=out, window=window, **kw)
     return out, buffers
@@ -125,6 +126,18 @@ def test_persistent_decode_matches_reference_on_skewed_batches(heads, kv_heads, 
     assert buffers.seq_of[:sum(counts)].cpu().tolist() == [b for b, c in enumerate(counts) for _ in range(c)]
     if min_chunk == 64 and max(lens) > 64:
         assert max(counts) > 1  # some context was split (the merge ran)
+
+
+def test_persistent_decode_plans_whole_tiles_of_the_kernels_block_n():
+    """A launch config with 128-key tiles: the plan's chunks are whole 128-key tiles too (a window that starts
+    mid-tile included); a kernel launched with another BLOCK_N than the plan's is refused."""
+    q, kc, vc, bt, _ = make_case(2, 8, 2, 32, 300, 6)
+    lens = torch.tensor([300, 200], dtype=torch.int32, device=DEVICE)
+    out, buffers = persistent(q, kc, vc, bt, lens, 32 ** -0.5, window=100, config={"BLOCK_N": 128})
+    assert int(buffers.plan[0]) % 128 == 0
+    assert rel_err(out, reference_decode(q, kc, vc, bt, lens, 32 ** -0.5, window=100)) < (1e-2 if ON_GPU else 1e-5)
+    with pytest.raises(ValueError, match="BLOCK_N 64, planned for 128"):
+        pa.paged_decode_persistent(q, kc, vc, bt, lens, 32 ** -0.5, buffers, num_sms=2)
 
 
 def test_persistent_decode_sliding_window_and_int8(monkeypatch):

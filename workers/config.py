@@ -38,7 +38,7 @@ class WorkerConfig:
         "kernels)"))
     decode_attention: str = field(default="partitioned", metadata=flag(
         "the Triton decode-attention kernel: partitioned (a grid of sequence x KV head x partition, the partition "
-        "count per step from the batch size) | persistent (a fixed grid pulling chunks of one length from a work "
+        "count per step from the batch size) | persistent (a fixed grid taking chunks of one length from a work "
         "plan built on the device: long and short contexts in one batch are balanced; docs/perf.md)"))
     enforce_eager: bool = field(default=False, metadata=flag("CUDA: run decode eagerly instead of CUDA graphs"))
     overlap_steps: str = field(default="auto", metadata=flag(

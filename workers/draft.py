@@ -28,6 +28,8 @@ from workers.kv_cache import BLOCK_SIZE, KVCache, bytes_per_block
 from workers.loader import load_model
 from workers.sampling import to_device
 
+GRAPH_POSITIONS = 4  # a job's first pass replays a decode graph, a row per position, up to this many positions
+
 
 class Drafter:
     def __init__(self, cfg: WorkerConfig, target: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -72,13 +74,16 @@ class Drafter:
         """For each job (the request's tokens, its block ids, the job): its drafts ([] for k = 0), and the seconds
         it all took. One forward over every job's positions [start, stop), then one decode forward per further
         draft, each over the jobs that want that many; the drafts stay on the device until the end (one sync).
-        With CUDA graphs each pass is a decode graph replay, a row per position (the first pass too while its
-        positions fit the largest graph: every row's K/V is written before any row's attention reads it)."""
+        With CUDA graphs each pass is a decode graph replay, a row per position (the first pass too while every job
+        has at most GRAPH_POSITIONS positions and they fit the largest graph: every row's K/V is written before any
+        row's attention reads it)."""
         t0 = time.perf_counter()
         bs, graphs = BLOCK_SIZE, self.graphs
         # the drafting jobs, most drafts first: the jobs that want a further draft are always a leading run
         drafting = sorted((i for i in range(len(jobs)) if jobs[i][2].k > 0), key=lambda i: -jobs[i][2].k)
-        if graphs is not None and sum(j.stop - j.start for _, _, j in jobs) <= graphs.sizes[-1]:
+        # (a catch-up of more positions runs eagerly: as graph rows, each would read its whole context)
+        if graphs is not None and all(j.stop - j.start <= GRAPH_POSITIONS for _, _, j in jobs) and \
+                sum(j.stop - j.start for _, _, j in jobs) <= graphs.sizes[-1]:
             rows, last = [], {}
             for i, (tokens, blocks, job) in enumerate(jobs):
                 rows += [(tokens[q], q, blocks) for q in range(job.start, job.stop)]
@@ -87,7 +92,9 @@ class Drafter:
         else:
             logits, last = self._eager(jobs)
         out: list[list[int]] = [[] for _ in jobs]
-        if not drafting:
+        if not drafting:  # (no copy to the host to wait for: wait for the device, or the time would be the launches')
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
             return out, time.perf_counter() - t0
         drafts = [self._pick(logits[to_device([last[i] for i in drafting], torch.int64, self.device)])]
         for d in range(1, jobs[drafting[0]][2].k):

@@ -104,10 +104,11 @@ class SimWorker:
         self.block_size = block_size
         self.vocab = vocab
         self.token_fn = token_fn  # (request_id, tokens so far) -> next token; default never a stop token
-        # StepInput.draft_jobs: (request_id, tokens so far) -> the draft model's next token (default token_fn's); it
-        # checks that a draft never reads draft K/V not computed before (draft_done: request id -> its positions)
+        # StepInput.draft_jobs: (request_id, tokens so far) -> the draft model's next token (default token_fn's).
+        # With check_kv it also keeps the token whose draft-model K/V each slot holds, and checks that every job's
+        # positions before its start hold its request's tokens (what the batcher's draft_done claims)
         self.draft_fn = draft_fn
-        self.draft_done: dict[str, int] = {}
+        self.draft_kv = [-1] * (num_blocks * block_size) if check_kv else None
         self.reqs: dict[str, list] = {}  # id -> [token_ids, block_ids, num_computed]
         self.unsampled: set[str] = set()  # requests with max_tokens 0: their prompt is computed, nothing sampled
         self.kv = [-1] * (num_blocks * block_size) if check_kv else None
@@ -132,7 +133,6 @@ class SimWorker:
         for rid in step.finished_req_ids:
             self.reqs.pop(rid, None)
             self.unsampled.discard(rid)
-            self.draft_done.pop(rid, None)
         for nr in step.new_reqs:
             assert nr.request_id not in self.reqs, f"NewReq for a request the worker holds: {nr.request_id}"
             toks = nr.prompt_token_ids + nr.output_token_ids
@@ -142,7 +142,6 @@ class SimWorker:
                     assert self.kv[slot] == toks[pos], f"prefix hit of {nr.request_id} at {pos}: stale K/V"
                     self._touch(slot // bs, step, write=False)
             self.reqs[nr.request_id] = [toks, list(nr.block_ids), nr.num_computed_tokens]
-            self.draft_done[nr.request_id] = 0
             if not nr.params.max_tokens:
                 self.unsampled.add(nr.request_id)
         for cr in step.cached_reqs:
@@ -197,12 +196,6 @@ class SimWorker:
                 toks.append(tok)
                 ids.append(rid)
                 sampled.append([tok])
-        for rid, job in step.draft_jobs.items():  # the draft K/V now known: up to the first rejected draft's
-            toks, drafts = reqs[rid][0], spec.get(rid, ())
-            kept = 0
-            while kept < len(drafts) and job.stop + kept < len(toks) and toks[job.stop + kept] == drafts[kept]:
-                kept += 1
-            self.draft_done[rid] = job.stop + min(kept, max(job.k - 1, 0))
         if step.allowed_token_ids and not set(step.allowed_token_ids) <= set(ids):
             raise AssertionError(f"step {step.step} has token masks for requests that do not sample in it")
         self.open.add(step.step)
@@ -212,19 +205,26 @@ class SimWorker:
 
     def _draft(self, step: StepInput) -> dict[str, list[int]]:
         """The drafts of StepInput.draft_jobs (the draft model's work: workers/draft.py), checking the contract:
-        positions [start, stop) known, start at or before the draft K/V computed so far, and a job that drafts
-        ends at its request's input."""
+        positions [start, stop) known, a job that drafts ends at its request's input, and (check_kv) the draft
+        K/V of every position before start is its request's token there."""
         drafts = {}
         fn = self.draft_fn or self.token_fn
+        bs, kv = self.block_size, self.draft_kv
         for rid, job in step.draft_jobs.items():
-            toks, _, done = self.reqs[rid]
-            if not (0 <= job.start < job.stop <= len(toks) and job.start <= self.draft_done[rid] and job.k >= 0
+            toks, blocks, done = self.reqs[rid]
+            if not (0 <= job.start < job.stop <= len(toks) and job.k >= 0
                     and (not job.k or job.stop == done + 1 == len(toks))):
-                raise AssertionError(f"bad draft job {job} for {rid}: {done} computed of {len(toks)}, draft K/V of "
-                                     f"{self.draft_done[rid]}")
+                raise AssertionError(f"bad draft job {job} for {rid}: {done} computed of {len(toks)}")
             proposed = list(toks)
             for _ in range(job.k):
                 proposed.append(fn(rid, proposed) if fn is not None else sim_token(len(proposed), rid, self.vocab))
+            if kv is not None:
+                for pos in range(job.start):
+                    if kv[blocks[pos // bs] * bs + pos % bs] != toks[pos]:
+                        raise AssertionError(f"draft job {job} for {rid}: no draft K/V of its token at {pos}")
+                # written: [start, stop), then each draft but the last (the pass that reads it proposes the next)
+                for pos in range(job.start, job.stop + max(job.k - 1, 0)):
+                    kv[blocks[pos // bs] * bs + pos % bs] = proposed[pos]
             if job.k:
                 drafts[rid] = proposed[len(toks):]
         return drafts
@@ -428,8 +428,12 @@ def simulate(requests: Sequence[SimRequest | TraceSimRequest], cfg: BatcherConfi
     (admissions and stops seen a step later).
     sim_worker: run every step through a SimWorker (StepInput in, StepOutput out: the batcher's path, with the
     worker checking the scheduler's promises; check_kv implies it) rather than in process (InProcessScheduler),
-    which is faster and gives the same results.
+    which is faster and gives the same results. `speculative: draft` is refused: the stand-in worker has no draft
+    model (its drafts would be right and free).
     """
+    if cfg.speculative == "draft":
+        raise ValueError("the simulator has no draft model (its drafts would all be right and cost nothing): simulate "
+                         "with speculative off or ngram")
     in_process = not (sim_worker or check_kv) and cfg.speculative in ("", "off")  # (drafts: a SimWorker verifies)
     sched_type = InProcessScheduler if in_process else Scheduler
     scheds = {w: sched_type(cfg, num_blocks, block_size, max_model_len, warm_prefixes, cost=cost)

@@ -220,8 +220,6 @@ class StepInput(Msg):
     # num_scheduled_tokens is 1 + len(drafts), its input its last token then the drafts, and its
     # output row the accepted drafts then one token sampled after them (greedy verification)
     spec_token_ids: dict[str, list[int]] = {}
-    # the same with a draft model: request id -> its DraftJob; the worker proposes the drafts itself
-    draft_jobs: dict[str, DraftJob] = {}
     new_reqs: list[NewReq] = []
     cached_reqs: list[CachedReq] = []
     num_scheduled_tokens: dict[str, int] = {}
@@ -229,6 +227,9 @@ class StepInput(Msg):
     # structured output: request id -> the tokens it may sample in this step, a little-endian bitmask of
     # ceil(vocab_size / 32) int32 words (bit t of word t // 32: token t allowed); only for requests that sample
     allowed_token_ids: dict[str, bytes] = {}
+    # speculative decoding with a draft model: request id -> its DraftJob, as spec_token_ids but the worker's draft
+    # model proposes the drafts
+    draft_jobs: dict[str, DraftJob] = {}
 
 
 class Shutdown(Msg):

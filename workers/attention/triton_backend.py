@@ -58,12 +58,13 @@ class TritonAttentionBackend(AttentionBackend):
     def begin(self, meta: AttentionMetadata) -> None:
         meta.plan.replan = True
 
-    def _persistent_buffers(self, q: torch.Tensor) -> PersistentDecodeBuffers:
+    def _persistent_buffers(self, q: torch.Tensor, k_cache: torch.Tensor) -> PersistentDecodeBuffers:
         device = q.device
         key = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
         if key not in self.buffers:
             self.buffers[key] = PersistentDecodeBuffers(self.max_batch, q.shape[1], q.shape[2], device,
-                                                        target_chunks(self.num_sms, self.num_kv_heads))
+                                                        target_chunks(self.num_sms, self.num_kv_heads),
+                                                        quant=k_cache.dtype == torch.int8)
         return self.buffers[key]
 
     def compile_kernels(self, num_heads: int, head_dim: int, dtype: torch.dtype, k_cache: torch.Tensor,
@@ -82,14 +83,16 @@ class TritonAttentionBackend(AttentionBackend):
             parts *= 2
         if self.persistent:  # the plan kernel is compiled per power-of-two batch padding
             pad = 16
-            while pad < 2 * self.max_batch:
+            while True:
                 batch = min(pad, self.max_batch)
                 lens = torch.ones(batch, dtype=torch.int32, device=dev)
-                buffers = self._persistent_buffers(q)
+                buffers = self._persistent_buffers(q, k_cache)
                 plan_persistent_decode(lens, buffers, window)
                 paged_decode_persistent(q.expand(batch, -1, -1).contiguous(), k_cache, v_cache,
                                         table.expand(batch, -1).contiguous(), lens, 1.0, buffers, self.num_sms,
                                         k_scale=ks, v_scale=vs, window=window)
+                if pad >= self.max_batch:
+                    break
                 pad *= 2
         qsl = torch.tensor([0, 1], dtype=torch.int32, device=dev)
         paged_prefill(q, k_cache, v_cache, table, one, qsl, 0, 1, 1, 1.0, torch.empty_like(q), ks, vs, window)
@@ -106,7 +109,7 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd and self.persistent and nd <= self.max_batch:
-            buffers = self._persistent_buffers(q)
+            buffers = self._persistent_buffers(q, k_cache)
             if plan.replan:  # once per forward, in the first layer: every layer reads the same plan
                 plan_persistent_decode(meta.seq_lens[:nd], buffers, self.window)
                 plan.replan = False

@@ -222,16 +222,18 @@ def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, s_ob, s_oh, H, D: tl.constex
 # splits the long one into chunks of the same size as the others' whole spans, and one capture serves any mix of
 # lengths. The chunk length is chosen per step on the device: at least PERSISTENT_MIN_CHUNK keys, and long enough
 # that the batch makes at most `target` chunks beyond one per sequence (which bounds the partial results' buffer);
-# target_chunks() makes that about PERSISTENT_PROGRAMS_PER_SM work items per SM, the partitioned kernel's aim.
+# target_chunks() makes that about PERSISTENT_ITEMS_PER_SM work items per SM, the partitioned kernel's aim. Program
+# i takes items i, i + PROGRAMS, ... (a static stride: the items are of one length, so it balances).
 PERSISTENT_MIN_CHUNK = 64
-PERSISTENT_PROGRAMS_PER_SM = 4
+PERSISTENT_ITEMS_PER_SM = 4
+PERSISTENT_PROGRAMS_PER_SM = 2  # resident at once: a bf16 D 128 program takes ~96 KB of shared memory (to tune)
 
 
 def target_chunks(num_sms: int, num_kv_heads: int) -> int:
-    return max(16, PERSISTENT_PROGRAMS_PER_SM * num_sms // num_kv_heads)
+    return max(16, PERSISTENT_ITEMS_PER_SM * num_sms // num_kv_heads)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B"])
 def _plan_kernel(lens_ptr, plan_ptr, seq_of_ptr, B, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
                  MIN_CHUNK: tl.constexpr, TARGET: tl.constexpr, B_PAD: tl.constexpr):
     """One program: plan[0] = the chunk length (a multiple of BLOCK_N), plan[1 + i] = the chunks of sequences
@@ -242,7 +244,7 @@ def _plan_kernel(lens_ptr, plan_ptr, seq_of_ptr, B, WINDOW: tl.constexpr, BLOCK_
     lens = tl.load(lens_ptr + offs, mask=ok, other=0)
     lo = _window_start(lens, WINDOW)
     span = tl.where(ok, lens - lo // BLOCK_N * BLOCK_N, 0)
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(tl.sum(span, 0), TARGET), BLOCK_N) * BLOCK_N, MIN_CHUNK)
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(tl.sum(span, 0), TARGET), BLOCK_N), tl.cdiv(MIN_CHUNK, BLOCK_N)) * BLOCK_N
     counts = tl.where(ok, tl.cdiv(span, chunk), 0)
     ends = tl.cumsum(counts, 0)
     tl.store(plan_ptr, chunk)
@@ -320,11 +322,14 @@ def _merge_kernel(plan_ptr, po_ptr, pm_ptr, pl_ptr, out_ptr, s_ob, s_oh, H, D: t
 
 class PersistentDecodeBuffers:
     """What paged_decode_persistent needs besides its inputs, allocated once (CUDA-graph safe): the plan and
-    the partial results of at most target + max_batch chunks (target: target_chunks())."""
+    the partial results of at most target + max_batch chunks (target: target_chunks()). The plan's chunks are
+    whole tiles of the decode config's BLOCK_N for this pool (int8 or not): the kernel must use the same."""
 
-    def __init__(self, max_batch: int, num_heads: int, head_dim: int, device, target: int = 64):
+    def __init__(self, max_batch: int, num_heads: int, head_dim: int, device, target: int = 64,
+                 quant: bool = False, config: dict | None = None):
         cap = target + max_batch
         self.max_batch, self.target = max_batch, target
+        self.block_n = _decode_config(quant, config)["BLOCK_N"]
         self.plan = torch.zeros(2 + max_batch, dtype=torch.int32, device=device)
         self.seq_of = torch.zeros(cap, dtype=torch.int32, device=device)
         self.po = torch.empty(cap, num_heads, head_dim, dtype=torch.float32, device=device)
@@ -332,15 +337,15 @@ class PersistentDecodeBuffers:
         self.pl = torch.empty_like(self.pm)
 
 
-def plan_persistent_decode(seq_lens: torch.Tensor, buffers: PersistentDecodeBuffers, window: int | None = None,
-                           block_n: int | None = None) -> None:
+def plan_persistent_decode(seq_lens: torch.Tensor, buffers: PersistentDecodeBuffers,
+                           window: int | None = None) -> None:
     """Fill buffers.plan from the batch's context lengths (on the device: no host sync). Once per step: every
     layer's paged_decode_persistent reads it."""
     batch = seq_lens.shape[0]
     if batch > buffers.max_batch:
         raise ValueError(f"persistent decode: batch {batch} > the buffers' {buffers.max_batch}")
     _plan_kernel[(1,)](seq_lens, buffers.plan, buffers.seq_of, batch, WINDOW=window or 0,
-                       BLOCK_N=block_n or _decode_config(False, None)["BLOCK_N"], MIN_CHUNK=PERSISTENT_MIN_CHUNK,
+                       BLOCK_N=buffers.block_n, MIN_CHUNK=PERSISTENT_MIN_CHUNK,
                        TARGET=buffers.target, B_PAD=max(16, triton.next_power_of_2(batch)))
 
 
@@ -351,14 +356,16 @@ def paged_decode_persistent(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             out: torch.Tensor | None = None, window: int | None = None,
                             config: dict | None = None) -> torch.Tensor:
     """paged_decode's arguments and result, over the work plan plan_persistent_decode() left in buffers (same
-    seq_lens and window, the same BLOCK_N): a grid of PERSISTENT_PROGRAMS_PER_SM programs per SM, then the merge
-    of split sequences."""
+    seq_lens and window): a grid of PERSISTENT_PROGRAMS_PER_SM programs per SM, then the merge of split
+    sequences. The launch config's BLOCK_N must be the buffers' (ValueError)."""
     batch, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     quant = k_cache.dtype == torch.int8
     if out is None:
         out = torch.empty_like(q)
     cfg = _decode_config(quant, config)
+    if cfg["BLOCK_N"] != buffers.block_n:
+        raise ValueError(f"persistent decode: BLOCK_N {cfg['BLOCK_N']}, planned for {buffers.block_n}")
     int8_qk = cfg.pop("INT8_QK") and quant
     int8_pv = cfg.pop("INT8_PV") and quant
     programs = PERSISTENT_PROGRAMS_PER_SM * num_sms
