@@ -202,7 +202,6 @@ class SimWorker:
         return (StepOutput(step=step.step, worker_id=0, request_ids=ids, sampled_token_ids=sampled),
                 (prefill_tokens, attention, decode_seqs, kv_read, 1 if prefill_tokens else 0))
 
-
     def _draft(self, step: StepInput) -> dict[str, list[int]]:
         """The drafts of StepInput.draft_jobs (the draft model's work: workers/draft.py), checking the contract:
         positions [start, stop) known, a job that drafts ends at its request's input, and (check_kv) the draft
