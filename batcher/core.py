@@ -60,6 +60,20 @@ class WorkerSlot:
     vocab_size: int = 0  # 0 = unknown (token ids are not range-checked)
 
 
+GAUGES = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free")  # EngineStats' fields that are not counts
+COUNTERS = tuple(name for name in P.EngineStats.__struct_fields__ if name not in GAUGES)
+
+
+def _add_stats(total: P.EngineStats, s: P.EngineStats, fields: tuple[str, ...]) -> None:
+    """total += s, field by field (a histogram's buckets one by one)."""
+    for name in fields:
+        mine, theirs = getattr(total, name), getattr(s, name)
+        if isinstance(theirs, list):
+            setattr(total, name, [a + b for a, b in zip(mine, theirs)] if mine else list(theirs))
+        else:
+            setattr(total, name, mine + theirs)
+
+
 class Batcher:
     def __init__(self, cfg: BatcherConfig):
         self.cfg = cfg
@@ -91,6 +105,7 @@ class Batcher:
         self.front_decoder = P.decoder(P.GatewayToBatcher)
         self.back_decoder = P.decoder(P.WorkerToBatcher)
         self.workers: dict[int, WorkerSlot] = {}
+        self.retired = P.EngineStats()  # the counters of lost workers' schedulers: the totals never go back
         # request id -> (gateway identity, worker id)
         self.owner: dict[str, tuple[bytes, int]] = {}
         self.step_counter = 0
@@ -182,16 +197,11 @@ class Batcher:
         await self._send_front(ident, P.Pong(nonce=msg.nonce, workers_alive=len(self.workers), stats=self.stats()))
 
     def stats(self) -> P.EngineStats:
-        """The workers' schedulers' stats summed (a histogram's bucket counts bucket by bucket)."""
-        total = P.EngineStats()
+        """The workers' schedulers' stats summed (a histogram's bucket counts bucket by bucket); the counters also
+        count what lost workers did, so a restart never looks like a counter reset."""
+        total = msgspec.structs.replace(self.retired)
         for slot in self.workers.values():
-            s = slot.scheduler.stats()
-            for name in P.EngineStats.__struct_fields__:
-                mine, theirs = getattr(total, name), getattr(s, name)
-                if isinstance(theirs, list):
-                    setattr(total, name, [a + b for a, b in zip(mine, theirs)] if mine else list(theirs))
-                else:
-                    setattr(total, name, mine + theirs)
+            _add_stats(total, slot.scheduler.stats(), P.EngineStats.__struct_fields__)
         return total
 
     # ------------------------------------------------------------------ worker side
@@ -284,6 +294,7 @@ class Batcher:
         if slot is None:  # already handled (two sends failed at once)
             return
         n = slot.scheduler.num_unfinished
+        _add_stats(self.retired, slot.scheduler.stats(), COUNTERS)
         deltas = slot.scheduler.fail_all(f"worker {worker_id} lost: {why}")
         kicked: set[int] = set()
         if self.requeue:

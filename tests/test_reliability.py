@@ -132,7 +132,9 @@ async def test_a_worker_whose_connection_closes_is_lost_at_once_and_a_new_one_se
         (end,) = got["a"]
         assert end.finish_reason == P.FinishReason.ERROR and "worker 0 lost" in end.error
         assert lost_after < 1.0
-        assert (await side.roundtrip()).workers_alive == 0
+        pong = await side.roundtrip()
+        assert pong.workers_alive == 0 and pong.stats.steps >= 1  # the lost worker's steps still count
+        assert pong.stats.num_running == 0 and pong.stats.kv_blocks_total == 0  # (gauges: live workers only)
         await side.add("b")
         (rej,) = (await side.deltas_until_finished({"b"}))["b"]
         assert isinstance(rej, P.Rejected) and rej.retryable  # no worker: the gateway answers 429/503
@@ -140,6 +142,7 @@ async def test_a_worker_whose_connection_closes_is_lost_at_once_and_a_new_one_se
         await side.add("c", max_tokens=5)
         ds = (await side.served_until_finished(wk2, {"c"}))["c"]
         assert sum(len(d.new_token_ids) for d in ds) == 5 and ds[-1].finish_reason == P.FinishReason.LENGTH
+        assert (await side.roundtrip()).stats.steps > pong.stats.steps  # counted on from there, not from 0
 
 
 async def test_a_silent_worker_is_lost_after_worker_timeout(tmp_path):
