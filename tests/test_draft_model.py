@@ -197,6 +197,9 @@ def test_a_draft_model_with_another_vocabulary_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="vocabulary has 200 ids, the model's 320"):
         ModelRunner(WorkerConfig(model="tiny", device="cpu", draft_model=str(tmp_path), kv_cache_memory="4MiB",
                                  max_model_len=512))
+    with pytest.raises(ValueError, match="--draft-model /nonexistent: .*not found .*--draft-model must be 'tiny'"):
+        ModelRunner(WorkerConfig(model="tiny", device="cpu", draft_model="/nonexistent", kv_cache_memory="4MiB",
+                                 max_model_len=512))
 
 
 def test_speculative_draft_and_draft_model_go_together():

@@ -34,7 +34,11 @@ GRAPH_POSITIONS = 4  # a job's first pass replays a decode graph, a row per posi
 class Drafter:
     def __init__(self, cfg: WorkerConfig, target: ModelConfig, dtype: torch.dtype, device: torch.device,
                  max_model_len: int):
-        mc = self.model_config = load_model_config(cfg.draft_model)
+        try:
+            mc = self.model_config = load_model_config(cfg.draft_model)
+        except ValueError as exc:  # (it names the file, and says --model)
+            why = str(exc).replace("--model", "--draft-model")
+            raise ValueError(f"--draft-model {cfg.draft_model}: {why}") from None
         if mc.vocab_size != target.vocab_size and not _same_tokenizer(cfg.draft_model, cfg.model):
             raise ValueError(f"--draft-model {cfg.draft_model}: its vocabulary has {mc.vocab_size} ids, the model's "
                              f"{target.vocab_size}; a draft model must share the model's tokenizer (different sizes "
