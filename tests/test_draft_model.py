@@ -21,7 +21,7 @@ from laneserve.wire.protocol import DraftJob, FinishReason
 from tests.test_async_scheduling import AsyncDriver
 from tests.test_lanes import LaneDriver, engine, family  # noqa: F401  (family: the per-architecture fixture)
 from tests.test_scheduler import Driver, add
-from tests.test_speculative import BS, CHEAP_VERIFY, JOBS, EagerGraphs, cfg, cycle
+from tests.test_speculative import BS, CHEAP_VERIFY, JOBS, EagerGraphs, cfg, completion, cycle
 
 
 # ---------------------------------------------------------------------- pricing
@@ -212,8 +212,6 @@ def test_speculative_draft_and_draft_model_go_together():
 
 # ---------------------------------------------------------------------- through the stack
 async def test_stack_with_a_draft_model_gives_the_same_text(stack, make_stack):
-    import json
-
     import aiohttp
 
     spec = make_stack("--speculative", "draft", "--draft-model", "tiny")  # the model itself: drafts mostly right
@@ -221,17 +219,7 @@ async def test_stack_with_a_draft_model_gives_the_same_text(stack, make_stack):
             "temperature": 0, "ignore_eos": True}
     async with aiohttp.ClientSession() as s:
         async def complete(base: str, **extra):
-            async with s.post(f"{base}/v1/completions", json=body | extra) as r:
-                assert r.status == 200, await r.text()
-                if not extra.get("stream"):
-                    out = await r.json()
-                    return out["choices"][0]["text"], out["usage"]["completion_tokens"]
-                text = ""
-                async for line in r.content:
-                    line = line.decode().strip()
-                    if line.startswith("data: {"):
-                        text += json.loads(line[6:])["choices"][0]["text"]
-                return text
+            return await completion(s, base, body | extra)
 
         ref = await complete(stack.base_url)
         assert ref[1] == 48 and await complete(spec.base_url) == ref

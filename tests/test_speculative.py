@@ -268,9 +268,14 @@ def test_drafts_never_preempt_or_fail_a_request_that_one_token_would_fit():
 
 class EagerGraphs:
     """A stand-in for workers/cuda_graphs.py DecodeGraphs on the CPU: runs the same rows eagerly as decode rows,
-    which is what a captured graph computes."""
+    which is what a captured graph computes (run_rows is DecodeGraphs' own)."""
 
     sizes = [1, 2, 4, 8, 64]
+    block_size = BS
+
+    from workers.cuda_graphs import DecodeGraphs
+    run_rows = DecodeGraphs.run_rows
+    del DecodeGraphs
 
     def __init__(self, model, backend, window):
         self.model, self.backend, self.window = model, backend, window
@@ -335,6 +340,23 @@ def test_every_family_gives_transformers_greedy_tokens_with_drafts(family):  # n
 
 
 # ---------------------------------------------------------------------- through the stack
+async def completion(session, base: str, body: dict):
+    """POST /v1/completions (a 200 asserted): (text, completion tokens), or with stream the streamed text."""
+    import json
+
+    async with session.post(f"{base}/v1/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        if not body.get("stream"):
+            out = await r.json()
+            return out["choices"][0]["text"], out["usage"]["completion_tokens"]
+        text = ""
+        async for line in r.content:
+            line = line.decode().strip()
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+
 async def test_stack_gives_the_same_text_with_drafts_streamed_or_not(stack, make_stack):
     import aiohttp
 
@@ -342,21 +364,10 @@ async def test_stack_gives_the_same_text_with_drafts_streamed_or_not(stack, make
     body = {"model": "tiny", "prompt": "abcabcabcabcabcabcabcabc", "max_tokens": 48, "temperature": 0,
             "ignore_eos": True}
     async with aiohttp.ClientSession() as s:
-        async def complete(base: str, **extra) -> str:
-            async with s.post(f"{base}/v1/completions", json=body | extra) as r:
-                assert r.status == 200, await r.text()
-                if not extra.get("stream"):
-                    out = await r.json()
-                    assert "stop" in extra or out["usage"]["completion_tokens"] == 48
-                    return out["choices"][0]["text"], out["usage"]["completion_tokens"]
-                text = ""
-                async for line in r.content:
-                    line = line.decode().strip()
-                    if line.startswith("data: {"):
-                        import json
-
-                        text += json.loads(line[6:])["choices"][0]["text"]
-                return text
+        async def complete(base: str, **extra):
+            out = await completion(s, base, body | extra)
+            assert extra.get("stream") or "stop" in extra or out[1] == 48
+            return out
 
         ref, _ = await complete(stack.base_url)
         assert await complete(spec.base_url) == (ref, 48)

@@ -89,6 +89,18 @@ class DecodeGraphs:
     def can_run(self, n: int) -> bool:
         return n <= self.sizes[-1]
 
+    def run_rows(self, rows: list[tuple[int, int, list[int]]], prev_tokens: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """run() with a row per (input token, position, the sequence's block ids): each row a decode over the
+        context up to its position (a step writes every row's K/V before any row's attention, so rows of one
+        sequence see the ones before them). prev_tokens: row i's input token is prev_tokens[i] instead."""
+        bs = self.block_size
+        ids = np.array([t for t, _, _ in rows], dtype=np.int64)
+        pos = np.array([q for _, q, _ in rows], dtype=np.int64)
+        slots = np.array([blocks[q // bs] * bs + q % bs for _, q, blocks in rows], dtype=np.int64)
+        src = np.arange(len(rows), dtype=np.int64) if prev_tokens is not None else None
+        return self.run(ids, pos, slots, pos + 1, [blocks[:q // bs + 1] for _, q, blocks in rows], src, prev_tokens)
+
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
             tables: list[list[int]], src: np.ndarray | None = None,
             prev_tokens: torch.Tensor | None = None) -> torch.Tensor:

@@ -59,11 +59,7 @@ class Drafter:
         mc = self.model_config
         self.kv_cache = KVCache(mc.num_layers, num_blocks, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
         self.model.bind(self.kv_cache.layer_caches(), self.backend, self.max_model_len)
-        if self.device.type == "cuda" and self.backend.name == "triton":
-            attn = self.model.model.layers[0].self_attn
-            k_cache, v_cache = self.kv_cache.layer_caches()[0]
-            self.backend.compile_kernels(attn.num_heads, mc.head_dim, self.dtype, k_cache, v_cache, None,
-                                         self.model.sliding_window)
+        self.model.compile_attention()
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
@@ -82,7 +78,7 @@ class Drafter:
         has at most GRAPH_POSITIONS positions and they fit the largest graph: every row's K/V is written before any
         row's attention reads it)."""
         t0 = time.perf_counter()
-        bs, graphs = BLOCK_SIZE, self.graphs
+        graphs = self.graphs
         # the drafting jobs, most drafts first: the jobs that want a further draft are always a leading run
         drafting = sorted((i for i in range(len(jobs)) if jobs[i][2].k > 0), key=lambda i: -jobs[i][2].k)
         # (a catch-up of more positions runs eagerly: as graph rows, each would read its whole context)
@@ -92,7 +88,7 @@ class Drafter:
             for i, (tokens, blocks, job) in enumerate(jobs):
                 rows += [(tokens[q], q, blocks) for q in range(job.start, job.stop)]
                 last[i] = len(rows) - 1
-            logits = self._replay(rows)
+            logits = graphs.run_rows(rows)
         else:
             logits, last = self._eager(jobs)
         out: list[list[int]] = [[] for _ in jobs]
@@ -105,7 +101,7 @@ class Drafter:
             live = [jobs[i] for i in drafting if jobs[i][2].k > d]
             # draft d - 1 sits at position stop - 1 + d: its K/V is written, the next draft read off it
             rows = [(0, job.stop - 1 + d, blocks) for _, blocks, job in live]
-            drafts.append(self._pick(self._replay(rows, drafts[-1]) if graphs is not None else
+            drafts.append(self._pick(graphs.run_rows(rows, drafts[-1]) if graphs is not None else
                                      self._eager_decode(rows, drafts[-1][:len(live)])))
         host = torch.cat(drafts).tolist()  # the one sync
         at = 0
@@ -138,17 +134,6 @@ class Drafter:
         self.backend.prepare(meta, BLOCK_SIZE, self.model_config.sliding_window)
         hidden = self.model(tokens, to_device(torch.from_numpy(positions), torch.int64, self.device), meta)
         return self.model.compute_logits(hidden)
-
-    def _replay(self, rows: list[tuple[int, int, list[int]]], prev: torch.Tensor | None = None) -> torch.Tensor:
-        """One pass as a decode graph replay, a row per (input token, position, block ids); prev: the input
-        tokens on the device instead (row i's is prev[i])."""
-        bs = BLOCK_SIZE
-        ids = np.array([t for t, _, _ in rows], dtype=np.int64)
-        pos = np.array([q for _, q, _ in rows], dtype=np.int64)
-        slots = np.array([blocks[q // bs] * bs + q % bs for _, q, blocks in rows], dtype=np.int64)
-        tables = [blocks[:q // bs + 1] for _, q, blocks in rows]
-        src = np.arange(len(rows), dtype=np.int64) if prev is not None else None
-        return self.graphs.run(ids, pos, slots, pos + 1, tables, src, prev)
 
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
         return logits[:, :self.vocab].argmax(dim=-1)

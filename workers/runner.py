@@ -191,11 +191,7 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.allocate(self.num_blocks)
         self.model.bind(self.kv_cache.layer_caches(), self.backend, self.max_model_len, self.kv_cache.layer_scales())
-        if self.device.type == "cuda" and self.backend.name == "triton":
-            attn = self.model.model.layers[0].self_attn
-            k_cache, v_cache = self.kv_cache.layer_caches()[0]
-            self.backend.compile_kernels(attn.num_heads, mc.head_dim, self.dtype, k_cache, v_cache, attn.kv_scales,
-                                         self.model.sliding_window)
+        self.model.compile_attention()
         if self.device.type == "cuda" and self.backend.name == "triton" and not cfg.enforce_eager:
             self.graphs = DecodeGraphs(self.model, self.backend, cfg.max_num_seqs, self.max_model_len,
                                        BLOCK_SIZE, self.device)
@@ -450,27 +446,19 @@ class ModelRunner:
         """Decodes and draft verifications (every token on the host) as one decode graph replay, a row per
         position: a request's last token and each draft is a row of its own, over the context up to it (the
         step writes every row's K/V before any row's attention, so a draft sees the ones before it)."""
-        bs = BLOCK_SIZE
-        ids, pos, slots, lens, tables = [], [], [], [], []
-        sampled_reqs, sample_rows, verify = [], [], []
+        rows, sampled_reqs, sample_rows, verify = [], [], [], []
         for rid, n in scheduled.items():
             r = self.requests[rid]
             p = r.num_computed_tokens
-            first = len(ids)
-            for i, token in enumerate([r.token_ids[p], *drafts.get(rid, ())]):
-                q = p + i
-                ids.append(token)
-                pos.append(q)
-                slots.append(r.block_ids[q // bs] * bs + q % bs)
-                lens.append(q + 1)
-                tables.append(r.block_ids[:q // bs + 1])
+            first = len(rows)
+            rows += [(token, p + i, r.block_ids) for i, token in enumerate([r.token_ids[p], *drafts.get(rid, ())])]
             r.num_computed_tokens = p + n
             if rid in drafts:
                 verify.append((r, drafts[rid], first))
             else:
                 sampled_reqs.append(r)
                 sample_rows.append(first)
-        logits = self.graphs.run(*(np.array(a, dtype=np.int64) for a in (ids, pos, slots, lens)), tables)
+        logits = self.graphs.run_rows(rows)
         return (sampled_reqs, lambda: logits[to_device(sample_rows, torch.int64, logits.device)],
                 _Verify(verify, logits))
 
