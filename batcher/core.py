@@ -58,6 +58,7 @@ class WorkerSlot:
     scheduler: Scheduler  # also the judge of each StepOutput's place in the order of the steps in flight
     last_seen: float = field(default_factory=time.monotonic)
     vocab_size: int = 0  # 0 = unknown (token ids are not range-checked)
+    wake: asyncio.TimerHandle | None = None  # --schedule-lead-ms: the kick() that composes the next step late
 
 
 GAUGES = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free")  # EngineStats' fields that are not counts
@@ -111,7 +112,7 @@ class Batcher:
         self.step_counter = 0
         self.grammars = Grammars()  # structured output: the tokenizer and the compiled grammars
         self.compiling: set[str] = set()  # requests whose grammar compiles (an abort takes them out)
-        self._tasks: set[asyncio.Task] = set()  # the compiles' tasks (the loop holds only weak references)
+        self._tasks: set[asyncio.Task] = set()  # compiles' and timers' tasks (the loop holds only weak references)
         self.on_front = {P.AddRequest: self.add_request, P.AbortRequests: self.abort_requests, P.Ping: self.ping,
                          P.Vocabulary: self.vocabulary}
         self.on_back = {P.WorkerReady: self.worker_ready, P.StepOutput: self.step_output, P.Heartbeat: self.heartbeat}
@@ -363,12 +364,24 @@ class Batcher:
                 return
             step = slot.scheduler.schedule(time.monotonic())  # None also when max_inflight_steps are in flight
             if step is None:
+                if slot.scheduler.wake_at is not None:  # compose it later (--schedule-lead-ms): kick again then
+                    if slot.wake is not None:
+                        slot.wake.cancel()
+                    slot.wake = asyncio.get_running_loop().call_later(
+                        max(0.0, slot.scheduler.wake_at - time.monotonic()), self._wake, slot)
                 return
             try:  # sends queue in order on the socket, so concurrent kicks keep the step order
                 await self.back.send_multipart([slot.identity, P.encode(step)])
             except zmq.ZMQError as exc:  # the worker's socket is gone (ROUTER_MANDATORY)
                 await self.worker_lost(worker_id, f"send failed: {exc}")
                 return
+
+    def _wake(self, slot: WorkerSlot) -> None:
+        slot.wake = None
+        if self.workers.get(slot.worker_id) is slot:  # (not lost or replaced since)
+            task = asyncio.create_task(self.kick(slot.worker_id))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     # ------------------------------------------------------------------ output
     async def emit(self, deltas: list[P.TokenDelta]) -> None:
@@ -486,7 +499,8 @@ class Batcher:
         fit.model.save(self.cfg.cost_model_out, lanes="streams" if self.workers[wid].scheduler.streams else "mixed",
                        _comment=(
             f"fitted online by the batcher from worker {wid}'s step times over its last {len(fit.rows)} of "
-            f"{fit.steps} timed steps (batcher/cost_model.py); a, b, c, d, e, g in ms; samples: that window as "
+            f"{fit.steps} timed steps (batcher/cost_model.py), and h from {fit.gaps} host gaps; a, b, c, d, e, g, h in "
+            f"ms; samples: that window as "
             f"[prefill_tokens, prefix_attention, decode_seqs, kv_tokens_read, mixed, measured ms]"),
             samples=fit.samples())
 

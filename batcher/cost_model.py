@@ -42,8 +42,11 @@ Features = tuple[int, int, int, int, int]  # prefill_tokens, prefix_attention, d
 class CostModel:
     """Step time in ms: a + g*mixed + b*prefill_tokens + e*prefix_attention + c*decode_seqs + d*kv_tokens_read.
 
-    h: host gap in ms between two steps under strict alternation (output send, update + schedule, input
-    send); async scheduling hides it behind the step before. Only the simulator adds it.
+    h: host gap in ms: how long the worker waits for a step composed on the output of the one before, with none
+    in flight (output send, update + schedule, input send); async scheduling hides it behind the step in flight.
+    Learned online from the workers' idle times (OnlineCostFit.observe_gap). The scheduler adds it to the
+    predicted start of a step with none in flight, speculation prices it (a step with drafts is alone in flight:
+    batcher/spec.py), and the simulator charges it to every step that starts with none in flight.
     """
 
     a: float = 4.0
@@ -97,6 +100,7 @@ class CostModel:
 # then even.
 _SCALE = (1.0, 1e3, 1e6, 1e2, 1e5, 1.0)
 _FIELDS = ("a", "b", "e", "c", "d", "g")
+GAP_WINDOW = 64  # host gaps: h follows about this many latest ones
 
 
 class OnlineCostFit:
@@ -110,6 +114,7 @@ class OnlineCostFit:
         self.every = every
         self.prior_weight = prior_weight
         self.steps = 0
+        self.gaps = 0  # host gaps observed (observe_gap)
         self.predicted_ms = 0.0  # running totals over every timed step (the /metrics counters)
         self.measured_ms = 0.0
 
@@ -120,6 +125,13 @@ class OnlineCostFit:
         self.rows.append((features, measured_ms))
         if self.steps % self.every == 0:
             self.model = self.fit()
+
+    def observe_gap(self, ms: float) -> None:
+        """A host gap: how long the worker waited for a step composed on the output of the one before, with none
+        in flight (StepOutput.idle_time). The model's h is their running mean (the last GAP_WINDOW weigh most)."""
+        self.gaps += 1
+        h = self.model.h
+        self.model = replace(self.model, h=h + (ms - h) / min(self.gaps, GAP_WINDOW))
 
     def samples(self) -> list[list[float]]:
         """The window as [prefill_tokens, prefix_attention, decode_seqs, kv_tokens_read, mixed, measured ms]."""
@@ -154,7 +166,7 @@ class OnlineCostFit:
             if not negative:
                 break
             free.remove(min(negative, key=lambda i: beta[i]))
-        return replace(self.prior, **{f: max(0.0, b) / s for f, b, s in zip(_FIELDS, beta, _SCALE)})
+        return replace(self.prior, h=self.model.h, **{f: max(0.0, b) / s for f, b, s in zip(_FIELDS, beta, _SCALE)})
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:

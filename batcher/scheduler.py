@@ -39,6 +39,7 @@ from laneserve.wire.protocol import (ITERATION_TOKENS_BUCKETS, LANE_DECODE, LANE
 
 WARM_PREFIX_ID = "__warm__/"  # internal requests that fill the warm prefix pool
 MAX_STEP_S = 60.0  # a step time reported above this is not learned from (a stall, or a bogus figure)
+QUEUED, TURNAROUND = 1, 2  # how a step in flight was scheduled: behind another of its lane; on an output, alone
 MAX_INFLIGHT_STEPS = 2  # with --async-scheduling: the worker runs one step while the next one waits in its socket
 LANES = ("auto", "mixed", "streams")  # BatcherConfig.lanes
 _WARM_PARAMS = SamplingParams(max_tokens=1)
@@ -115,6 +116,11 @@ class Scheduler:
             warm_prefixes = load_warm_prefixes(cfg.warm_prefix) if cfg.warm_prefix else []
         self.warm_prefixes = warm_prefixes
         self.max_inflight_steps = MAX_INFLIGHT_STEPS if cfg.async_scheduling else 1
+        self.lead = cfg.schedule_lead_ms / 1000.0  # --schedule-lead-ms (s)
+        # schedule() returned None to compose late (--schedule-lead-ms): call it again at this time (None: when a
+        # step's output or a request comes)
+        self.wake_at: float | None = None
+        self.on_output = False  # a step's output was applied since the last schedule()
         if cfg.lanes not in LANES:
             raise ValueError(f"lanes must be one of {', '.join(LANES)}, got {cfg.lanes!r}")
         self.streams = cfg.lanes == "streams"  # auto: the batcher asks the worker; without one (simulator) mixed
@@ -140,6 +146,7 @@ class Scheduler:
         self.gated_prefills = 0
         self.iteration_tokens = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)  # steps by tokens: EngineStats
         self.iteration_tokens_sum = 0
+        self.bubble_ms = 0.0  # EngineStats.pipeline_bubble_ms
         self._reset()
 
     def _reset(self) -> None:
@@ -306,8 +313,12 @@ class Scheduler:
         order, admissions last, and how many come before the admissions. None: no step. With two lanes: a
         prefill step when none is in flight and there is prefill work, else a decode step when fewer than
         max_inflight_steps are in flight. A step that speculates is the only one in flight of its lane: its
-        drafts come from the tokens known, and what it accepts decides where the next one starts."""
+        drafts come from the tokens known, and what it accepts decides where the next one starts. With
+        --schedule-lead-ms (mixed lane), a step that would queue behind one in flight is composed no earlier than
+        `lead` before that one's predicted end: before then, None with wake_at set."""
         limit = self.max_inflight_steps
+        self.wake_at = None
+        on_output, self.on_output = self.on_output, False
         if self.spec.enabled:
             self.spec_k = self._choose_k()
             if self.spec_k or any(entry[5] for entry in self.in_flight):
@@ -315,14 +326,19 @@ class Scheduler:
         if not self.streams:
             if len(self.in_flight) >= limit:
                 return None
-            return self._compose(now, LANE_MIXED)
+            if self.in_flight and self.lead:  # late composition: arrivals until then join this step
+                compose_at = self.busy[LANE_MIXED] - self.lead
+                if now < compose_at:
+                    self.wake_at = compose_at
+                    return None
+            return self._compose(now, LANE_MIXED, on_output)
         decoding = sum(1 for entry in self.in_flight if entry[4] == LANE_DECODE)
         if decoding == len(self.in_flight):  # no prefill step in flight
-            step = self._compose(now, LANE_PREFILL)
+            step = self._compose(now, LANE_PREFILL, on_output)
             if step is not None:
                 return step
         if decoding < limit:
-            return self._compose(now, LANE_DECODE)
+            return self._compose(now, LANE_DECODE, on_output)
         return None
 
     def _choose_k(self) -> int:
@@ -385,13 +401,13 @@ class Scheduler:
             req.ngrams = self.spec.index()
         return True
 
-    def _compose(self, now: float, lane: int) -> tuple[list[Scheduled], int] | None:
-        """_next_step() for one lane."""
+    def _compose(self, now: float, lane: int, on_output: bool) -> tuple[list[Scheduled], int] | None:
+        """_next_step() for one lane; on_output: a step's output was applied since the last schedule()."""
         if self.new_arrivals:  # stamped with the clock of the first schedule() that sees them
             self.gate.detector.arrived(now, self.new_arrivals)
             self.new_arrivals = 0
         busy = self.busy[lane]
-        start = busy if busy > now else now  # when this step will start on the worker
+        start = busy if busy > now else now + self.fit.model.h / 1000.0  # when this step will start on the worker
         budget = self.cfg.max_num_batched_tokens
         flight: list[Scheduled] = []
         self.grown.clear()
@@ -420,7 +436,11 @@ class Scheduler:
             predicted += self.spec.draft_ratio * self.spec.draft_work_ms(self.drafts.values(), self.fit.model)
         self.busy[lane] = start + predicted / 1000.0
         drafts, self.drafts = self.drafts, {}
-        self.in_flight.append((self.step_no, flight, features, predicted, lane, drafts or None))
+        if any(entry[4] == lane for entry in self.in_flight):  # the worker has a step of the lane to run before it
+            wait = QUEUED
+        else:  # composed on an output, the worker waits for the host's turn-around: its idle time is the host gap
+            wait = TURNAROUND if on_output else 0
+        self.in_flight.append((self.step_no, flight, features, predicted, lane, drafts or None, wait))
         if lane == LANE_PREFILL:  # no decode step takes them until this step's output is applied
             for rec in flight:
                 rec.req.prefill_step = self.step_no
@@ -718,6 +738,11 @@ class Scheduler:
             if draft:
                 self.spec.observe_draft(self.spec.draft_work_ms(drafts.values(), self.fit.model), draft * 1000.0)
             self.fit.observe(in_flight[i][2], (out.execute_time - draft) * 1000.0)
+        if 0.0 < out.idle_time < MAX_STEP_S:
+            if in_flight[i][6] == QUEUED:  # scheduled to queue, yet the worker waited for it
+                self.bubble_ms += out.idle_time * 1000.0
+            elif in_flight[i][6] == TURNAROUND:
+                self.fit.observe_gap(out.idle_time * 1000.0)
         return self._apply(now, out, index=i)
 
     def _oldest_of_lane(self, step: int) -> int | None:
@@ -745,11 +770,12 @@ class Scheduler:
         """
         in_flight = self.in_flight
         if index:
-            step_no, flight, _, _, lane, drafts = in_flight[index]
+            step_no, flight, _, _, lane, drafts, _ = in_flight[index]
             del in_flight[index]
         else:
-            step_no, flight, _, _, lane, drafts = in_flight.popleft()
+            step_no, flight, _, _, lane, drafts, _ = in_flight.popleft()
         self.busy[lane] = now + sum(entry[3] for entry in in_flight if entry[4] == lane) / 1000.0
+        self.on_output = True
         if lane == LANE_PREFILL:
             for rec in flight:
                 if rec.req.prefill_step == step_no:
@@ -942,4 +968,5 @@ class Scheduler:
                            step_ms_measured=self.fit.measured_ms, slo_shed=self.slo.shed,
                            spec_steps=self.spec.steps, spec_sequences=self.spec.sequences,
                            spec_drafted=self.spec.drafted, spec_accepted=self.spec.accepted,
-                           iteration_tokens=list(self.iteration_tokens), iteration_tokens_sum=self.iteration_tokens_sum)
+                           iteration_tokens=list(self.iteration_tokens), iteration_tokens_sum=self.iteration_tokens_sum,
+                           pipeline_bubble_ms=self.bubble_ms)

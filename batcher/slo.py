@@ -39,7 +39,8 @@ from laneserve.sampling import check_slo_target
 TPOT_HORIZON = 64  # outputs ahead a step may borrow TPOT slack against
 ADMISSION_MARGIN = 1.25  # shed when the predicted TTFT exceeds this x the target
 MIN_PREFILL_TOKENS = 2048  # prefill tokens a step may take whatever the TPOT slack: the default budget (no worse)
-COALESCE_FRACTION = 0.5  # new prefills may wait for company until this share of their TTFT target is used
+MAX_LEAD_MS = 1000  # --schedule-lead-ms
+COALESCE_FRACTION = 0.25  # new prefills may wait for company until this share of their TTFT target is used
 
 
 def prefill_s(r: Request, uncached: int, cost: CostModel, overhead_per_token: float) -> float:
@@ -54,6 +55,9 @@ class SloPolicy:
             why = check_slo_target(name, getattr(cfg, name))
             if why:
                 raise ValueError(why)
+        lead = cfg.schedule_lead_ms
+        if isinstance(lead, bool) or not isinstance(lead, (int, float)) or not 0 <= lead <= MAX_LEAD_MS:
+            raise ValueError(f"schedule_lead_ms must be a number of milliseconds from 0 to {MAX_LEAD_MS}, got {lead!r}")
         if cfg.slo_admission not in ("off", "reject"):
             raise ValueError(f"slo_admission must be 'off' or 'reject', got {cfg.slo_admission!r}")
         self.ttft = cfg.slo_ttft_ms / 1000.0

@@ -71,6 +71,9 @@ class EngineCollector:
             ("spec_decode_num_draft_tokens", "Draft tokens verified.", s.spec_drafted),
             ("spec_decode_num_accepted_tokens", "Draft tokens accepted (over num_draft_tokens: the acceptance rate; "
              "over num_drafts: the mean accepted length).", s.spec_accepted),
+            ("pipeline_bubble_ms", "Time workers waited for steps the batcher had scheduled to queue behind the "
+             "one in flight (ms): --schedule-lead-ms shorter than the host's share of a step, or the cost model "
+             "predicting steps too long.", s.pipeline_bubble_ms),
         ]
         for name, doc, value in counters:
             c = CounterMetricFamily(self.prefix + name, doc, labels=["model_name"])

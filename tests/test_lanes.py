@@ -49,7 +49,7 @@ class LaneDriver(Driver):
             self.steps.append(st)
             self.flight.append((st.lane, self.w.execute(st)[0]))
             live = {}  # lane -> requests its steps in flight compute (not the void parts)
-            for step, recs, _, _, lane, _ in self.s.in_flight:
+            for step, recs, _, _, lane, _, _ in self.s.in_flight:
                 live.setdefault(lane, set()).update(r.req.request_id for r in recs if r.req.epoch == r.epoch)
             assert not (live.get(LANE_DECODE, set()) & live.get(LANE_PREFILL, set())), "a request in both lanes"
 

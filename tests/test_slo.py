@@ -6,6 +6,7 @@ timed by the cost model the scheduler predicts with (so its predictions hold exa
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import math
@@ -26,7 +27,7 @@ from batcher.scheduler import WARM_PREFIX_ID, Scheduler
 from batcher.sim.engine import SimRequest, SimWorker, simulate
 from batcher.slo import ADMISSION_MARGIN, MIN_PREFILL_TOKENS, TPOT_HORIZON, SloPolicy
 from laneserve.sampling import MAX_PRIORITY
-from laneserve.wire.protocol import AddRequest, FinishReason, SamplingParams
+from laneserve.wire.protocol import AddRequest, FinishReason, SamplingParams, StepOutput
 from tests.stack import REPO
 
 BS = 16
@@ -615,7 +616,9 @@ def test_admitted_requests_are_not_starved_under_sustained_overload():
 # ---------------------------------------------------------------------- 7. bad SLO values
 @pytest.mark.parametrize("field,value", [("slo_ttft_ms", -1.0), ("slo_ttft_ms", float("nan")),
                                          ("slo_tpot_ms", float("inf")), ("slo_tpot_ms", 3_600_001.0),
-                                         ("slo_ttft_ms", True), ("slo_admission", "maybe")])
+                                         ("slo_ttft_ms", True), ("slo_admission", "maybe"),
+                                         ("schedule_lead_ms", -1.0), ("schedule_lead_ms", float("nan")),
+                                         ("schedule_lead_ms", 5000.0)])
 def test_bad_slo_config_is_a_value_error_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SloPolicy(cfg(**{field: value}))
@@ -631,7 +634,8 @@ def test_good_slo_config_is_accepted():
 
 @pytest.mark.parametrize("flags,field", [(["--slo-tpot-ms", "-5"], "slo_tpot_ms"),
                                          (["--slo-ttft-ms", "nan"], "slo_ttft_ms"),
-                                         (["--slo-admission", "maybe"], "slo_admission")])
+                                         (["--slo-admission", "maybe"], "slo_admission"),
+                                         (["--schedule-lead-ms", "-2"], "schedule_lead_ms")])
 def test_batcher_cli_exits_naming_the_bad_slo_flag(tmp_path, flags, field):
     """The batcher checks its SLO settings before it binds anything (the addresses here are never created)."""
     cmd = [sys.executable, "-m", "laneserve.cli", "batcher", "--batcher-address", f"ipc://{tmp_path}/b.sock",
@@ -732,3 +736,100 @@ def test_the_gate_lets_a_long_prompt_through_before_it_misses_its_deadline():
     let_go = long_ttft(slo_ttft_ms=300.0)
     assert held > 1.5  # held for most of max_gated_wait_s
     assert let_go < 0.3 + 0.05  # its deadline, plus at most a step
+
+
+# ---------------------------------------------------------------------- late composition (--schedule-lead-ms)
+LEAD_COST = CostModel(a=10.0, b=0.01, c=0.1, d=0.0)
+
+
+def test_late_composition_waits_until_the_lead_and_takes_the_arrivals_of_the_wait():
+    """With a step in flight, the next one is composed only `lead` before that one's predicted end (wake_at), so a
+    request that arrives meanwhile is in it; composed at once (lead 0) the request waits for a third step."""
+    for lead_ms in (0.0, 2.0):
+        s = Scheduler(cfg(schedule_lead_ms=lead_ms), 256, BS, 4096, cost=LEAD_COST)
+        s.add_request(msg("a", 40, k=1, max_tokens=20), now=0.0)
+        assert s.schedule(0.0) is not None and s.wake_at is None  # nothing in flight: at once
+        end = s.busy_until
+        assert end == pytest.approx(LEAD_COST.step_ms(40, 0, 0, 40, 1) / 1000.0)
+        second = s.schedule(0.001)
+        if lead_ms:
+            assert second is None and s.wake_at == pytest.approx(end - 0.002)
+            s.add_request(msg("b", 30, k=2), now=0.005)
+            assert s.schedule(s.wake_at - 1e-6) is None  # (not before)
+            second = s.schedule(s.wake_at)
+            assert set(second.num_scheduled_tokens) == {"a", "b"} and s.wake_at is None
+        else:
+            assert set(second.num_scheduled_tokens) == {"a"} and s.wake_at is None
+        assert s.schedule(end) is None and s.wake_at is None  # two in flight: the next output wakes it
+
+
+def test_pipeline_bubbles_count_only_steps_scheduled_behind_another():
+    s = Scheduler(cfg(), 256, BS, 4096, cost=LEAD_COST)
+    s.add_request(msg("a", 40, k=1, max_tokens=20), now=0.0)
+    first, second = s.schedule(0.0), s.schedule(0.0)
+    # the first step had nothing before it: the worker's wait for it is no bubble
+    s.update(StepOutput(step=first.step, worker_id=0, request_ids=["a"], sampled_token_ids=[[5]],
+                        execute_time=0.01, idle_time=0.5), 0.01)
+    assert s.stats().pipeline_bubble_ms == 0.0
+    s.update(StepOutput(step=second.step, worker_id=0, request_ids=["a"], sampled_token_ids=[[6]],
+                        execute_time=0.01, idle_time=0.003), 0.02)
+    assert s.stats().pipeline_bubble_ms == pytest.approx(3.0)
+
+
+def test_simulator_late_composition_lowers_ttft_and_changes_no_token():
+    reqs = slo_trace()
+    now = simulate(reqs, cfg(max_num_batched_tokens=8192), TPOT_COST, pipelined=True)
+    late_cfg = cfg(max_num_batched_tokens=8192, schedule_lead_ms=1.0)
+    late = simulate(reqs, late_cfg, TPOT_COST, pipelined=True)
+    assert late.finish == now.finish == {"LENGTH": 120} and late.output_tokens == now.output_tokens
+    assert sum(late.ttft) < 0.95 * sum(now.ttft)
+    # the batcher's path (StepInputs through a contract-checking SimWorker) makes the same decisions
+    assert _fields(simulate(reqs, late_cfg, TPOT_COST, pipelined=True, check_kv=True)) == _fields(late)
+
+
+async def test_stack_with_a_lead_serves_concurrent_requests(make_stack):
+    from tests.test_speculative import completion
+
+    st = make_stack("--schedule-lead-ms", "2")
+    body = {"model": "tiny", "prompt": "the lead", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    async with aiohttp.ClientSession() as s:
+        outs = await asyncio.gather(*(completion(s, st.base_url, body | {"prompt": f"request {i}"}) for i in range(8)))
+        assert [n for _, n in outs] == [24] * 8
+        async with s.get(st.url("/metrics")) as r:
+            assert "laneserve:pipeline_bubble_ms_total" in await r.text()
+
+
+def test_host_gap_is_learned_from_the_idle_time_of_steps_composed_on_an_output():
+    """h (cost model) is the mean idle time before steps composed on the previous step's output with none in flight;
+    a step composed on an arrival (the worker idled for want of work) or queued behind another teaches it nothing."""
+    s = Scheduler(cfg(async_scheduling=False), 256, BS, 4096, cost=LEAD_COST)
+    s.add_request(msg("a", 40, k=1, max_tokens=6), now=0.0)
+    step, t, gaps = s.schedule(0.0), 0.0, []
+    while step is not None:  # strict alternation: every step after the first is composed on an output
+        t += 0.02
+        idle = 5.0 if not gaps else 0.001 * len(gaps)  # the first one waited for its request, not for the host
+        ids = list(step.num_scheduled_tokens)
+        s.update(StepOutput(step=step.step, worker_id=0, request_ids=ids, sampled_token_ids=[[7]] * len(ids),
+                            execute_time=0.01, idle_time=idle), t)
+        gaps.append(idle)
+        step = s.schedule(t)
+    learned = gaps[1:]
+    assert len(learned) >= 4 and s.fit.gaps == len(learned)
+    assert s.fit.model.h == pytest.approx(1000.0 * sum(learned) / len(learned))
+    assert s.stats().pipeline_bubble_ms == 0.0
+    # the scheduler now expects a step it composes with none in flight to start h later
+    s.add_request(msg("b", 20, k=2), now=t)
+    s.schedule(t)
+    assert s.busy_until == pytest.approx(t + (s.fit.model.h + s.in_flight[-1][3]) / 1000.0)
+
+
+def test_speculation_prices_the_host_gap_it_costs():
+    """A step with drafts is alone in flight, so it pays h: the same acceptance that pays at h = 0 does not at a
+    large h."""
+    from batcher.spec import SpecPolicy
+
+    for h, speculates in ((0.0, True), (40.0, False)):
+        spec = SpecPolicy("ngram", 4, 2, 4)
+        spec.alpha, spec.drafted = 0.7, 10_000
+        k = spec.choose_k(8, 8 * 1000, dataclasses.replace(LEAD_COST, h=h), 256)
+        assert (k > 0) == speculates, (h, k)

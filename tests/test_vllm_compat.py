@@ -98,7 +98,8 @@ def test_best_of_answers_the_sequences_with_the_highest_cumulative_logprob(clien
 
 
 async def test_continuous_usage_stats_put_usage_in_every_chunk(stack):
-    body = {"model": "tiny", "prompt": "hi", "max_tokens": 5, "stream": True, "ignore_eos": True,
+    # 32 tokens: on a busy 2-core machine the gateway may merge 5 tokens' deltas into one chunk (seen once)
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 32, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     usages = []
     async with aiohttp.ClientSession() as s:
@@ -107,9 +108,9 @@ async def test_continuous_usage_stats_put_usage_in_every_chunk(stack):
             async for line in r.content:
                 if line.startswith(b"data: {"):
                     usages.append(json.loads(line[6:])["usage"])
-    assert all(u is not None for u in usages) and usages[-1]["completion_tokens"] == 5, usages
+    assert all(u is not None for u in usages) and usages[-1]["completion_tokens"] == 32, usages
     counts = [u["completion_tokens"] for u in usages]
-    assert counts == sorted(counts) and counts[0] < 5, usages
+    assert counts == sorted(counts) and counts[0] < 32, usages
 
 
 def test_retry_after_is_jittered_and_given_in_ms_too():

@@ -378,6 +378,7 @@ class ModelRunner:
         # This step's own time: from its start, or from the end of its lane's step before when they overlapped.
         done = time.perf_counter()
         out.execute_time = done - max(f.t0, self._last_done[f.lane])
+        out.idle_time = max(0.0, f.t0 - self._last_done[f.lane])
         out.draft_time = f.draft_time
         self._last_done[f.lane] = done
         self._outbox.append(out)

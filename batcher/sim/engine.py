@@ -1,7 +1,8 @@
 """The simulator's engine: a trace replayed through the real Scheduler in simulated time.
 
 Owns the discrete-event loop (arrivals, aborts, one step in flight per worker, or with
-`pipelined` up to the scheduler's max_inflight_steps run back to back; with `--lanes streams`
+`pipelined` up to the scheduler's max_inflight_steps run back to back, the next composed when the scheduler's
+wake_at says (--schedule-lead-ms); with `--lanes streams`
 the two lanes' steps run at once, each lane's in order, each step taking the cost model's time:
 a model learned on a streams server has the lanes' sharing of the GPU in its step times), the stand-in
 workers, the step times (batcher/cost_model.py's model, on the terms the scheduler
@@ -355,10 +356,11 @@ class _Fleet:
         self.busy: dict[int, deque] = {w: deque() for w in scheds}  # outputs of the steps held (None: in process)
         self.free_at = dict.fromkeys(scheds, 0.0)  # when the worker is done with the steps it holds
         self.pipelined = pipelined
-        self.host_gap = 0.0 if pipelined else cost.h / 1000.0
+        self.host_gap = cost.h / 1000.0  # paid by a step that starts with none in flight
         self.step_ms = cost.step_ms
         # two lanes: when each lane of each worker is done with its steps (no host gap: the lanes hide it)
         self.lane_free = {w: {LANE_DECODE: 0.0, LANE_PREFILL: 0.0} for w, s in scheds.items() if s.streams}
+        self.wake_at: dict[int, float] = {}  # per worker: the latest wake-up event pushed (see _wake)
 
     def start(self, w: int, now: float) -> None:
         """Schedule steps on worker w while it has room: one, or with `pipelined` up to max_inflight_steps (two
@@ -370,11 +372,13 @@ class _Fleet:
             if self.sim_workers is None:
                 scheduled = sched.schedule_step(now)
                 if scheduled is None:
+                    self._wake(w, sched.wake_at)
                     break
                 out = None  # update_step() samples the tokens
             else:
                 step = sched.schedule(now)
                 if step is None:
+                    self._wake(w, sched.wake_at)
                     break
                 out, seen = self.sim_workers[w].execute(step)  # now: the state the worker would see
                 assert seen == sched.in_flight[-1][2], f"step {step.step}: the worker ran {seen}"
@@ -390,9 +394,15 @@ class _Fleet:
                 lanes[lane] = done_at = max(now, lanes[lane]) + dt
                 heappush(self.events, (done_at, 0, w, (step_no, out)))
                 continue
+            self.free_at[w] = done_at = max(now, self.free_at[w]) + (0.0 if outs else self.host_gap) + dt
             outs.append(out)
-            self.free_at[w] = done_at = max(now, self.free_at[w]) + dt + self.host_gap
             heappush(self.events, (done_at, 0, w, None))
+
+    def _wake(self, w: int, at: float | None) -> None:
+        """The scheduler composes worker w's next step late (--schedule-lead-ms): an event to try again `at`."""
+        if at is not None and self.wake_at.get(w) != at:
+            self.wake_at[w] = at
+            heappush(self.events, (at, 3, w, None))
 
     def step_done(self, w: int, now: float, step_out: tuple | None = None) -> None:
         """The oldest step of worker w (two lanes: step_out's (step number, output), the oldest of its lane) is
@@ -422,9 +432,10 @@ def simulate(requests: Sequence[SimRequest | TraceSimRequest], cfg: BatcherConfi
     """Run the trace to completion; every request must get exactly one finishing delta (else RuntimeError).
 
     pipelined: keep up to max_inflight_steps (async scheduling) steps per worker, each starting when the previous
-    one ends, so the cost model's host gap `h` is hidden (assumed shorter than a step); strict alternation
-    (default) pays it before every step. Also shows the policy effect of scheduling one step ahead
-    (admissions and stops seen a step later).
+    one ends, so the cost model's host gap `h` is hidden (assumed shorter than a step); a step that starts with
+    none in flight (strict alternation, the default, always; a step with drafts is alone in flight) pays it first.
+    Also shows the policy effect of scheduling one step ahead (admissions and stops seen a step later), and with
+    --schedule-lead-ms of composing the queued step late.
     sim_worker: run every step through a SimWorker (StepInput in, StepOutput out: the batcher's path, with the
     worker checking the scheduler's promises; check_kv implies it) rather than in process (InProcessScheduler),
     which is faster and gives the same results. `speculative: draft` is refused: the stand-in worker has no draft
@@ -441,7 +452,8 @@ def simulate(requests: Sequence[SimRequest | TraceSimRequest], cfg: BatcherConfi
     res = SimResult(schedulers=list(scheds.values()))
     tally = _Tally(res)
     # Events (time, kind, seq, payload), earliest first and steps first at equal times: kind 0 = step done (seq: the
-    # worker), 1 = arrival (seq: its rank in arrival order, payload: the request's index), 2 = abort. Arrivals are
+    # worker), 1 = arrival (seq: its rank in arrival order, payload: the request's index), 2 = abort, 3 = a worker's
+    # scheduler composes its next step (seq: the worker; --schedule-lead-ms). Arrivals are
     # read off `order` one at a time, so the heap only holds the steps in flight and the aborts.
     events: list = [(t, 2, seq, rid) for seq, (rid, t) in enumerate((aborts or {}).items())]
     heapify(events)
@@ -478,6 +490,8 @@ def simulate(requests: Sequence[SimRequest | TraceSimRequest], cfg: BatcherConfi
             if w is not None and payload in tally.live:
                 tally.deliver(scheds[w].abort_requests([payload]), now)
                 fleet.start(w, now)
+        elif kind == 3:
+            fleet.start(seq, now)
         else:
             fleet.step_done(seq, now, payload)
             fleet.start(seq, now)

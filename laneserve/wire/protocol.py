@@ -157,6 +157,7 @@ class EngineStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     # of ITERATION_TOKENS_BUCKETS (not cumulative; empty: no step yet), and the tokens summed over those steps
     iteration_tokens: list[int] = []
     iteration_tokens_sum: int = 0
+    pipeline_bubble_ms: float = 0.0  # StepOutput.idle_time summed over steps scheduled behind one in flight
 
 
 class Pong(Msg):
@@ -269,6 +270,8 @@ class StepOutput(Msg):
     # step before when they overlap, to its tokens on the host): what the batcher's cost model learns from
     prompt_logprobs: dict[str, PromptLogprobs] = {}  # request id -> the prompt tokens this step's chunk scored
     draft_time: float = 0.0  # seconds of execute_time its draft model took (StepInput.draft_jobs)
+    idle_time: float = 0.0  # seconds the worker had nothing of this lane to run before this step came (0: it came
+    # while the step before ran)
 
 
 class Heartbeat(Msg):

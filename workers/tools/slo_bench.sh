@@ -5,7 +5,8 @@
 # sweep_NAME.json, the fitted step-cost model cost_NAME.json (with its samples) and the server log.
 # Usage (repo root, on the GPU machine):
 #   OUT=dir RATES=8,12,16,20,24 SEEDS=3 bash workers/tools/slo_bench.sh "default:" \
-#     "slo:--slo-ttft-ms 120 --slo-tpot-ms 30 --max-num-batched-tokens 8192"
+#     "slo:--slo-ttft-ms 120 --slo-tpot-ms 30 --max-num-batched-tokens 8192" \
+#     "lead:--slo-ttft-ms 120 --slo-tpot-ms 30 --max-num-batched-tokens 8192 --schedule-lead-ms 3"
 # Each argument is NAME:SERVE_ARGS. LOAD_ARGS overrides the replay's shape; PROMPT_MODE is ids or text.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -24,9 +25,9 @@ for spec in "$@"; do
     --out "/tmp/slo_bench/$name" > "/tmp/slo_bench/$name.txt" 2>&1
   cp "/tmp/slo_bench/$name/sweep.json" "$OUT/sweep_$name.json" && cat "/tmp/slo_bench/$name/sweep.md" \
     || tail -20 "/tmp/slo_bench/$name.txt"
-  curl -s http://127.0.0.1:8011/metrics | grep -E "^laneserve:(step_time|prefix_cache_hit_rate|num_slo|num_preempt|num_gated)"
+  curl -s http://127.0.0.1:8011/metrics | grep -E "^laneserve:(step_time|prefix_cache_hit_rate|num_slo|num_preempt|num_gated|pipeline_bubble)"
   kill -INT $SERVE; wait $SERVE
   grep -i "error\|traceback" "$OUT/serve_$name.log" | head -5
-  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], 'fitted', {k: d[k] for k in 'abcdeg'})" \
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], 'fitted', {k: d.get(k) for k in 'abcdegh'})" \
     "$OUT/cost_$name.json" "$name"
 done
