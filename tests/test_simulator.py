@@ -222,3 +222,24 @@ def test_rag_prefix_hits_in_the_simulator_match_the_server(stack, tmp_path):
     assert hits1 > hits0
     assert (hits1 - hits0) / (queries1 - queries0) == pytest.approx(sim, abs=1e-4)
     assert sim == pytest.approx(_rag_expected_hit_rate(flags), abs=1e-4)
+
+
+def test_step_noise_is_seeded_and_changes_timing_only():
+    """--step-noise: steps take the cost model's time x (1 + N(0, sigma)) while the scheduler predicts with the model;
+    the same seed gives the same run, another seed another, and every request still gets its tokens."""
+    rng = random.Random(5)
+    reqs = [SimRequest(0.004 * i, tokens(i, rng.randrange(20, 300)), rng.randrange(1, 40)) for i in range(80)]
+    kw = dict(num_blocks=512, pipelined=True)
+    base = simulate(reqs, cfg(schedule_lead_ms=1.0), COST, **kw)
+    a = simulate(reqs, cfg(schedule_lead_ms=1.0), COST, step_noise=0.2, noise_seed=1, **kw)
+    b = simulate(reqs, cfg(schedule_lead_ms=1.0), COST, step_noise=0.2, noise_seed=1, **kw)
+    c = simulate(reqs, cfg(schedule_lead_ms=1.0), COST, step_noise=0.2, noise_seed=2, **kw)
+    assert a.ttft == b.ttft and a.ttft != c.ttft and a.ttft != base.ttft
+    assert a.output_tokens == base.output_tokens == {f"r{i}": r.output_tokens for i, r in enumerate(reqs)}
+    assert simulate(reqs, cfg(schedule_lead_ms=1.0), COST, step_noise=0.0, noise_seed=9, **kw).ttft == base.ttft
+
+
+@pytest.mark.parametrize("sigma", ["-0.1", "nan"])
+def test_cli_refuses_a_bad_step_noise(sigma):
+    with pytest.raises(SystemExit, match="--step-noise"):
+        main([*RAG_FLAGS, "--step-noise", sigma])

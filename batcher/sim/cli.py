@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="first N requests of the trace (of a generated one: at most --num-requests)")
     ap.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by X")
     ap.add_argument("--pipelined", action="store_true", help="keep 2 steps in flight per worker (async scheduling)")
+    ap.add_argument("--step-noise", type=float, default=0.0, metavar="SIGMA",
+                    help="each step takes the cost model's time x (1 + N(0, SIGMA)), seeded by --seed, while the "
+                         "scheduler predicts with the model (what its prediction errors cost); default 0")
     ap.add_argument("--bench-step", action="store_true",
                     help="time one schedule()+update() with 256 running (with --config's settings, e.g. SLO targets)")
     return ap
@@ -73,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.bench_step:
         print(json.dumps(bench_step(cfg=_config(args.config)), indent=1))
         return 0
+    if not 0.0 <= args.step_noise <= 10.0:  # (NaN fails too)
+        raise SystemExit(f"error: --step-noise must be from 0 to 10, got {args.step_noise}")
     cfg = _config(args.config)
     extra = json.loads(Path(args.config).read_text() if args.config and not args.config.lstrip().startswith("{")
                        else (args.config or "{}"))
@@ -82,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     cost = CostModel.load(args.cost_model or default_cost_model(cfg.lanes))
     res = simulate(reqs, cfg, cost, num_blocks=int(extra.get("num_blocks", 8192)),
                    block_size=block_size, max_model_len=int(extra.get("max_model_len", 32768)),
-                   num_workers=int(extra.get("num_workers", 1)), pipelined=args.pipelined)
+                   num_workers=int(extra.get("num_workers", 1)), pipelined=args.pipelined,
+                   step_noise=args.step_noise, noise_seed=args.seed)
     summary = summarize(res) | {"wall_s": round(time.perf_counter() - t0, 2)}
     _print(summary)
     if args.json:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from collections import deque
 from dataclasses import dataclass, field
 from heapq import heapify, heappop, heappush
@@ -351,13 +352,16 @@ class _Fleet:
     it is done with them. Starts steps (pushing their completion events) and applies the oldest one's output."""
 
     def __init__(self, scheds: dict[int, Scheduler], sim_workers: dict[int, SimWorker] | None, cost: CostModel,
-                 pipelined: bool, res: SimResult, tally: _Tally, events: list):
+                 pipelined: bool, res: SimResult, tally: _Tally, events: list, step_noise: float = 0.0,
+                 noise_seed: int = 0):
         self.scheds, self.sim_workers, self.res, self.tally, self.events = scheds, sim_workers, res, tally, events
         self.busy: dict[int, deque] = {w: deque() for w in scheds}  # outputs of the steps held (None: in process)
         self.free_at = dict.fromkeys(scheds, 0.0)  # when the worker is done with the steps it holds
         self.pipelined = pipelined
         self.host_gap = cost.h / 1000.0  # paid by a step that starts with none in flight
         self.step_ms = cost.step_ms
+        self.noise = step_noise  # a step takes the cost model's time x (1 + N(0, noise)): predictions that err
+        self.rng = random.Random(noise_seed)
         # two lanes: when each lane of each worker is done with its steps (no host gap: the lanes hide it)
         self.lane_free = {w: {LANE_DECODE: 0.0, LANE_PREFILL: 0.0} for w, s in scheds.items() if s.streams}
         self.wake_at: dict[int, float] = {}  # per worker: the latest wake-up event pushed (see _wake)
@@ -384,6 +388,8 @@ class _Fleet:
                 assert seen == sched.in_flight[-1][2], f"step {step.step}: the worker ran {seen}"
             features = sched.in_flight[-1][2]  # the scheduler's terms of the step
             dt = self.step_ms(*features) / 1000.0
+            if self.noise:
+                dt *= max(0.1, 1.0 + self.rng.gauss(0.0, self.noise))
             res.steps += 1
             res.prefill_tokens += features[0]
             res.decode_tokens += features[2]
@@ -428,7 +434,7 @@ def simulate(requests: Sequence[SimRequest | TraceSimRequest], cfg: BatcherConfi
              num_blocks: int = 8192, block_size: int = 16, max_model_len: int = 32768, num_workers: int = 1,
              check_kv: bool = False, aborts: dict[str, float] | None = None,
              warm_prefixes: list[list[int]] | None = None, pipelined: bool = False,
-             sim_worker: bool = False) -> SimResult:
+             sim_worker: bool = False, step_noise: float = 0.0, noise_seed: int = 0) -> SimResult:
     """Run the trace to completion; every request must get exactly one finishing delta (else RuntimeError).
 
     pipelined: keep up to max_inflight_steps (async scheduling) steps per worker, each starting when the previous
@@ -436,6 +442,8 @@ def simulate(requests: Sequence[SimRequest | TraceSimRequest], cfg: BatcherConfi
     none in flight (strict alternation, the default, always; a step with drafts is alone in flight) pays it first.
     Also shows the policy effect of scheduling one step ahead (admissions and stops seen a step later), and with
     --schedule-lead-ms of composing the queued step late.
+    step_noise: each step takes the cost model's time x (1 + N(0, step_noise)) (at least 0.1 x), seeded by noise_seed,
+    while the scheduler predicts with the model: what its prediction errors cost (late composition, SLO timing).
     sim_worker: run every step through a SimWorker (StepInput in, StepOutput out: the batcher's path, with the
     worker checking the scheduler's promises; check_kv implies it) rather than in process (InProcessScheduler),
     which is faster and gives the same results. `speculative: draft` is refused: the stand-in worker has no draft
@@ -457,7 +465,7 @@ def simulate(requests: Sequence[SimRequest | TraceSimRequest], cfg: BatcherConfi
     # read off `order` one at a time, so the heap only holds the steps in flight and the aborts.
     events: list = [(t, 2, seq, rid) for seq, (rid, t) in enumerate((aborts or {}).items())]
     heapify(events)
-    fleet = _Fleet(scheds, sim_workers, cost, pipelined, res, tally, events)
+    fleet = _Fleet(scheds, sim_workers, cost, pipelined, res, tally, events, step_noise, noise_seed)
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
 
     def arrival(seq: int) -> tuple | None:
