@@ -2,10 +2,10 @@
 
 Owns the socket loop only; the model, KV pool and sampling live in workers.runner.
 Blocking and single-threaded on purpose, the GPU is the bottleneck. With overlapped steps
-(ModelRunner.submit; --overlap-steps) at most one step is in flight: when the next StepInput is
-already queued it is launched before the one in flight is collected and reported. With two
-lanes on their own streams (--lanes streams) one step of each lane may be in flight: the loop
-then waits for neither, but polls the socket and the lanes' events in turn.
+(ModelRunner.submit; --overlap-steps) at most one step is in flight: while it runs the loop polls
+the socket and the step's event in turn, and a StepInput that comes first (queued at once, or sent
+late by --schedule-lead-ms) is launched before the one in flight is collected and reported. With two
+lanes on their own streams (--lanes streams) one step of each lane may be in flight, polled the same way.
 Liveness (docs/reliability.md): a Heartbeat every HEARTBEAT_S while idle, and --liveness-file's mtime set as
 often while the loop runs (the launcher restarts a worker whose loop stopped); a batcher that does
 not know this worker (it restarted) answers with Reannounce, and the worker then forgets every
@@ -56,8 +56,9 @@ def run(cfg: WorkerConfig) -> None:
     try:
         while not stopping:
             alive.touch()
-            if runner.in_flight and not sock.poll(0):  # no step queued behind the one in flight: finish it
-                for out in finish(runner, cfg.worker_id, wait=not runner.concurrent):
+            if runner.in_flight and not sock.poll(0):  # no step queued behind the one in flight: report it once done,
+                # polling the socket meanwhile, so a step that comes first still launches behind it
+                for out in finish(runner, cfg.worker_id):
                     sock.send(P.encode(out))
                 continue
             if not sock.poll(int(HEARTBEAT_S * 1000)):
@@ -114,13 +115,10 @@ def submit(runner, step: P.StepInput, worker_id: int) -> list[P.StepOutput]:
         return _failed(runner, worker_id, traceback.format_exc(limit=4), step.step)
 
 
-def finish(runner, worker_id: int, wait: bool = True) -> list[P.StepOutput]:
-    """Wait for the steps in flight and return their outputs (wait=False: only those done already)."""
+def finish(runner, worker_id: int) -> list[P.StepOutput]:
+    """The outputs of the steps in flight that are done already (no wait)."""
     try:
-        if wait:
-            runner.flush()
-        else:
-            runner.flush_ready()
+        runner.flush_ready()
         return runner.take_outputs()
     except Exception:
         log.exception("step in flight failed")
