@@ -46,9 +46,9 @@ class BatcherConfig:
         "update/schedule and the socket round trip from the GPU"))
     schedule_lead_ms: float = field(default=0.0, metadata=flag(
         "with --async-scheduling: compose a step that would queue behind the one in flight only this many ms before "
-        "that one is predicted to end, not at once, so requests arriving meanwhile join it (0 = at once); the GPU "
-        "stays busy while the step-cost model errs by less than this (laneserve:pipeline_bubble_seconds_total "
-        "counts the idle time); mixed lanes only (docs/scheduling.md)"))
+        "that one is predicted to end, not at once, so requests arriving meanwhile join it (0 = at once); a step "
+        "that ends sooner than predicted by more than this leaves the GPU waiting (laneserve:pipeline_bubble_ms_total "
+        "against a run at 0 shows the cost); mixed lanes only (docs/scheduling.md)"))
     lanes: str = field(default="mixed", metadata=flag(
         "mixed | streams | auto: mixed runs each step's decodes and prefill chunks as one forward; streams sends "
         "them as two lanes of steps that a CUDA worker runs at once, decodes on a high-priority stream, so decodes "

@@ -229,6 +229,9 @@ class Batcher:
         elif speculative == "draft" and not msg.draft_model:
             log.warning("worker %d has no --draft-model: no speculative decoding there", msg.worker_id)
             speculative = "off"
+        if self.cfg.schedule_lead_ms and (lanes == "streams" or not self.cfg.async_scheduling):
+            log.warning("worker %d: --schedule-lead-ms applies to mixed lanes with --async-scheduling only: "
+                        "ignored there", msg.worker_id)
         sched = Scheduler(dataclasses.replace(self.cfg, lanes=lanes, speculative=speculative), msg.num_blocks,
                           msg.block_size, msg.max_model_len, cost=self.cost_prior[lanes], grammars=self.grammars,
                           draft_size=msg.draft_size)
@@ -294,6 +297,8 @@ class Batcher:
         slot = self.workers.pop(worker_id, None)
         if slot is None:  # already handled (two sends failed at once)
             return
+        if slot.wake is not None:
+            slot.wake.cancel()
         n = slot.scheduler.num_unfinished
         _add_stats(self.retired, slot.scheduler.stats(), COUNTERS)
         deltas = slot.scheduler.fail_all(f"worker {worker_id} lost: {why}")

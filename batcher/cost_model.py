@@ -45,8 +45,8 @@ class CostModel:
     h: host gap in ms: how long the worker waits for a step composed on the output of the one before, with none
     in flight (output send, update + schedule, input send); async scheduling hides it behind the step in flight.
     Learned online from the workers' idle times (OnlineCostFit.observe_gap). The scheduler adds it to the
-    predicted start of a step with none in flight, speculation prices it (a step with drafts is alone in flight:
-    batcher/spec.py), and the simulator charges it to every step that starts with none in flight.
+    predicted start of a mixed-lane step with none in flight, speculation prices it (a step with drafts is alone
+    in flight: batcher/spec.py), and the simulator charges it to every such step (two lanes hide it).
     """
 
     a: float = 4.0

@@ -120,7 +120,6 @@ class Scheduler:
         # schedule() returned None to compose late (--schedule-lead-ms): call it again at this time (None: when a
         # step's output or a request comes)
         self.wake_at: float | None = None
-        self.on_output = False  # a step's output was applied since the last schedule()
         if cfg.lanes not in LANES:
             raise ValueError(f"lanes must be one of {', '.join(LANES)}, got {cfg.lanes!r}")
         self.streams = cfg.lanes == "streams"  # auto: the batcher asks the worker; without one (simulator) mixed
@@ -157,9 +156,11 @@ class Scheduler:
         self.running: dict[str, Request] = {}  # insertion order = admission order
         self.finished_ids: list[str] = []  # for the next StepInput: the worker drops their state
         self.pending: list[TokenDelta] = []  # deltas made outside update() (rejections), sent with the next
-        # (step number, its requests, its cost-model terms, its predicted ms, its lane, its drafts or None),
-        # oldest first
-        self.in_flight: deque[tuple[int, list[Scheduled], Features, float, int, dict | None]] = deque()
+        # (step number, its requests, its cost-model terms, its predicted ms, its lane, its drafts or None, how it
+        # was scheduled: QUEUED, TURNAROUND or 0), oldest first
+        self.in_flight: deque[tuple[int, list[Scheduled], Features, float, int, dict | None, int]] = deque()
+        self.on_output = False  # a step's output was applied since the last schedule()
+        self.late = False  # ... and it came while a late composition was due (wake_at): before its step was sent
         self.busy = [0.0, 0.0, 0.0]  # per lane: when the worker is predicted to be done with its steps in flight
         self.new_arrivals = 0
         self.num_internal = 0
@@ -318,7 +319,10 @@ class Scheduler:
         `lead` before that one's predicted end: before then, None with wake_at set."""
         limit = self.max_inflight_steps
         self.wake_at = None
-        on_output, self.on_output = self.on_output, False
+        # how the worker waits for a step composed now with none in flight (see _compose): for the host's turn-around
+        # after the output just applied, or, if that output came before a late composition was due, for the lead
+        after = (QUEUED if self.late else TURNAROUND) if self.on_output else 0
+        self.on_output = self.late = False
         if self.spec.enabled:
             self.spec_k = self._choose_k()
             if self.spec_k or any(entry[5] for entry in self.in_flight):
@@ -331,14 +335,14 @@ class Scheduler:
                 if now < compose_at:
                     self.wake_at = compose_at
                     return None
-            return self._compose(now, LANE_MIXED, on_output)
+            return self._compose(now, LANE_MIXED, after)
         decoding = sum(1 for entry in self.in_flight if entry[4] == LANE_DECODE)
         if decoding == len(self.in_flight):  # no prefill step in flight
-            step = self._compose(now, LANE_PREFILL, on_output)
+            step = self._compose(now, LANE_PREFILL, after)
             if step is not None:
                 return step
         if decoding < limit:
-            return self._compose(now, LANE_DECODE, on_output)
+            return self._compose(now, LANE_DECODE, after)
         return None
 
     def _choose_k(self) -> int:
@@ -401,13 +405,17 @@ class Scheduler:
             req.ngrams = self.spec.index()
         return True
 
-    def _compose(self, now: float, lane: int, on_output: bool) -> tuple[list[Scheduled], int] | None:
-        """_next_step() for one lane; on_output: a step's output was applied since the last schedule()."""
+    def _compose(self, now: float, lane: int, after: int) -> tuple[list[Scheduled], int] | None:
+        """_next_step() for one lane; after: how the worker waits for it if none is in flight (QUEUED, TURNAROUND
+        or 0: _next_step)."""
         if self.new_arrivals:  # stamped with the clock of the first schedule() that sees them
             self.gate.detector.arrived(now, self.new_arrivals)
             self.new_arrivals = 0
         busy = self.busy[lane]
-        start = busy if busy > now else now + self.fit.model.h / 1000.0  # when this step will start on the worker
+        if busy > now:  # when this step will start on the worker
+            start = busy
+        else:  # with none in flight, after the host's turn-around (two lanes: hidden by the other lane)
+            start = now + (self.fit.model.h / 1000.0 if lane == LANE_MIXED else 0.0)
         budget = self.cfg.max_num_batched_tokens
         flight: list[Scheduled] = []
         self.grown.clear()
@@ -436,10 +444,13 @@ class Scheduler:
             predicted += self.spec.draft_ratio * self.spec.draft_work_ms(self.drafts.values(), self.fit.model)
         self.busy[lane] = start + predicted / 1000.0
         drafts, self.drafts = self.drafts, {}
-        if any(entry[4] == lane for entry in self.in_flight):  # the worker has a step of the lane to run before it
+        # How the worker waits for it: behind a step of its lane (or, composed late, behind one that ended before
+        # it was due: the worker's idle time is a bubble either way); or, composed on an output with none in flight,
+        # for the host's turn-around (mixed lane: its idle time is the host gap h)
+        if any(entry[4] == lane for entry in self.in_flight):
             wait = QUEUED
-        else:  # composed on an output, the worker waits for the host's turn-around: its idle time is the host gap
-            wait = TURNAROUND if on_output else 0
+        else:
+            wait = after if lane == LANE_MIXED else 0
         self.in_flight.append((self.step_no, flight, features, predicted, lane, drafts or None, wait))
         if lane == LANE_PREFILL:  # no decode step takes them until this step's output is applied
             for rec in flight:
@@ -776,6 +787,7 @@ class Scheduler:
             step_no, flight, _, _, lane, drafts, _ = in_flight.popleft()
         self.busy[lane] = now + sum(entry[3] for entry in in_flight if entry[4] == lane) / 1000.0
         self.on_output = True
+        self.late = self.wake_at is not None
         if lane == LANE_PREFILL:
             for rec in flight:
                 if rec.req.prefill_step == step_no:

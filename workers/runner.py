@@ -318,6 +318,7 @@ class ModelRunner:
         if not step.num_scheduled_tokens:
             self.flush(lanes)
             self._outbox.append(P.StepOutput(step=step.step, worker_id=self.cfg.worker_id))
+            self._last_done[lane] = time.perf_counter()  # (the next step's idle time counts from here)
             return
         stream = self.lane_streams.get(lane)
         with torch.inference_mode(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():

@@ -439,7 +439,8 @@ def simulate(requests: Sequence[SimRequest | TraceSimRequest], cfg: BatcherConfi
 
     pipelined: keep up to max_inflight_steps (async scheduling) steps per worker, each starting when the previous
     one ends, so the cost model's host gap `h` is hidden (assumed shorter than a step); a step that starts with
-    none in flight (strict alternation, the default, always; a step with drafts is alone in flight) pays it first.
+    none in flight (strict alternation, the default, always; a step with drafts is alone in flight) pays it first
+    (two lanes: never, the other lane hides it).
     Also shows the policy effect of scheduling one step ahead (admissions and stops seen a step later), and with
     --schedule-lead-ms of composing the queued step late.
     step_noise: each step takes the cost model's time x (1 + N(0, step_noise)) (at least 0.1 x), seeded by noise_seed,
