@@ -243,3 +243,39 @@ def test_step_noise_is_seeded_and_changes_timing_only():
 def test_cli_refuses_a_bad_step_noise(sigma):
     with pytest.raises(SystemExit, match="--step-noise"):
         main([*RAG_FLAGS, "--step-noise", sigma])
+
+
+SWEEP_FLAGS = ["sweep", "--trace", "rag", "--num-requests", "24", "--burstiness", "0.5", "--num-docs", "2",
+               "--doc-tokens", "256", "--question-tokens", "16:64", "--output-tokens", "4:12", "--hit-rate", "0.7",
+               "--rates", "20,60", "--seeds", "2", "--warmup-requests", "4"]
+
+
+def test_simulated_sweep_is_a_loadtest_sweep(tmp_path):
+    """`laneserve simulate sweep` writes loadtest sweep's sweep.json from the same traces (its figures computed by
+    loadtest's own summary), so `laneserve loadtest compare` sets it beside a served one."""
+    from loadtest import sweep
+    from loadtest.cli import main as loadtest_main
+
+    assert main([*SWEEP_FLAGS, "--slo", "ttft=10s,tpot=10s", "--out", str(tmp_path / "a")]) == 0
+    a = json.loads((tmp_path / "a" / "sweep.json").read_text())
+    assert a["kind"] == sweep.KIND and [r["rate"] for r in a["rates"]] == [20, 60]
+    assert [(r["rate"], r["seed"]) for r in a["runs"]] == [(20, 0), (20, 1), (60, 0), (60, 1)]
+    assert all(r["metrics"]["finished"] == r["metrics"]["sent"] == 24 for r in a["runs"])
+    assert a["slo_capacity_rate"] == 60 and all(r["metrics"]["goodput_pct"] == 100.0 for r in a["runs"])
+    # an SLO no request meets: no goodput, no capacity; the TTFTs are those of the same runs
+    assert main([*SWEEP_FLAGS, "--slo", "ttft=0.001ms", "--out", str(tmp_path / "b")]) == 0
+    b = json.loads((tmp_path / "b" / "sweep.json").read_text())
+    assert b["slo_capacity_rate"] is None and all(r["metrics"]["goodput_pct"] == 0.0 for r in b["runs"])
+    assert [r["metrics"]["ttft_p95_ms"] for r in b["runs"]] == [r["metrics"]["ttft_p95_ms"] for r in a["runs"]]
+    assert loadtest_main(["compare", str(tmp_path / "a" / "sweep.json"), str(tmp_path / "b" / "sweep.json"),
+                          "--plot", str(tmp_path / "ab.png")]) == 0
+
+
+def test_simulated_sweep_counts_shed_requests_as_misses(tmp_path):
+    config = '{"slo_ttft_ms": 20, "slo_admission": "reject", "num_blocks": 512}'
+    assert main([*SWEEP_FLAGS, "--config", config, "--out", str(tmp_path)]) == 0
+    runs = json.loads((tmp_path / "sweep.json").read_text())["runs"]
+    shed = [r["metrics"]["rejected"] for r in runs]
+    assert max(shed) > 0
+    assert all(r["metrics"]["finished"] == 24 - r["metrics"]["rejected"] for r in runs)
+    assert all(r["metrics"]["goodput_pct"] <= 100.0 * (24 - r["metrics"]["rejected"]) / 24 for r in runs)

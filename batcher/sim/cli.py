@@ -1,6 +1,7 @@
 """`laneserve simulate` (also `python -m batcher.sim`): replay a trace through the scheduler in simulated time.
 
-Owns the command line: the trace (the flags and the trace of `laneserve loadtest`: loadtest.cli's
+Owns the command line (`laneserve simulate sweep` is batcher/sim/sweep.py's): the trace (the flags and the trace
+of `laneserve loadtest`: loadtest.cli's
 add_trace_args / trace_from_args; --limit, --speedup) and the config, running
 engine.simulate(), printing / writing the summary, and --bench-step (the CPU cost of
 one schedule() + update() with 256 running decodes). Must not simulate anything itself.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -37,22 +39,43 @@ def trace_requests(args: argparse.Namespace) -> list[TraceSimRequest]:
     return [TraceSimRequest(t.arrival / args.speedup, t, i) for i, t in enumerate(trace)]
 
 
-def _config(text: str | None) -> BatcherConfig:
-    """--config: a JSON object of BatcherConfig fields, or a path to one."""
+SIM_FIELDS = {"num_blocks": 8192, "block_size": 16, "max_model_len": 32768, "num_workers": 1}  # --config's own
+
+
+def _read_config(text: str | None) -> dict:
+    """--config: a JSON object, inline or in a file."""
     if not text:
-        return BatcherConfig()
-    data = json.loads(Path(text).read_text()) if not text.lstrip().startswith("{") else json.loads(text)
+        return {}
+    return json.loads(Path(text).read_text()) if not text.lstrip().startswith("{") else json.loads(text)
+
+
+def _config(text: str | None) -> BatcherConfig:
+    """--config's BatcherConfig fields."""
+    data = _read_config(text)
     known = {f.name for f in dataclasses.fields(BatcherConfig)}
-    unknown = set(data) - known - {"num_blocks", "block_size", "max_model_len", "num_workers"}
+    unknown = set(data) - known - set(SIM_FIELDS)
     if unknown:
         raise SystemExit(f"unknown config fields: {sorted(unknown)}")
     return BatcherConfig(**{k: v for k, v in data.items() if k in known})
 
 
+def sim_kwargs(text: str | None) -> dict:
+    """--config's simulate() settings (SIM_FIELDS, with their defaults)."""
+    data = _read_config(text)
+    return {k: int(data.get(k, v)) for k, v in SIM_FIELDS.items()}
+
+
+def check_step_noise(sigma: float) -> None:
+    if not 0.0 <= sigma <= 10.0:  # (NaN fails too)
+        raise SystemExit(f"error: --step-noise must be from 0 to 10, got {sigma}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from loadtest.cli import add_trace_args
 
-    ap = argparse.ArgumentParser(prog="laneserve simulate", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="laneserve simulate", description=__doc__.splitlines()[0],
+                                 epilog="laneserve simulate sweep ...: laneserve loadtest sweep in simulated time "
+                                        "(batcher/sim/sweep.py; --help there)")
     add_trace_args(ap)  # --trace, --time-unit and the generator flags: the same as laneserve loadtest's
     ap.add_argument("--config", help="BatcherConfig fields as JSON (inline or a file); may also set num_blocks, "
                                      "block_size, max_model_len, num_workers")
@@ -72,23 +95,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "sweep":
+        from batcher.sim.sweep import main as sweep_main
+
+        return sweep_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.bench_step:
         print(json.dumps(bench_step(cfg=_config(args.config)), indent=1))
         return 0
-    if not 0.0 <= args.step_noise <= 10.0:  # (NaN fails too)
-        raise SystemExit(f"error: --step-noise must be from 0 to 10, got {args.step_noise}")
+    check_step_noise(args.step_noise)
     cfg = _config(args.config)
-    extra = json.loads(Path(args.config).read_text() if args.config and not args.config.lstrip().startswith("{")
-                       else (args.config or "{}"))
-    block_size = int(extra.get("block_size", 16))
     reqs = trace_requests(args)
     t0 = time.perf_counter()
     cost = CostModel.load(args.cost_model or default_cost_model(cfg.lanes))
-    res = simulate(reqs, cfg, cost, num_blocks=int(extra.get("num_blocks", 8192)),
-                   block_size=block_size, max_model_len=int(extra.get("max_model_len", 32768)),
-                   num_workers=int(extra.get("num_workers", 1)), pipelined=args.pipelined,
-                   step_noise=args.step_noise, noise_seed=args.seed)
+    res = simulate(reqs, cfg, cost, pipelined=args.pipelined, step_noise=args.step_noise, noise_seed=args.seed,
+                   **sim_kwargs(args.config))
     summary = summarize(res) | {"wall_s": round(time.perf_counter() - t0, 2)}
     _print(summary)
     if args.json:

@@ -261,7 +261,9 @@ class SimResult:
     e2e: list[float] = field(default_factory=list)
     finish: dict[str, int] = field(default_factory=dict)  # finish reason name -> count
     output_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens received
-    ttft_of: dict[str, float] = field(default_factory=dict)  # request id -> its TTFT (finished by STOP or LENGTH)
+    # request id -> (arrival, first token or None, final delta, tokens received, finish reason), every finished one
+    ends: dict[str, tuple[float, float | None, float, int, int]] = field(default_factory=dict)
+    shed: dict[str, float] = field(default_factory=dict)  # request id -> arrival, of those predictive admission shed
     first_chunk_cached: dict[str, int] = field(default_factory=dict)
     duration: float = 0.0
     steps: int = 0
@@ -273,10 +275,20 @@ class SimResult:
     near_done_to_free: list[float] = field(default_factory=list)
     preemptions: int = 0
     gated_prefills: int = 0
-    rejected: int = 0  # shed by predictive SLO admission (never started)
     prefix_queries: int = 0
     prefix_hits: int = 0
     schedulers: list = field(default_factory=list)
+
+    @property
+    def rejected(self) -> int:
+        """Requests shed by predictive SLO admission (never started)."""
+        return len(self.shed)
+
+    @property
+    def ttft_of(self) -> dict[str, float]:
+        """request id -> its TTFT, of those that finished by STOP or LENGTH."""
+        return {rid: first - arrival for rid, (arrival, first, _, _, reason) in self.ends.items()
+                if first is not None and reason in (FinishReason.STOP, FinishReason.LENGTH)}
 
 
 @dataclass(slots=True)
@@ -326,9 +338,9 @@ class _Tally:
                 del live[rid]
                 if n:
                     res.output_tokens[rid] = n
+                res.ends[rid] = (p.arrival, p.first_at, now, n, reason)
                 if p.first_at is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
                     res.ttft.append(p.first_at - p.arrival)
-                    res.ttft_of[rid] = p.first_at - p.arrival
                     res.e2e.append(now - p.arrival)
                     if n > 1:
                         res.tpot.append((now - p.first_at) / (n - 1))
@@ -490,7 +502,7 @@ def simulate(requests: Sequence[SimRequest | TraceSimRequest], cfg: BatcherConfi
             owner[rid] = w
             shed = scheds[w].add_request(msg, now)
             if shed is not None:  # predictive SLO admission: the client gets a 429
-                res.rejected += 1
+                res.shed[rid] = now
                 continue
             tally.arrived(rid, now, params.max_tokens)
             fleet.start(w, now)
