@@ -166,3 +166,42 @@ def test_tiny_model_with_kernels_matches_fallbacks(dtype):
     assert rel_err(prefill, ref_prefill) < tol, f"seed {SEED}"
     assert rel_err(decode, ref_decode) < tol, f"seed {SEED}"
 
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 4, 2, 32), (5, 6, 2, 64), (9, 5, 5, 16)])
+def test_rope_write_kv_is_rope_then_write_kv_in_one_launch(dtype, tokens, heads, kv_heads, dim):
+    """rope_write_kv_ (issue 25's fused RoPE + K/V write) leaves q, k and the pool exactly as rope_ then write_kv
+    do, on views into one qkv output, with a padding row (slot -1) written nowhere."""
+    from workers.kernels.paged_attention import write_kv
+
+    max_len, page, blocks = 300, 16, 6
+    rope = RotaryEmbedding(dataclasses.replace(TINY_CONFIG, head_dim=dim, rope_theta=10000.0), max_len)
+    g = torch.Generator().manual_seed(SEED)
+    positions = torch.randint(0, max_len, (tokens,), generator=g)
+    slots = torch.randperm(blocks * page, generator=g)[:tokens]
+    if tokens > 1:
+        slots[tokens // 2] = -1
+    qkv = randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype, salt=9).to(DEVICE)
+    sizes = [heads * dim, kv_heads * dim, kv_heads * dim]
+
+    def views(t):
+        q, k, v = t.split(sizes, dim=-1)
+        return q.unflatten(-1, (heads, dim)), k.unflatten(-1, (kv_heads, dim)), v.unflatten(-1, (kv_heads, dim))
+
+    pools = [randn(blocks * page, kv_heads * dim, dtype=dtype, salt=s).to(DEVICE).view(blocks, page, kv_heads, dim)
+             for s in (1, 2)]
+    cos, sin, pos, sl = rope.cos.to(DEVICE), rope.sin.to(DEVICE), positions.to(DEVICE), slots.to(DEVICE)
+    a, b = qkv.clone(), qkv.clone()
+    ka, va = (p.clone() for p in pools)
+    kb, vb = (p.clone() for p in pools)
+    with use_triton():
+        qa, k_a, v_a = views(a)
+        fused.rope_(qa, k_a, pos, cos, sin)
+        write_kv(k_a, v_a, ka, va, sl)
+        qb, k_b, v_b = views(b)
+        fused.rope_write_kv_(qb, k_b, v_b, pos, cos, sin, kb, vb, sl)
+    msg = f"seed {SEED}"
+    assert torch.equal(a, b), msg
+    assert torch.equal(ka, kb) and torch.equal(va, vb), msg
+    assert not torch.equal(ka, pools[0]), msg  # (something was written)

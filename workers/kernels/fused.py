@@ -85,7 +85,8 @@ if triton is not None:
     def _rope_heads(ptr, s_h, s_d, H, c1, c2, s1, s2, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
                     BLOCK_HALF: tl.constexpr):
         """One token's H heads in place: out = x * cos + rotate_half(x) * sin, rounded as torch rounds
-        (each product, then the sum, in x's dtype). ptr points at the token's row."""
+        (each product, then the sum, in x's dtype). ptr points at the token's row. Returns the two rotated
+        halves [BLOCK_H, BLOCK_HALF] and their mask."""
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_HALF)
         mask = (offs_h < H)[:, None] & (offs_d < HALF)[None, :]
@@ -95,10 +96,24 @@ if triton is not None:
         x2 = tl.load(p2, mask=mask, other=0.0)
         dtype = x1.dtype
         a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
-        o1 = (a1 * c1).to(dtype).to(tl.float32) + (-a2 * s1).to(dtype).to(tl.float32)
-        o2 = (a2 * c2).to(dtype).to(tl.float32) + (a1 * s2).to(dtype).to(tl.float32)
-        tl.store(p1, o1.to(dtype), mask=mask)
-        tl.store(p2, o2.to(dtype), mask=mask)
+        o1 = ((a1 * c1).to(dtype).to(tl.float32) + (-a2 * s1).to(dtype).to(tl.float32)).to(dtype)
+        o2 = ((a2 * c2).to(dtype).to(tl.float32) + (a1 * s2).to(dtype).to(tl.float32)).to(dtype)
+        tl.store(p1, o1, mask=mask)
+        tl.store(p2, o2, mask=mask)
+        return o1, o2, mask
+
+    @triton.jit
+    def _rope_tables(cos_ptr, sin_ptr, pos, s_cos, dtype, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+        """The token's cos/sin halves [1, BLOCK_HALF]: the fp32 table cast to q's dtype, as the reference's
+        cos[positions].to(q.dtype)."""
+        offs_d = tl.arange(0, BLOCK_HALF)
+        mask_d = offs_d < HALF
+        row_c, row_s = cos_ptr + pos * s_cos + offs_d, sin_ptr + pos * s_cos + offs_d
+        c1 = tl.load(row_c, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
+        c2 = tl.load(row_c + HALF, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
+        s1 = tl.load(row_s, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
+        s2 = tl.load(row_s + HALF, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
+        return c1, c2, s1, s2
 
     @triton.jit
     def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, s_qt, s_qh, s_qd, s_kt, s_kh, s_kd, s_cos,
@@ -106,17 +121,33 @@ if triton is not None:
                      BLOCK_HK: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + t).to(tl.int64)
-        offs_d = tl.arange(0, BLOCK_HALF)
-        mask_d = offs_d < HALF
-        dtype = q_ptr.dtype.element_ty
-        # the fp32 table cast to q's dtype, as the reference's cos[positions].to(q.dtype)
-        row_c, row_s = cos_ptr + pos * s_cos + offs_d, sin_ptr + pos * s_cos + offs_d
-        c1 = tl.load(row_c, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
-        c2 = tl.load(row_c + HALF, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
-        s1 = tl.load(row_s, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
-        s2 = tl.load(row_s + HALF, mask=mask_d, other=0.0).to(dtype).to(tl.float32)[None, :]
+        c1, c2, s1, s2 = _rope_tables(cos_ptr, sin_ptr, pos, s_cos, q_ptr.dtype.element_ty, HALF, BLOCK_HALF)
         _rope_heads(q_ptr + t * s_qt, s_qh, s_qd, HQ, c1, c2, s1, s2, BLOCK_HQ, HALF, BLOCK_HALF)
         _rope_heads(k_ptr + t * s_kt, s_kh, s_kd, HK, c1, c2, s1, s2, BLOCK_HK, HALF, BLOCK_HALF)
+
+    @triton.jit
+    def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr,
+                              s_qt, s_qh, s_qd, s_kt, s_kh, s_kd, s_vt, s_vh, s_cos, s_cb, s_ct, s_ch,
+                              HQ, HK, PAGE: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                              BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr):
+        """_rope_kernel, and the token's rotated K and its V written into the paged pool at its slot (a
+        non-int8 pool: [num_blocks, PAGE, Hkv, D] each; slot -1, a CUDA-graph padding row: not written)."""
+        t = tl.program_id(0).to(tl.int64)
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        c1, c2, s1, s2 = _rope_tables(cos_ptr, sin_ptr, pos, s_cos, q_ptr.dtype.element_ty, HALF, BLOCK_HALF)
+        _rope_heads(q_ptr + t * s_qt, s_qh, s_qd, HQ, c1, c2, s1, s2, BLOCK_HQ, HALF, BLOCK_HALF)
+        k1, k2, mask = _rope_heads(k_ptr + t * s_kt, s_kh, s_kd, HK, c1, c2, s1, s2, BLOCK_HK, HALF, BLOCK_HALF)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            offs_h = tl.arange(0, BLOCK_HK)
+            offs_d = tl.arange(0, BLOCK_HALF)
+            at = (slot // PAGE) * s_cb + (slot % PAGE) * s_ct + offs_h[:, None] * s_ch + offs_d[None, :]
+            tl.store(kc_ptr + at, k1.to(kc_ptr.dtype.element_ty), mask=mask)
+            tl.store(kc_ptr + at + HALF, k2.to(kc_ptr.dtype.element_ty), mask=mask)
+            src = v_ptr + t * s_vt + offs_h[:, None] * s_vh + offs_d[None, :]
+            vt = vc_ptr.dtype.element_ty
+            tl.store(vc_ptr + at, tl.load(src, mask=mask, other=0.0).to(vt), mask=mask)
+            tl.store(vc_ptr + at + HALF, tl.load(src + HALF, mask=mask, other=0.0).to(vt), mask=mask)
 
 
 # --------------------------------------------------------------------------------------- launchers
@@ -165,6 +196,25 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         _silu_mul_kernel[(rows, triton.cdiv(inter, block))](x, out, x.stride(0), out.stride(0), inter,
                                                               BLOCK=block, num_warps=4)
     return out
+
+
+def rope_write_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """rope_(q, k) and then write_kv(k, v) into a non-int8 paged pool, in one launch (issue 25: one launch
+    fewer per layer). k_cache / v_cache [num_blocks, page, Hkv, D] with the same strides; slots [T] (-1: skip).
+    Triton only; not wired into the model until it measures faster (workers.tools.kernel_bench --rope-kv)."""
+    tokens, num_q, dim = q.shape
+    num_k = k.shape[1]
+    assert cos.stride() == sin.stride() and cos.stride(-1) == 1
+    assert k_cache.dtype != torch.int8 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    assert v.stride(-1) == 1
+    if tokens:
+        _rope_write_kv_kernel[(tokens,)](
+            q, k, v, positions, cos, sin, k_cache, v_cache, slots, *q.stride(), *k.stride(), v.stride(0), v.stride(1),
+            cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), num_q, num_k,
+            PAGE=k_cache.shape[1], HALF=dim // 2, BLOCK_HALF=triton.next_power_of_2(dim // 2),
+            BLOCK_HQ=triton.next_power_of_2(num_q), BLOCK_HK=triton.next_power_of_2(num_k), num_warps=4,
+        )
 
 
 def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

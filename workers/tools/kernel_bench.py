@@ -1,11 +1,12 @@
 """Attention kernel bench: paged decode and paged prefill on one layer of a 7B shape, with launch-config sweeps.
 
-`python -m workers.tools.kernel_bench [--sweep] [--persistent] [--out FILE]` on a GPU. Decode is reported as bytes of K/V
+`python -m workers.tools.kernel_bench [--sweep] [--persistent] [--rope-kv] [--out FILE]` on a GPU. Decode is reported as bytes of K/V
 read per second (its roofline is the copy bandwidth); prefill as attention TFLOP/s (causal: half the
 QK^T and PV work), against SDPA's flash attention on the same chunk (contiguous K/V, no pages) as
 the baseline. CUDA events around CUDA-graph replays after warm-up, medians. --sweep times each config of the grid below and
 prints the best; workers/kernels/paged_attention.py holds the chosen defaults. --persistent times the persistent
-decode kernel (issue 25) against the partitioned one on skewed and uniform batches (SKEWED below).
+decode kernel (issue 25) against the partitioned one on skewed and uniform batches (SKEWED below); --rope-kv the
+RoPE + K/V write in one launch against today's two.
 """
 
 from __future__ import annotations
@@ -128,6 +129,31 @@ def bench_persistent(groups: list[tuple[int, int]], kv_dtype: torch.dtype = torc
             "rel_err_vs_partitioned": err}
 
 
+def bench_rope_kv(tokens: int) -> dict:
+    """One layer's RoPE on q and k then the K/V write (two launches, today's path) against rope_write_kv_ (one;
+    issue 25): bf16, views into one qkv output as the model has them, a 32k-position table."""
+    from workers.kernels.fused import rope_, rope_write_kv_
+    from workers.kernels.paged_attention import write_kv
+
+    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * DIM, dtype=torch.bfloat16, device="cuda")
+    q, k, v = (t.unflatten(-1, (-1, DIM)) for t in qkv.split([HEADS * DIM, KV_HEADS * DIM, KV_HEADS * DIM], -1))
+    blocks = -(-tokens // PAGE) + 1
+    kc = torch.zeros(blocks, PAGE, KV_HEADS, DIM, dtype=torch.bfloat16, device="cuda")
+    vc = torch.zeros_like(kc)
+    cos, sin = torch.rand(32768, DIM, device="cuda"), torch.rand(32768, DIM, device="cuda")
+    positions = torch.randint(0, 32768, (tokens,), device="cuda")
+    slots = torch.randperm(blocks * PAGE, device="cuda")[:tokens]
+
+    def two() -> None:
+        rope_(q, k, positions, cos, sin)
+        write_kv(k, v, kc, vc, slots)
+
+    two_ms = time_ms(two)
+    one_ms = time_ms(lambda: rope_write_kv_(q, k, v, positions, cos, sin, kc, vc, slots))
+    return {"tokens": tokens, "rope_then_write_us": two_ms * 1e3, "fused_us": one_ms * 1e3,
+            "speedup": two_ms / one_ms, "per_step_saving_us": (two_ms - one_ms) * 1e3 * LAYERS}
+
+
 def bench_prefill(num_seqs: int, chunk: int, prefix: int, kv_dtype: torch.dtype, config: dict | None) -> dict:
     ctx = prefix + chunk
     k, v, bt, (ks, vs) = pages(num_seqs, ctx, kv_dtype)
@@ -182,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--int8", action="store_true", help="sweep the int8 decode launch configs")
     ap.add_argument("--persistent", action="store_true", help="the persistent decode kernel against the partitioned "
                     "one on skewed and uniform batches")
+    ap.add_argument("--rope-kv", action="store_true", help="RoPE + K/V write fused in one launch against the two "
+                    "launches the model makes (issue 25)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -196,6 +224,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"({row['parts']} parts) {row['partitioned_us']:8.1f} us, persistent {row['persistent_us']:8.1f} us "
                   f"(+ plan {row['plan_us']:.1f} us per step; {row['chunks']} chunks of {row['chunk']}): "
                   f"{row['speedup']:.2f}x, err {row['rel_err_vs_partitioned']:.1e}", flush=True)
+    if args.rope_kv:
+        result["rope_kv"] = []
+        for tokens in (1, 8, 32, 128, 2048):
+            row = bench_rope_kv(tokens)
+            result["rope_kv"].append(row)
+            print(f"  rope+kv {tokens:5d} tokens: two launches {row['rope_then_write_us']:7.2f} us, fused "
+                  f"{row['fused_us']:7.2f} us: {row['speedup']:.2f}x, {row['per_step_saving_us']:+.0f} us per "
+                  f"{LAYERS}-layer step", flush=True)
     if args.parts:
         for batch, ctx in PARTS_SHAPES:
             rows = [bench_decode(batch, ctx, bf16, None, parts) for parts in (1, 2, 4, 8, 16, 32)]
