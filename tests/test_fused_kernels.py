@@ -169,12 +169,11 @@ def test_tiny_model_with_kernels_matches_fallbacks(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 4, 2, 32), (5, 6, 2, 64), (9, 5, 5, 16)])
+@pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 4, 2, 32), (5, 6, 2, 64), (9, 5, 5, 16), (4, 3, 3, 80)])
 def test_rope_write_kv_is_rope_then_write_kv_in_one_launch(dtype, tokens, heads, kv_heads, dim):
-    """rope_write_kv_ (issue 25's fused RoPE + K/V write) leaves q, k and the pool exactly as rope_ then write_kv
-    do, on views into one qkv output, with a padding row (slot -1) written nowhere."""
-    from workers.kernels.paged_attention import write_kv
-
+    """rope_write_kv_ (issue 25's fused RoPE + K/V write) leaves q, k and the pool exactly as rope_ then the K/V
+    write do (the pool's slot rows set to the rotated k and to v), on views into one qkv output, with a padding row
+    (slot -1) written nowhere; also for a head size whose half is not a power of two."""
     max_len, page, blocks = 300, 16, 6
     rope = RotaryEmbedding(dataclasses.replace(TINY_CONFIG, head_dim=dim, rope_theta=10000.0), max_len)
     g = torch.Generator().manual_seed(SEED)
@@ -198,7 +197,9 @@ def test_rope_write_kv_is_rope_then_write_kv_in_one_launch(dtype, tokens, heads,
     with use_triton():
         qa, k_a, v_a = views(a)
         fused.rope_(qa, k_a, pos, cos, sin)
-        write_kv(k_a, v_a, ka, va, sl)
+        keep = sl >= 0
+        ka.view(-1, kv_heads, dim)[sl[keep]] = k_a[keep]
+        va.view(-1, kv_heads, dim)[sl[keep]] = v_a[keep]
         qb, k_b, v_b = views(b)
         fused.rope_write_kv_(qb, k_b, v_b, pos, cos, sin, kb, vb, sl)
     msg = f"seed {SEED}"

@@ -6,8 +6,10 @@ and seed its trace, each rag run with documents of its own). Each run is one sim
 followed, WARMUP_GAP_S after its last arrival, by the run's trace, on a fresh scheduler with async
 scheduling (`--pipelined`); the run's requests become RequestRecords, so loadtest.report.summarize and
 loadtest.sweep.build compute every figure as they do for a served sweep, and `laneserve loadtest compare`
-sets a measured sweep.json beside a simulated one. Not simulated: ITL (no per-chunk times) and the HTTP
-path (the gateway's tokenizing and streaming time).
+sets a measured sweep.json beside a simulated one. Not simulated: ITL (no per-chunk times), the HTTP
+path (the gateway's tokenizing and streaming time), and the load client's --no-ignore-eos, --endpoint chat and
+context clamping (every request here gets exactly its trace's output tokens). Set `num_blocks` in --config to
+the server's KV pool (its `cache_config_info` on /metrics): too small a pool makes requests wait for K/V space.
 """
 
 from __future__ import annotations
@@ -53,6 +55,10 @@ def run_one(warmup: list, rows: list, cfg, cost: CostModel, step_noise: float, s
     reqs = [TraceSimRequest(r.arrival, r, i) for i, r in enumerate(warmup)]
     reqs += [TraceSimRequest(r.arrival + shift, r, len(warmup) + i) for i, r in enumerate(rows)]
     res = simulate(reqs, cfg, cost, pipelined=True, step_noise=step_noise, noise_seed=seed, **kw)
+    late = [i for i in range(len(warmup)) if f"r{i}" in res.ends and res.ends[f"r{i}"][2] >= shift]
+    if late:
+        raise SystemExit(f"error: warm-up request {late[0]} was still running when the run began; the server is "
+                         "overloaded at the warm-up's rate")
     return records(res, rows, len(warmup), shift)
 
 
@@ -66,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="as laneserve loadtest sweep's (default: 32, or --num-docs if more, for rag)")
     add_trace_args(p, rate=False)
     p.add_argument("--slo", default="ttft=120ms,tpot=30ms", help="SLO terms for goodput and the SLO capacity")
-    p.add_argument("--config", help="BatcherConfig fields as JSON (inline or a file), as laneserve simulate's")
+    p.add_argument("--config", help="BatcherConfig fields as JSON (inline or a file), as laneserve simulate's; "
+                   "set num_blocks to the server's KV pool")
     p.add_argument("--cost-model", help="as laneserve simulate's (a server's --cost-model-out file, say)")
     p.add_argument("--step-noise", type=float, default=0.0, metavar="SIGMA", help="as laneserve simulate's")
     p.add_argument("--out", required=True, help="directory for sweep.json and sweep.md")
