@@ -97,8 +97,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "sweep":
-        from batcher.sim.sweep import main as sweep_main
-
         return sweep_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.bench_step:
@@ -158,3 +156,68 @@ def bench_step(num_running: int = 256, repeats: int = 200, cfg: BatcherConfig | 
     return {"running": num_running, "schedule_us": round(sched_s / repeats * 1e6, 1),
             "update_us": round(upd_s / repeats * 1e6, 1),
             "total_us": round((sched_s + upd_s) / repeats * 1e6, 1)}
+
+
+def build_sweep_parser() -> argparse.ArgumentParser:
+    from loadtest.cli import _rates, add_trace_args
+
+    p = argparse.ArgumentParser(prog="laneserve simulate sweep", description="laneserve loadtest sweep in simulated "
+                                "time (batcher/sim/sweep.py)")
+    p.add_argument("--rates", type=_rates, required=True, help="requests/s, comma-separated, e.g. 24,30,36")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per rate: --seed, --seed + 1, ...")
+    p.add_argument("--warmup-requests", type=int, default=None,
+                   help="as laneserve loadtest sweep's (default: 32, or --num-docs if more, for rag)")
+    add_trace_args(p, rate=False)
+    p.add_argument("--slo", default="ttft=120ms,tpot=30ms", help="SLO terms for goodput and the SLO capacity")
+    p.add_argument("--config", help="BatcherConfig fields as JSON (inline or a file), as laneserve simulate's; "
+                   "set num_blocks to the server's KV pool")
+    p.add_argument("--cost-model", help="as laneserve simulate's (a server's --cost-model-out file, say)")
+    p.add_argument("--step-noise", type=float, default=0.0, metavar="SIGMA", help="as laneserve simulate's")
+    p.add_argument("--out", required=True, help="directory for sweep.json and sweep.md")
+    return p
+
+
+def sweep_main(argv: list[str]) -> int:
+    from rich.console import Console
+
+    from batcher.sim.sweep import run_one
+    from loadtest import report, sweep
+    from loadtest.cli import GENERATED, generator_flags, trace_from_args
+
+    p = build_sweep_parser()
+    args = p.parse_args(argv)
+    if args.trace not in GENERATED:
+        p.error(f"--trace must be one of {', '.join(GENERATED)}: the sweep sets the rate of a generated trace")
+    if args.seeds < 1:
+        p.error("--seeds must be >= 1")
+    check_step_noise(args.step_noise)
+    slo = report.parse_slo(args.slo)
+    cfg, kw = _config(args.config), sim_kwargs(args.config)
+    cost_path = args.cost_model or str(default_cost_model(cfg.lanes))
+    cost = CostModel.load(cost_path)
+    warmup_n = args.warmup_requests
+    if warmup_n is None:
+        warmup_n = max(32, args.num_docs) if args.trace == "rag" else 32
+
+    def make(rate: float, seed: int) -> list:
+        return trace_from_args(argparse.Namespace(**{**vars(args), "rate": rate, "seed": seed}))
+
+    rag_pool = (args.num_docs, args.doc_tokens) if args.trace == "rag" else None
+    warmup, runs = sweep.plan(make, args.rates, args.seed, args.seeds, warmup_n, rag_pool)
+    started = time.time()
+    rows = []
+    for rate, seed, trace in runs:
+        summary = report.summarize(run_one(warmup, trace, cfg, cost, args.step_noise, seed, **kw), slo)
+        rows.append({"rate": rate, "seed": seed, "metrics": sweep.run_metrics(summary)})
+    gen = {k: v for k, v in generator_flags(args).items() if k not in ("rate", "seed")}
+    meta = {"url": "simulated", "model": f"cost model {cost_path}", "trace": args.trace, "generator": gen,
+            "rates": sorted(args.rates), "seeds": [args.seed + i for i in range(args.seeds)],
+            "prompt_seed": args.seed, "warmup_requests": len(warmup), "slo": args.slo,
+            "config": {**dataclasses.asdict(cfg), **kw}, "cost_model": dataclasses.asdict(cost),
+            "step_noise": args.step_noise, "started_at": started, "wall_s": round(time.time() - started, 3),
+            "interrupted": False}
+    result = sweep.build(meta, rows, {k: v * 1e3 for k, v in slo.items()})
+    json_path, md_path = sweep.write(args.out, result)
+    sweep.print_sweeps([result], [""], Console())
+    Console(stderr=True).print(f"wrote {json_path} and {md_path}")
+    return 0

@@ -1,7 +1,7 @@
 """Attention kernel bench: paged decode and paged prefill on one layer of a 7B shape, with launch-config sweeps.
 
-`python -m workers.tools.kernel_bench [--sweep] [--persistent] [--rope-kv] [--out FILE]` on a GPU. Decode is reported as bytes of K/V
-read per second (its roofline is the copy bandwidth); prefill as attention TFLOP/s (causal: half the
+`python -m workers.tools.kernel_bench [--sweep] [--persistent] [--rope-kv] [--out FILE]` on a GPU. Decode is
+reported as bytes of K/V read per second (its roofline is the copy bandwidth); prefill as attention TFLOP/s (causal: half the
 QK^T and PV work), against SDPA's flash attention on the same chunk (contiguous K/V, no pages) as
 the baseline. CUDA events around CUDA-graph replays after warm-up, medians. --sweep times each config of the grid below and
 prints the best; workers/kernels/paged_attention.py holds the chosen defaults. --persistent times the persistent
