@@ -212,16 +212,42 @@ def build_sweep_parser() -> argparse.ArgumentParser:
                                             "at each rate and seed against one server; sweep.json, sweep.md, "
                                             "sweep.png with the saturation rate and the SLO capacity")
     p.add_argument("--url", required=True, help="server base URL (OpenAI-compatible)")
+    add_sweep_args(p)
+    _add_limits(p.add_argument_group("replay"))
+    _add_request_args(p)
+    _add_output_args(p, "directory for sweep.json, sweep.md, sweep.png and runs/")
+    return p
+
+
+def add_sweep_args(p: argparse.ArgumentParser) -> None:
+    """A sweep's rates, seeds and warm-up, and the trace flags: `laneserve loadtest sweep` and `laneserve simulate
+    sweep` (which replays the same traces: plan_sweep)."""
     p.add_argument("--rates", type=_rates, required=True, help="requests/s, comma-separated, e.g. 24,30,36")
     p.add_argument("--seeds", type=int, default=3, help="seeds per rate: --seed, --seed + 1, ...")
     p.add_argument("--warmup-requests", type=int, default=None,
                    help="requests of the warm-up replay, at most --num-requests (0: none; default: 32, or --num-docs "
                         "if more, for rag)")
     add_trace_args(p, rate=False)
-    _add_limits(p.add_argument_group("replay"))
-    _add_request_args(p)
-    _add_output_args(p, "directory for sweep.json, sweep.md, sweep.png and runs/")
-    return p
+
+
+def plan_sweep(p: argparse.ArgumentParser, args: argparse.Namespace):
+    """The sweep's (warm-up trace, [(rate, seed, trace)]) for add_sweep_args' flags (loadtest.sweep.plan); a
+    parser error for flags no sweep can take."""
+    from loadtest import sweep
+
+    if args.trace not in GENERATED:
+        p.error(f"--trace must be one of {', '.join(GENERATED)}: the sweep sets the rate of a generated trace")
+    if args.seeds < 1:
+        p.error("--seeds must be >= 1")
+    warmup_n = args.warmup_requests
+    if warmup_n is None:
+        warmup_n = max(32, args.num_docs) if args.trace == "rag" else 32
+
+    def make(rate: float, seed: int) -> list[traces.TraceRequest]:
+        return trace_from_args(argparse.Namespace(**{**vars(args), "rate": rate, "seed": seed}))
+
+    rag_pool = (args.num_docs, args.doc_tokens) if args.trace == "rag" else None
+    return sweep.plan(make, args.rates, args.seed, args.seeds, warmup_n, rag_pool)
 
 
 def sweep_main(argv: list[str]) -> int:
@@ -234,20 +260,8 @@ def sweep_main(argv: list[str]) -> int:
 
     p = build_sweep_parser()
     args = p.parse_args(argv)
-    if args.trace not in GENERATED:
-        p.error(f"--trace must be one of {', '.join(GENERATED)}: the sweep sets the rate of a generated trace")
-    if args.seeds < 1:
-        p.error("--seeds must be >= 1")
+    warmup, runs = plan_sweep(p, args)
     slo = report.parse_slo(args.slo)
-    warmup_n = args.warmup_requests
-    if warmup_n is None:
-        warmup_n = max(32, args.num_docs) if args.trace == "rag" else 32
-
-    def make(rate: float, seed: int) -> list[traces.TraceRequest]:
-        return trace_from_args(argparse.Namespace(**{**vars(args), "rate": rate, "seed": seed}))
-
-    rag_pool = (args.num_docs, args.doc_tokens) if args.trace == "rag" else None
-    warmup, runs = sweep.plan(make, args.rates, args.seed, args.seeds, warmup_n, rag_pool)
     console = Console(stderr=True)
     console.print(f"sweep: {len(runs)} replays ({len(args.rates)} rates x {args.seeds} seeds) of {args.num_requests} "
                   f"requests against {args.url}, after a warm-up of {len(warmup)}")

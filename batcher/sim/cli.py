@@ -159,15 +159,11 @@ def bench_step(num_running: int = 256, repeats: int = 200, cfg: BatcherConfig | 
 
 
 def build_sweep_parser() -> argparse.ArgumentParser:
-    from loadtest.cli import _rates, add_trace_args
+    from loadtest.cli import add_sweep_args
 
     p = argparse.ArgumentParser(prog="laneserve simulate sweep", description="laneserve loadtest sweep in simulated "
                                 "time (batcher/sim/sweep.py)")
-    p.add_argument("--rates", type=_rates, required=True, help="requests/s, comma-separated, e.g. 24,30,36")
-    p.add_argument("--seeds", type=int, default=3, help="seeds per rate: --seed, --seed + 1, ...")
-    p.add_argument("--warmup-requests", type=int, default=None,
-                   help="as laneserve loadtest sweep's (default: 32, or --num-docs if more, for rag)")
-    add_trace_args(p, rate=False)
+    add_sweep_args(p)
     p.add_argument("--slo", default="ttft=120ms,tpot=30ms", help="SLO terms for goodput and the SLO capacity")
     p.add_argument("--config", help="BatcherConfig fields as JSON (inline or a file), as laneserve simulate's; "
                    "set num_blocks to the server's KV pool")
@@ -182,28 +178,16 @@ def sweep_main(argv: list[str]) -> int:
 
     from batcher.sim.sweep import run_one
     from loadtest import report, sweep
-    from loadtest.cli import GENERATED, generator_flags, trace_from_args
+    from loadtest.cli import generator_flags, plan_sweep
 
     p = build_sweep_parser()
     args = p.parse_args(argv)
-    if args.trace not in GENERATED:
-        p.error(f"--trace must be one of {', '.join(GENERATED)}: the sweep sets the rate of a generated trace")
-    if args.seeds < 1:
-        p.error("--seeds must be >= 1")
+    warmup, runs = plan_sweep(p, args)
     check_step_noise(args.step_noise)
     slo = report.parse_slo(args.slo)
     cfg, kw = _config(args.config), sim_kwargs(args.config)
     cost_path = args.cost_model or str(default_cost_model(cfg.lanes))
     cost = CostModel.load(cost_path)
-    warmup_n = args.warmup_requests
-    if warmup_n is None:
-        warmup_n = max(32, args.num_docs) if args.trace == "rag" else 32
-
-    def make(rate: float, seed: int) -> list:
-        return trace_from_args(argparse.Namespace(**{**vars(args), "rate": rate, "seed": seed}))
-
-    rag_pool = (args.num_docs, args.doc_tokens) if args.trace == "rag" else None
-    warmup, runs = sweep.plan(make, args.rates, args.seed, args.seeds, warmup_n, rag_pool)
     started = time.time()
     rows = []
     for rate, seed, trace in runs:
