@@ -1,8 +1,8 @@
 """`laneserve simulate sweep`'s runs: `laneserve loadtest sweep` in simulated time (simulator against GPU).
 
 Owns turning a simulated run into the load client's records (the command line is batcher/sim/cli.py's). The
-traces are the ones `laneserve loadtest sweep` replays for the same flags (loadtest.sweep.plan: the warm-up, and per rate
-and seed its trace, each rag run with documents of its own). Each run is one simulate() of the warm-up
+traces are the ones `laneserve loadtest sweep` replays for the same flags (loadtest.cli.plan_sweep: the warm-up,
+and per rate and seed its trace, each rag run with documents of its own). Each run is one simulate() of the warm-up
 followed, WARMUP_GAP_S after its last arrival, by the run's trace, on a fresh scheduler with async
 scheduling (`--pipelined`); the run's requests become RequestRecords, so loadtest.report.summarize and
 loadtest.sweep.build compute every figure as they do for a served sweep, and `laneserve loadtest compare`
