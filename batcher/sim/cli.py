@@ -1,7 +1,7 @@
 """`laneserve simulate` (also `python -m batcher.sim`): replay a trace through the scheduler in simulated time.
 
-Owns the command line (`laneserve simulate sweep` is batcher/sim/sweep.py's): the trace (the flags and the trace
-of `laneserve loadtest`: loadtest.cli's
+Owns the command lines of `laneserve simulate` and `laneserve simulate sweep` (whose runs are batcher/sim/sweep.py's):
+the trace (the flags and the trace of `laneserve loadtest`: loadtest.cli's
 add_trace_args / trace_from_args; --limit, --speedup) and the config, running
 engine.simulate(), printing / writing the summary, and --bench-step (the CPU cost of
 one schedule() + update() with 256 running decodes). Must not simulate anything itself.
@@ -42,27 +42,18 @@ def trace_requests(args: argparse.Namespace) -> list[TraceSimRequest]:
 SIM_FIELDS = {"num_blocks": 8192, "block_size": 16, "max_model_len": 32768, "num_workers": 1}  # --config's own
 
 
-def _read_config(text: str | None) -> dict:
-    """--config: a JSON object, inline or in a file."""
-    if not text:
-        return {}
-    return json.loads(Path(text).read_text()) if not text.lstrip().startswith("{") else json.loads(text)
-
-
-def _config(text: str | None) -> BatcherConfig:
-    """--config's BatcherConfig fields."""
-    data = _read_config(text)
+def _config(text: str | None) -> tuple[BatcherConfig, dict]:
+    """--config (a JSON object, inline or in a file): its BatcherConfig fields, and its simulate() settings
+    (SIM_FIELDS, with their defaults)."""
+    data = {}
+    if text:
+        data = json.loads(Path(text).read_text()) if not text.lstrip().startswith("{") else json.loads(text)
     known = {f.name for f in dataclasses.fields(BatcherConfig)}
     unknown = set(data) - known - set(SIM_FIELDS)
     if unknown:
         raise SystemExit(f"unknown config fields: {sorted(unknown)}")
-    return BatcherConfig(**{k: v for k, v in data.items() if k in known})
-
-
-def sim_kwargs(text: str | None) -> dict:
-    """--config's simulate() settings (SIM_FIELDS, with their defaults)."""
-    data = _read_config(text)
-    return {k: int(data.get(k, v)) for k, v in SIM_FIELDS.items()}
+    return (BatcherConfig(**{k: v for k, v in data.items() if k in known}),
+            {k: int(data.get(k, v)) for k, v in SIM_FIELDS.items()})
 
 
 def check_step_noise(sigma: float) -> None:
@@ -75,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ap = argparse.ArgumentParser(prog="laneserve simulate", description=__doc__.splitlines()[0],
                                  epilog="laneserve simulate sweep ...: laneserve loadtest sweep in simulated time "
-                                        "(batcher/sim/sweep.py; --help there)")
+                                        "(--help there)")
     add_trace_args(ap)  # --trace, --time-unit and the generator flags: the same as laneserve loadtest's
     ap.add_argument("--config", help="BatcherConfig fields as JSON (inline or a file); may also set num_blocks, "
                                      "block_size, max_model_len, num_workers")
@@ -100,15 +91,14 @@ def main(argv: list[str] | None = None) -> int:
         return sweep_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.bench_step:
-        print(json.dumps(bench_step(cfg=_config(args.config)), indent=1))
+        print(json.dumps(bench_step(cfg=_config(args.config)[0]), indent=1))
         return 0
     check_step_noise(args.step_noise)
-    cfg = _config(args.config)
+    cfg, kw = _config(args.config)
     reqs = trace_requests(args)
     t0 = time.perf_counter()
     cost = CostModel.load(args.cost_model or default_cost_model(cfg.lanes))
-    res = simulate(reqs, cfg, cost, pipelined=args.pipelined, step_noise=args.step_noise, noise_seed=args.seed,
-                   **sim_kwargs(args.config))
+    res = simulate(reqs, cfg, cost, pipelined=args.pipelined, step_noise=args.step_noise, noise_seed=args.seed, **kw)
     summary = summarize(res) | {"wall_s": round(time.perf_counter() - t0, 2)}
     _print(summary)
     if args.json:
@@ -185,7 +175,7 @@ def sweep_main(argv: list[str]) -> int:
     warmup, runs = plan_sweep(p, args)
     check_step_noise(args.step_noise)
     slo = report.parse_slo(args.slo)
-    cfg, kw = _config(args.config), sim_kwargs(args.config)
+    cfg, kw = _config(args.config)
     cost_path = args.cost_model or str(default_cost_model(cfg.lanes))
     cost = CostModel.load(cost_path)
     started = time.time()
