@@ -115,7 +115,8 @@ def test_bfloat16_on_cpu_runs():
 def _pipelined(runner: ModelRunner) -> tuple[list[P.StepOutput], list[int]]:
     """Steps as the async batcher sends them: each submitted before the previous step's output is read.
     Decode-only steps (some reading a token still in flight), a finish, a seeded + penalised request,
-    logprobs, then a mixed step (a new prompt beside the decodes) that must wait for the host tokens.
+    logprobs, then two mixed steps (a new prompt's two chunks beside the decodes, which read their tokens in flight
+    on the device).
     Returns the outputs and, after each submit, how many outputs were ready."""
     new = [P.NewReq(request_id="a", prompt_token_ids=random_prompt(20, seed=1, vocab=256), params=greedy(50),
                     block_ids=[0, 1, 2]),
@@ -129,10 +130,15 @@ def _pipelined(runner: ModelRunner) -> tuple[list[P.StepOutput], list[int]]:
     steps += [P.StepInput(step=4, num_scheduled_tokens={"a": 1, "b": 1}, finished_req_ids=["c"])]
     steps += [P.StepInput(step=5, new_reqs=[P.NewReq(request_id="d", prompt_token_ids=random_prompt(30, 4, 256),
                                                      params=greedy(50), block_ids=[6, 7])],
-                          num_scheduled_tokens={"a": 1, "b": 1, "d": 30})]
-    steps += [P.StepInput(step=k, num_scheduled_tokens={"a": 1, "b": 1, "d": 1}) for k in (6, 7)]
+                          num_scheduled_tokens={"a": 1, "b": 1, "d": 16})]
+    steps += [P.StepInput(step=6, num_scheduled_tokens={"a": 1, "b": 1, "d": 14})]  # d's second chunk
+    steps += [P.StepInput(step=k, num_scheduled_tokens={"a": 1, "b": 1, "d": 1}) for k in (7, 8)]
     outs, ready = [], []
     for s in steps:
+        if runner.overlap and s.step == 6:  # a mixed step launches behind the mixed one in flight, a and b's
+            # inputs its tokens; with drafts (which continue a token in flight on the host) it would collect first
+            assert runner._pending_rows(s.num_scheduled_tokens, s.lane, None) == {"a": 0, "b": 1}
+            assert runner._pending_rows(s.num_scheduled_tokens, s.lane, {"a": [7]}) is None
         runner.submit(s)
         got = runner.take_outputs()
         ready.append(len(got))
@@ -146,10 +152,10 @@ def _pipelined(runner: ModelRunner) -> tuple[list[P.StepOutput], list[int]]:
 def test_overlapped_steps_give_the_serial_tokens():
     serial, ready_serial = _pipelined(tiny(overlap_steps="off"))
     overlapped, ready = _pipelined(tiny(overlap_steps="on"))
-    assert ready_serial == [1] * 8
-    # one step stays in flight: each submit returns the previous step's output (the mixed step 5 collects
-    # it before its own forward, the decode-only ones after launching theirs)
-    assert ready == [0] + [1] * 7
+    assert ready_serial == [1] * 9
+    # one step stays in flight: each submit returns the previous step's output, collected after launching its
+    # own forward (the mixed step 5 too: its decodes read the tokens in flight on the device)
+    assert ready == [0] + [1] * 8
     key = lambda o: (o.step, o.request_ids, o.sampled_token_ids, o.logprobs, o.error)  # noqa: E731
     assert [key(o) for o in overlapped] == [key(o) for o in serial]
-    assert [o.step for o in overlapped] == list(range(8))
+    assert [o.step for o in overlapped] == list(range(9))

@@ -286,9 +286,11 @@ class ModelRunner:
 
     # Pipelined use (workers/main.py): submit() starts a step; its output, and the one of the step that
     # was in flight before it, appear in take_outputs() once their tokens reach the host. With overlap
-    # a decode-only step launches its forward first, with the tokens the step in flight sampled read on
-    # the device, then collects that step's tokens (which waits only for its sampling kernels) while
-    # this forward runs: the host's per-step work (output, socket, next input) hides behind the GPU.
+    # a step launches its forward first, with the tokens the step in flight sampled read on the device,
+    # then collects that step's tokens (which waits only for its sampling kernels) while this forward runs:
+    # the host's per-step work (output, socket, next input) hides behind the GPU, and so does an eager
+    # step's own input preparation and launches (a step with a prefill chunk). Only a step whose drafts
+    # continue the token in flight (speculation) collects it first.
     @property
     def in_flight(self) -> bool:
         return bool(self._flights)
@@ -322,11 +324,11 @@ class ModelRunner:
             return
         stream = self.lane_streams.get(lane)
         with torch.inference_mode(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            pending = self._pending_rows(step.num_scheduled_tokens, lane)
-            if pending is None:
-                self.flush(lanes)  # this step needs the tokens of the one in flight on the host
             if step.spec_token_ids and self.tp_size != 1:
                 raise ValueError("speculative drafts need tensor parallel 1")
+            pending = self._pending_rows(step.num_scheduled_tokens, lane, step.draft_jobs or step.spec_token_ids)
+            if pending is None:
+                self.flush(lanes)  # this step needs the tokens of the one in flight on the host
             drafts, draft_time = self._propose(step.draft_jobs) if step.draft_jobs else (step.spec_token_ids, 0.0)
             sampled_reqs, logits_fn, verify, scores = self._run(step.num_scheduled_tokens, pending, lane, drafts)
             self.flush(lanes)
@@ -410,22 +412,21 @@ class ModelRunner:
         proposed, seconds = self.drafter.propose(work)
         return {rid: d for rid, d in zip(jobs, proposed) if d}, seconds
 
-    def _pending_rows(self, scheduled: dict[str, int], lane: int) -> dict[str, int] | None:
-        """With a step of this lane in flight: for a decode-only step that can run before its tokens reach the
-        host, request id -> row of the in-flight step's tokens, for the requests whose input is that token.
-        None when there is nothing in flight, or the step must wait for the host to have the tokens."""
+    def _pending_rows(self, scheduled: dict[str, int], lane: int, drafts) -> dict[str, int] | None:
+        """With a step of this lane in flight: for a step that can run before its tokens reach the host (decodes
+        and prompt chunks, no drafts), request id -> row of the in-flight step's tokens, for the requests whose
+        input is that token. None when there is nothing in flight, or the step must wait for the host to have the
+        tokens (drafts continue the token in flight on the host)."""
         f = self._flights.get(lane)
-        if f is None or not self.overlap or f.sampled is None:
+        if f is None or not self.overlap or f.sampled is None or drafts:
             return None
         rows = {id(r): i for i, r in enumerate(f.reqs)}
         pending = {}
         for rid, n in scheduled.items():
             r = self.requests[rid]
-            if n != 1:
-                return None
-            if r.num_computed_tokens == len(r.token_ids) and id(r) in rows:
+            if n == 1 and r.num_computed_tokens == len(r.token_ids) and id(r) in rows:
                 pending[rid] = rows[id(r)]
-            elif r.num_computed_tokens + 1 != len(r.token_ids):
+            elif r.num_computed_tokens + n > len(r.token_ids):  # (a token it needs is not on the host)
                 return None
         return pending
 
@@ -531,8 +532,11 @@ class ModelRunner:
         query_lens, qsl = meta.query_lens_cpu, np.cumsum([0, *meta.query_lens_cpu])
         self.backend.prepare(meta, BLOCK_SIZE, self.model_config.sliding_window)
         token_ids = to_device(torch.from_numpy(ids), torch.int64, dev)
-        if pending:  # decode-only: row i is request order[i]'s single token
-            rows = to_device([pending.get(rid, -1) for rid in order], torch.int64, dev)
+        if pending:  # a decode's input row (its first) takes the in-flight step's token from the device
+            src = np.full(len(ids), -1, dtype=np.int64)
+            for i, rid in enumerate(order):
+                src[qsl[i]] = pending.get(rid, -1)
+            rows = to_device(torch.from_numpy(src), torch.int64, dev)
             token_ids = torch.where(rows >= 0, prev[rows.clamp(min=0)], token_ids)
         hidden = self.model(token_ids, to_device(torch.from_numpy(positions), torch.int64, dev), meta)
         scores = self._score_prompts(reqs, query_lens, qsl, hidden)
