@@ -42,9 +42,10 @@ class WorkerConfig:
         "plan built on the device: long and short contexts in one batch are balanced; docs/perf.md)"))
     enforce_eager: bool = field(default=False, metadata=flag("CUDA: run decode eagerly instead of CUDA graphs"))
     overlap_steps: str = field(default="auto", metadata=flag(
-        "auto (on for CUDA at tensor-parallel size 1) | on | off: launch a step's forward before the previous "
-        "step's sampled tokens reach the host (they are read on the device), so host work hides behind the GPU "
-        "(a step with drafts waits for them)"))
+        "auto (on for CUDA at tensor-parallel size 1) | on | decode | off: launch a step's forward before the "
+        "previous step's sampled tokens reach the host (they are read on the device), so host work hides behind "
+        "the GPU (a step with drafts waits for them); decode: decode-only steps only (a step with a prompt chunk "
+        "waits, as before 2026-12-05: for comparison)"))
     num_threads: int = field(default=0, metadata=flag(
         "CPU: torch intra-op threads; 0 = the machine's cores divided among the CPU workers `laneserve serve` "
         "starts (two workers with torch's default each oversubscribe the cores)"))

@@ -61,6 +61,9 @@ from workers.prompt_logprobs import PromptScores, scored_span
 from workers.sampling import Sampled, SampleRow, sample_on_device, to_device
 
 log = logging.getLogger("laneserve.worker")
+# --overlap-steps: decode = only decode-only steps launch behind the step in flight (as before 2026-12-05; kept
+# to measure against), on = eager ones (a prefill chunk) too
+OVERLAP_MODES = ("auto", "on", "decode", "off")
 
 
 @dataclass
@@ -168,10 +171,14 @@ class ModelRunner:
                 raise ValueError("--draft-model needs --tensor-parallel-size 1")
             self.drafter = Drafter(cfg, mc, self.dtype, self.device, self.max_model_len)
         self.requests: dict[str, RequestState] = {}
-        self.overlap = cfg.overlap_steps == "on" or (
+        if cfg.overlap_steps not in OVERLAP_MODES:
+            raise ValueError(f"--overlap-steps {cfg.overlap_steps!r}: choose from {', '.join(OVERLAP_MODES)}")
+        self.overlap = cfg.overlap_steps in ("on", "decode") or (
             cfg.overlap_steps == "auto" and self.device.type == "cuda" and self.tp_size == 1)
+        self.overlap_eager = self.overlap and cfg.overlap_steps != "decode"  # eager steps launch behind too
         if self.overlap and self.tp_size != 1:
-            raise ValueError("--overlap-steps on needs --tensor-parallel-size 1 (ranks broadcast sampled tokens)")
+            raise ValueError(f"--overlap-steps {cfg.overlap_steps} needs --tensor-parallel-size 1 (ranks broadcast "
+                             "sampled tokens)")
         self._flights: dict[int, _InFlight] = {}  # lane -> its step in flight
         self._outbox: list[P.StepOutput] = []
         self._last_done = dict.fromkeys((LANE_MIXED, LANE_DECODE, LANE_PREFILL), 0.0)  # per lane: perf_counter
@@ -426,8 +433,8 @@ class ModelRunner:
             r = self.requests[rid]
             if n == 1 and r.num_computed_tokens == len(r.token_ids) and id(r) in rows:
                 pending[rid] = rows[id(r)]
-            elif r.num_computed_tokens + n > len(r.token_ids):  # (a token it needs is not on the host)
-                return None
+            elif r.num_computed_tokens + n > len(r.token_ids) or n != 1 and not self.overlap_eager:
+                return None  # (a token it needs is not on the host; --overlap-steps decode: a prompt chunk)
         return pending
 
     def _run_decode_graph(self, reqs: list[RequestState], src: np.ndarray | None, prev: torch.Tensor | None):
