@@ -146,6 +146,7 @@ class Scheduler:
         self.iteration_tokens = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)  # steps by tokens: EngineStats
         self.iteration_tokens_sum = 0
         self.bubble_ms = 0.0  # EngineStats.pipeline_bubble_ms
+        self.eager_steps, self.eager_launch_ms, self.eager_step_ms = 0, 0.0, 0.0  # EngineStats' likewise
         self._reset()
 
     def _reset(self) -> None:
@@ -749,6 +750,10 @@ class Scheduler:
             if draft:
                 self.spec.observe_draft(self.spec.draft_work_ms(drafts.values(), self.fit.model), draft * 1000.0)
             self.fit.observe(in_flight[i][2], (out.execute_time - draft) * 1000.0)
+            if in_flight[i][2][4] and 0.0 <= out.launch_time < MAX_STEP_S:  # a step with a prompt chunk: eager
+                self.eager_steps += 1
+                self.eager_launch_ms += out.launch_time * 1000.0
+                self.eager_step_ms += out.execute_time * 1000.0
         if 0.0 < out.idle_time < MAX_STEP_S:
             if in_flight[i][6] == QUEUED:  # scheduled to queue, yet the worker waited for it
                 self.bubble_ms += out.idle_time * 1000.0
@@ -981,4 +986,5 @@ class Scheduler:
                            spec_steps=self.spec.steps, spec_sequences=self.spec.sequences,
                            spec_drafted=self.spec.drafted, spec_accepted=self.spec.accepted,
                            iteration_tokens=list(self.iteration_tokens), iteration_tokens_sum=self.iteration_tokens_sum,
-                           pipeline_bubble_ms=self.bubble_ms)
+                           pipeline_bubble_ms=self.bubble_ms, eager_steps=self.eager_steps,
+                           eager_launch_ms=self.eager_launch_ms, eager_step_ms=self.eager_step_ms)

@@ -74,6 +74,12 @@ class EngineCollector:
             ("pipeline_bubble_ms", "Time workers waited for steps the batcher had scheduled to queue behind the "
              "one in flight (ms): --schedule-lead-ms shorter than the host's share of a step, or the cost model "
              "predicting steps too long.", s.pipeline_bubble_ms),
+            ("eager_steps", "Timed steps with a prompt chunk: run eagerly (the others replay CUDA graphs).",
+             s.eager_steps),
+            ("eager_step_launch_ms", "Host time the workers took to build those steps' inputs and launch their "
+             "kernels (ms; over eager_steps: the mean). Close to eager_step_time_measured_ms: the launches bound "
+             "the step.", s.eager_launch_ms),
+            ("eager_step_time_measured_ms", "Step time the workers measured for those steps (ms).", s.eager_step_ms),
         ]
         for name, doc, value in counters:
             c = CounterMetricFamily(self.prefix + name, doc, labels=["model_name"])

@@ -100,6 +100,19 @@ async def test_every_series_the_dashboard_queries_is_served_with_the_model_name_
         assert any(s.startswith(name + "{") and 'model_name="tiny"' in s for s in series), name
 
 
+async def test_eager_steps_report_their_host_launch_time(stack):
+    """A prompt's step runs eagerly; the worker reports the host time it took to launch it (on the CPU the forward
+    itself), at most the step's own time."""
+    async with aiohttp.ClientSession() as s:
+        ok = {"model": "tiny", "prompt": "a prompt of its own", "max_tokens": 2, "ignore_eos": True}
+        assert await _request(s, stack.base_url, ok) == 200
+        async with s.get(stack.url("/metrics")) as r:
+            value = values(await r.text())
+    steps, launch, measured = (value[f'laneserve:{m}_total{{model_name="tiny"}}']
+                               for m in ("eager_steps", "eager_step_launch_ms", "eager_step_time_measured_ms"))
+    assert steps >= 1 and 0 < launch <= measured
+
+
 # ---------------------------------------------------------------- what the request phases mean
 async def test_queue_time_includes_the_batchers_wait(make_stack):
     """One sequence at a time: B, sent while A streams, waits in the batcher until A is done. vLLM's queue time (arrival

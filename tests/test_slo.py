@@ -776,6 +776,21 @@ def test_pipeline_bubbles_count_only_steps_scheduled_behind_another():
     assert s.stats().pipeline_bubble_ms == pytest.approx(3.0)
 
 
+def test_eager_steps_sum_their_launch_and_step_times():
+    """Steps with a prompt chunk (the cost model's mixed term) add the worker's launch and execute times; decode-only
+    steps (CUDA graphs) do not."""
+    s = Scheduler(cfg(), 256, BS, 4096, cost=LEAD_COST)
+    s.add_request(msg("a", 40, k=1, max_tokens=20), now=0.0)
+    first, second = s.schedule(0.0), s.schedule(0.0)
+    assert first.num_scheduled_tokens == {"a": 40} and second.num_scheduled_tokens == {"a": 1}
+    for step, t in ((first, 0.01), (second, 0.02)):
+        s.update(StepOutput(step=step.step, worker_id=0, request_ids=["a"], sampled_token_ids=[[5]],
+                            execute_time=0.01, launch_time=0.004), t)
+    stats = s.stats()
+    assert (stats.eager_steps, stats.eager_launch_ms, stats.eager_step_ms) == (1, pytest.approx(4.0),
+                                                                              pytest.approx(10.0))
+
+
 def test_simulator_late_composition_lowers_ttft_and_changes_no_token():
     reqs = slo_trace()
     now = simulate(reqs, cfg(max_num_batched_tokens=8192), TPOT_COST, pipelined=True)

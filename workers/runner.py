@@ -95,6 +95,7 @@ class _InFlight:
     done: torch.cuda.Event | None = None  # two lanes: recorded after all of the step's work on its stream
     scores: PromptScores | None = None  # the prompt logprobs of its chunks, for the requests that ask
     draft_time: float = 0.0  # seconds its draft model took (StepInput.draft_jobs)
+    launch_time: float = 0.0  # seconds the host took to build its forward's inputs and launch it
 
     def ready(self) -> bool:
         """Its tokens are on the host (collect() would not wait)."""
@@ -337,10 +338,12 @@ class ModelRunner:
             if pending is None:
                 self.flush(lanes)  # this step needs the tokens of the one in flight on the host
             drafts, draft_time = self._propose(step.draft_jobs) if step.draft_jobs else (step.spec_token_ids, 0.0)
+            t1 = time.perf_counter()
             sampled_reqs, logits_fn, verify, scores = self._run(step.num_scheduled_tokens, pending, lane, drafts)
+            launch_time = time.perf_counter() - t1
             self.flush(lanes)
             f = self._flights[lane] = self._sample(step.step, lane, sampled_reqs, logits_fn, t0)
-            f.verify, f.scores, f.draft_time = verify, scores, draft_time
+            f.verify, f.scores, f.draft_time, f.launch_time = verify, scores, draft_time, launch_time
             for rid in step.allowed_token_ids:
                 self.requests[rid].sample_row.allowed = None
             if stream is not None:  # its output must not say "done" before the GPU is: held blocks go free then
@@ -390,6 +393,7 @@ class ModelRunner:
         out.execute_time = done - max(f.t0, self._last_done[f.lane])
         out.idle_time = max(0.0, f.t0 - self._last_done[f.lane])
         out.draft_time = f.draft_time
+        out.launch_time = f.launch_time
         self._last_done[f.lane] = done
         self._outbox.append(out)
 

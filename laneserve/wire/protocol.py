@@ -158,6 +158,9 @@ class EngineStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     iteration_tokens: list[int] = []
     iteration_tokens_sum: int = 0
     pipeline_bubble_ms: float = 0.0  # StepOutput.idle_time summed over steps scheduled behind one in flight
+    eager_steps: int = 0  # timed steps with a prompt chunk (run eagerly), and the sums over them of
+    eager_launch_ms: float = 0.0  # StepOutput.launch_time
+    eager_step_ms: float = 0.0  # and execute_time
 
 
 class Pong(Msg):
@@ -272,6 +275,8 @@ class StepOutput(Msg):
     draft_time: float = 0.0  # seconds of execute_time its draft model took (StepInput.draft_jobs)
     idle_time: float = 0.0  # seconds the worker had nothing of this lane to run before this step came (0: it came
     # while the step before ran)
+    launch_time: float = 0.0  # seconds its host took to build the forward's inputs and launch it (a CUDA graph
+    # replay: one launch; an eager step: every kernel), waits for other steps' tokens not counted
 
 
 class Heartbeat(Msg):

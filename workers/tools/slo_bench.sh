@@ -25,7 +25,7 @@ for spec in "$@"; do
     --out "/tmp/slo_bench/$name" > "/tmp/slo_bench/$name.txt" 2>&1
   cp "/tmp/slo_bench/$name/sweep.json" "$OUT/sweep_$name.json" && cat "/tmp/slo_bench/$name/sweep.md" \
     || tail -20 "/tmp/slo_bench/$name.txt"
-  curl -s http://127.0.0.1:8011/metrics | grep -E "^laneserve:(step_time|prefix_cache_hit_rate|num_slo|num_preempt|num_gated|pipeline_bubble)"
+  curl -s http://127.0.0.1:8011/metrics | grep -E "^laneserve:(step_time|eager_step|prefix_cache_hit_rate|num_slo|num_preempt|num_gated|pipeline_bubble)"
   kill -INT $SERVE; wait $SERVE
   grep -i "error\|traceback" "$OUT/serve_$name.log" | head -5
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], 'fitted', {k: d.get(k) for k in 'abcdegh'})" \
