@@ -77,8 +77,8 @@ class EngineCollector:
             ("eager_steps", "Timed steps with a prompt chunk: run eagerly (the others replay CUDA graphs).",
              s.eager_steps),
             ("eager_step_launch_ms", "Host time the workers took to build those steps' inputs and launch their "
-             "kernels (ms; over eager_steps: the mean). Close to eager_step_time_measured_ms: the launches bound "
-             "the step.", s.eager_launch_ms),
+             "kernels (ms; over eager_steps: the mean). With steps back to back, near eager_step_time_measured_ms: "
+             "the host's launches, not the GPU, set the pace.", s.eager_launch_ms),
             ("eager_step_time_measured_ms", "Step time the workers measured for those steps (ms).", s.eager_step_ms),
         ]
         for name, doc, value in counters:

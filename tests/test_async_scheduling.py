@@ -399,7 +399,7 @@ async def test_stack_greedy_outputs_match_with_and_without_async_scheduling_and_
     off = make_stack("--no-async-scheduling")
     assert await _mix(off.base_url) == on
     assert await _mix(off.base_url, ord(ch)) == stopped
-    # the worker launching each decode-only step before collecting the previous one (CUDA's default)
+    # the worker launching each step (with a prompt chunk too) before collecting the previous one (CUDA's default)
     overlapped = make_stack("--overlap-steps", "on")
     assert await _mix(overlapped.base_url) == on
     assert await _mix(overlapped.base_url, ord(ch)) == stopped

@@ -112,12 +112,28 @@ def test_bfloat16_on_cpu_runs():
     assert all(0 <= t < TINY_CONFIG.vocab_size for t in sim.run()["a"])
 
 
-def _pipelined(runner: ModelRunner) -> tuple[list[P.StepOutput], list[int]]:
-    """Steps as the async batcher sends them: each submitted before the previous step's output is read.
-    Decode-only steps (some reading a token still in flight), a finish, a seeded + penalised request,
+def _submit_all(runner: ModelRunner, steps) -> tuple[list[P.StepOutput], list[int], list[bool | None]]:
+    """Submit each step before reading the outputs, as the async batcher sends them (steps may be a generator that
+    reads the outputs so far). Returns the outputs and, after each submit, how many outputs were ready and whether
+    the step launched behind the one in flight (None: none in flight, as with overlap off)."""
+    outs, ready, behind = [], [], []
+    for s in steps(outs) if callable(steps) else steps:
+        runner.submit(s)
+        f = runner._flights.get(s.lane)
+        behind.append(None if f is None else f.behind)
+        got = runner.take_outputs()
+        ready.append(len(got))
+        outs += got
+    runner.flush()
+    outs += runner.take_outputs()
+    runner.reset()
+    return outs, ready, behind
+
+
+def _pipelined(runner: ModelRunner) -> tuple[list[P.StepOutput], list[int], list[bool | None]]:
+    """Decode-only steps (some reading a token still in flight), a finish, a seeded + penalised request,
     logprobs, then two mixed steps (a new prompt's two chunks beside the decodes, which read their tokens in flight
-    on the device).
-    Returns the outputs and, after each submit, how many outputs were ready."""
+    on the device), submitted as the async batcher sends them (_submit_all)."""
     new = [P.NewReq(request_id="a", prompt_token_ids=random_prompt(20, seed=1, vocab=256), params=greedy(50),
                     block_ids=[0, 1, 2]),
            P.NewReq(request_id="b", prompt_token_ids=random_prompt(9, seed=2, vocab=256),
@@ -133,35 +149,67 @@ def _pipelined(runner: ModelRunner) -> tuple[list[P.StepOutput], list[int]]:
                           num_scheduled_tokens={"a": 1, "b": 1, "d": 16})]
     steps += [P.StepInput(step=6, num_scheduled_tokens={"a": 1, "b": 1, "d": 14})]  # d's second chunk
     steps += [P.StepInput(step=k, num_scheduled_tokens={"a": 1, "b": 1, "d": 1}) for k in (7, 8)]
-    outs, ready = [], []
-    for s in steps:
-        if runner.overlap and s.step == 6:  # a mixed step launches behind the mixed one in flight, a and b's
-            # inputs its tokens (but with --overlap-steps decode); with drafts (which continue a token in flight on
-            # the host) it collects first
-            assert runner._pending_rows(s.num_scheduled_tokens, s.lane, None) == (
-                {"a": 0, "b": 1} if runner.overlap_eager else None)
-            assert runner._pending_rows(s.num_scheduled_tokens, s.lane, {"a": [7]}) is None
-        runner.submit(s)
-        got = runner.take_outputs()
-        ready.append(len(got))
-        outs += got
-    runner.flush()
-    outs += runner.take_outputs()
-    runner.reset()
-    return outs, ready
+    return _submit_all(runner, steps)
+
+
+KEY = lambda o: (o.step, o.request_ids, o.sampled_token_ids, o.logprobs, o.error, o.prompt_logprobs)  # noqa: E731
 
 
 def test_overlapped_steps_give_the_serial_tokens():
-    serial, ready_serial = _pipelined(tiny(overlap_steps="off"))
-    overlapped, ready = _pipelined(tiny(overlap_steps="on"))
-    decode_only, _ = _pipelined(tiny(overlap_steps="decode"))
-    assert ready_serial == [1] * 9
+    serial, ready_serial, behind_serial = _pipelined(tiny(overlap_steps="off"))
+    overlapped, ready, behind = _pipelined(tiny(overlap_steps="on"))
+    decode_only, _, behind_decode = _pipelined(tiny(overlap_steps="decode"))
+    assert ready_serial == [1] * 9 and behind_serial == [None] * 9
     # one step stays in flight: each submit returns the previous step's output, collected after launching its
-    # own forward (the mixed step 5 too: its decodes read the tokens in flight on the device)
+    # own forward, the mixed steps 5 and 6 too (their decodes read the tokens in flight on the device); with
+    # --overlap-steps decode those two collect it first
     assert ready == [0] + [1] * 8
-    key = lambda o: (o.step, o.request_ids, o.sampled_token_ids, o.logprobs, o.error)  # noqa: E731
-    assert [key(o) for o in overlapped] == [key(o) for o in serial] == [key(o) for o in decode_only]
+    assert behind == [False] + [True] * 8
+    assert behind_decode == [False] + [True] * 4 + [False, False, True, True]
+    assert [KEY(o) for o in overlapped] == [KEY(o) for o in serial] == [KEY(o) for o in decode_only]
     assert [o.step for o in overlapped] == list(range(9))
+
+
+def _mixed_behind(outs: list[P.StepOutput]):
+    """Mixed steps whose decodes' rows in the step in flight are not their own order, beside prompt logprobs over
+    two chunks, a max_tokens 0 request, a one-token chunk in mid-prompt, and a request preempted while its token
+    is in flight and resumed at once (same id, same block) from the tokens the batcher knows."""
+    seeded = P.SamplingParams(max_tokens=50, temperature=1.0, seed=5, repetition_penalty=1.3)
+    pa, pb, pc = random_prompt(20, 1, 256), random_prompt(9, 2, 256), random_prompt(5, 3, 256)
+    yield P.StepInput(step=0, new_reqs=[
+        P.NewReq(request_id="a", prompt_token_ids=pa, params=greedy(50), block_ids=[0, 1, 2]),
+        P.NewReq(request_id="b", prompt_token_ids=pb, params=seeded, block_ids=[3, 4]),
+        P.NewReq(request_id="c", prompt_token_ids=pc, params=greedy(50, logprobs=2), block_ids=[5])],
+        num_scheduled_tokens={"a": 20, "b": 9, "c": 5})
+    yield P.StepInput(step=1, num_scheduled_tokens={"a": 1, "b": 1, "c": 1})
+    yield P.StepInput(step=2, new_reqs=[P.NewReq(request_id="d", prompt_token_ids=random_prompt(30, 4, 256),
+                                                 params=greedy(50, prompt_logprobs=2), block_ids=[6, 7, 8])],
+                      num_scheduled_tokens={"a": 1, "b": 1, "c": 1, "d": 16})
+    yield P.StepInput(step=3, new_reqs=[P.NewReq(request_id="e", prompt_token_ids=random_prompt(12, 5, 256),
+                                                 params=P.SamplingParams(max_tokens=0, prompt_logprobs=1),
+                                                 block_ids=[9])],
+                      num_scheduled_tokens={"a": 1, "b": 1, "c": 1, "d": 14, "e": 12})
+    known = [t for o in outs if o.step < 3 for r, ts in zip(o.request_ids, o.sampled_token_ids) if r == "c"
+             for t in ts]
+    resumed = P.NewReq(request_id="c", prompt_token_ids=pc, params=greedy(50, logprobs=2), block_ids=[5],
+                       output_token_ids=known)
+    # d, whose token is row 3 of step 3's, comes first in this step's rows (the longest context)
+    yield P.StepInput(step=4, new_reqs=[resumed, P.NewReq(request_id="g", prompt_token_ids=random_prompt(3, 6, 256),
+                                                          params=greedy(50), block_ids=[10])],
+                      finished_req_ids=["c", "e"],
+                      num_scheduled_tokens={"a": 1, "b": 1, "d": 1, "c": 5 + len(known), "g": 1})
+    yield P.StepInput(step=5, num_scheduled_tokens={"a": 1, "b": 1, "d": 1, "c": 1, "g": 2})
+    yield from (P.StepInput(step=k, num_scheduled_tokens={"a": 1, "b": 1, "d": 1, "c": 1, "g": 1}) for k in (6, 7))
+
+
+def test_mixed_steps_launched_behind_read_their_decodes_tokens_from_the_right_rows():
+    serial, _, _ = _submit_all(tiny(overlap_steps="off"), _mixed_behind)
+    on, _, behind = _submit_all(tiny(overlap_steps="on"), _mixed_behind)
+    decode, _, behind_decode = _submit_all(tiny(overlap_steps="decode"), _mixed_behind)
+    assert [KEY(o) for o in on] == [KEY(o) for o in serial] == [KEY(o) for o in decode]
+    assert any(o.prompt_logprobs for o in on) and [o.step for o in on] == list(range(8))
+    assert behind == [False] + [True] * 7
+    assert behind_decode == [False, True, False, False, False, False, True, True]
 
 
 def test_a_bad_overlap_mode_is_a_clear_error():

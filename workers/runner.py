@@ -92,7 +92,9 @@ class _InFlight:
     t0: float
     collected: tuple | None = None  # TP: (tokens, logprobs), sampled and broadcast in step
     verify: _Verify | None = None  # speculative decoding: the drafts it verifies
-    done: torch.cuda.Event | None = None  # two lanes: recorded after all of the step's work on its stream
+    end: torch.cuda.Event | None = None  # CUDA: an event recorded after all of the step's work on its stream
+    behind: bool = False  # launched while its lane's step before was in flight
+    start: torch.cuda.Event | None = None  # CUDA, behind: a timing event recorded before its forward (and `end` times)
     scores: PromptScores | None = None  # the prompt logprobs of its chunks, for the requests that ask
     draft_time: float = 0.0  # seconds its draft model took (StepInput.draft_jobs)
     launch_time: float = 0.0  # seconds the host took to build its forward's inputs and launch it
@@ -100,7 +102,7 @@ class _InFlight:
     def ready(self) -> bool:
         """Its tokens are on the host (collect() would not wait)."""
         return all(x is None or x.ready() for x in (self.sampled, self.verify, self.scores)) and (
-            self.done is None or self.done.query())
+            self.end is None or self.end.query())
 
 
 class _Verify:
@@ -145,6 +147,8 @@ class ModelRunner:
         """tp_rank: this process's rank when cfg.tensor_parallel_size > 1; the caller has joined
         the process group (workers.tp_group.TPGroup on rank 0, follower_main on the others)."""
         self.cfg = cfg
+        if cfg.overlap_steps not in OVERLAP_MODES:
+            raise ValueError(f"--overlap-steps {cfg.overlap_steps!r}: choose from {', '.join(OVERLAP_MODES)}")
         self.tp_rank, self.tp_size = tp_rank, cfg.tensor_parallel_size
         self.device = rank_device(resolve_device(cfg.device), tp_rank)
         if self.device.type == "cpu" and cfg.num_threads > 0:
@@ -172,11 +176,8 @@ class ModelRunner:
                 raise ValueError("--draft-model needs --tensor-parallel-size 1")
             self.drafter = Drafter(cfg, mc, self.dtype, self.device, self.max_model_len)
         self.requests: dict[str, RequestState] = {}
-        if cfg.overlap_steps not in OVERLAP_MODES:
-            raise ValueError(f"--overlap-steps {cfg.overlap_steps!r}: choose from {', '.join(OVERLAP_MODES)}")
         self.overlap = cfg.overlap_steps in ("on", "decode") or (
             cfg.overlap_steps == "auto" and self.device.type == "cuda" and self.tp_size == 1)
-        self.overlap_eager = self.overlap and cfg.overlap_steps != "decode"  # eager steps launch behind too
         if self.overlap and self.tp_size != 1:
             raise ValueError(f"--overlap-steps {cfg.overlap_steps} needs --tensor-parallel-size 1 (ranks broadcast "
                              "sampled tokens)")
@@ -300,6 +301,11 @@ class ModelRunner:
     # step's own input preparation and launches (a step with a prefill chunk). Only a step whose drafts
     # continue the token in flight (speculation) collects it first.
     @property
+    def overlap_eager(self) -> bool:
+        """Steps with a prompt chunk (eager) launch behind the step in flight too (--overlap-steps but decode)."""
+        return self.overlap and self.cfg.overlap_steps != "decode"
+
+    @property
     def in_flight(self) -> bool:
         return bool(self._flights)
 
@@ -338,17 +344,23 @@ class ModelRunner:
             if pending is None:
                 self.flush(lanes)  # this step needs the tokens of the one in flight on the host
             drafts, draft_time = self._propose(step.draft_jobs) if step.draft_jobs else (step.spec_token_ids, 0.0)
+            cuda = self.device.type == "cuda"
+            start = None
+            if pending is not None and cuda:  # launched behind the step in flight: timed on the device, from when
+                start = torch.cuda.Event(enable_timing=True)  # the GPU reaches it (that step's end, or later)
+                start.record()
             t1 = time.perf_counter()
             sampled_reqs, logits_fn, verify, scores = self._run(step.num_scheduled_tokens, pending, lane, drafts)
             launch_time = time.perf_counter() - t1
             self.flush(lanes)
             f = self._flights[lane] = self._sample(step.step, lane, sampled_reqs, logits_fn, t0)
             f.verify, f.scores, f.draft_time, f.launch_time = verify, scores, draft_time, launch_time
+            f.behind, f.start = pending is not None, start
             for rid in step.allowed_token_ids:
                 self.requests[rid].sample_row.allowed = None
-            if stream is not None:  # its output must not say "done" before the GPU is: held blocks go free then
-                f.done = torch.cuda.Event()
-                f.done.record()
+            if cuda:  # after all of its work: the end of its device time, and (two lanes) its output must not say
+                f.end = torch.cuda.Event(enable_timing=start is not None)  # "done" before the GPU is (held blocks go
+                f.end.record()  # free then)
         if not self.overlap:
             self.flush(lanes)
         elif self.concurrent:
@@ -369,8 +381,8 @@ class ModelRunner:
 
     def _collect(self, f: _InFlight) -> None:
         del self._flights[f.lane]
-        if f.done is not None:
-            f.done.synchronize()
+        if f.end is not None and (self.lane_streams or f.start is not None):
+            f.end.synchronize()
         out = P.StepOutput(step=f.step, worker_id=self.cfg.worker_id)
         if f.reqs:
             tokens, logprobs = f.collected or f.sampled.collect()
@@ -388,9 +400,13 @@ class ModelRunner:
                 out.sampled_token_ids.append(tokens)
                 if out.logprobs:
                     out.logprobs.append([])
-        # This step's own time: from its start, or from the end of its lane's step before when they overlapped.
+        # This step's own time: from its start, or from the end of its lane's step before when they overlapped; on
+        # CUDA, launched behind that one, on the device: a launch that outlasted that step counts here, not there.
         done = time.perf_counter()
-        out.execute_time = done - max(f.t0, self._last_done[f.lane])
+        if f.start is not None:
+            out.execute_time = f.start.elapsed_time(f.end) / 1000.0
+        else:
+            out.execute_time = done - max(f.t0, self._last_done[f.lane])
         out.idle_time = max(0.0, f.t0 - self._last_done[f.lane])
         out.draft_time = f.draft_time
         out.launch_time = f.launch_time
@@ -427,18 +443,21 @@ class ModelRunner:
         """With a step of this lane in flight: for a step that can run before its tokens reach the host (decodes
         and prompt chunks, no drafts), request id -> row of the in-flight step's tokens, for the requests whose
         input is that token. None when there is nothing in flight, or the step must wait for the host to have the
-        tokens (drafts continue the token in flight on the host)."""
+        tokens (drafts continue the token in flight on the host; --overlap-steps decode: any but a decode-only
+        step, and any step after one that sampled nothing, as before eager steps launched behind)."""
         f = self._flights.get(lane)
-        if f is None or not self.overlap or f.sampled is None or drafts:
+        eager = self.overlap_eager
+        if f is None or not self.overlap or drafts or f.sampled is None and not eager:
             return None
-        rows = {id(r): i for i, r in enumerate(f.reqs)}
+        rows = {id(r): i for i, r in enumerate(f.reqs)} if f.sampled is not None else {}
         pending = {}
         for rid, n in scheduled.items():
             r = self.requests[rid]
             if n == 1 and r.num_computed_tokens == len(r.token_ids) and id(r) in rows:
                 pending[rid] = rows[id(r)]
-            elif r.num_computed_tokens + n > len(r.token_ids) or n != 1 and not self.overlap_eager:
-                return None  # (a token it needs is not on the host; --overlap-steps decode: a prompt chunk)
+            elif r.num_computed_tokens + n > len(r.token_ids) or not eager and (
+                    n != 1 or r.num_computed_tokens + 1 != len(r.token_ids)):
+                return None  # (a token it needs is not on the host; --overlap-steps decode: not a decode)
         return pending
 
     def _run_decode_graph(self, reqs: list[RequestState], src: np.ndarray | None, prev: torch.Tensor | None):

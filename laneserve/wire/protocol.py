@@ -270,7 +270,8 @@ class StepOutput(Msg):
     logprobs: list[list[TokenLogprobs]] | None = None  # parallel to request_ids when asked
     error: str | None = None
     execute_time: float = 0.0  # seconds the worker spent on this step alone (from its start, or the end of the
-    # step before when they overlap, to its tokens on the host): what the batcher's cost model learns from
+    # step before when they overlap, to its tokens on the host; on CUDA, launched behind the step before: on the
+    # device, from where the GPU reaches it to its end): what the batcher's cost model learns from
     prompt_logprobs: dict[str, PromptLogprobs] = {}  # request id -> the prompt tokens this step's chunk scored
     draft_time: float = 0.0  # seconds of execute_time its draft model took (StepInput.draft_jobs)
     idle_time: float = 0.0  # seconds the worker had nothing of this lane to run before this step came (0: it came
