@@ -301,13 +301,13 @@ class ModelRunner:
     # step's own input preparation and launches (a step with a prefill chunk). Only a step whose drafts
     # continue the token in flight (speculation) collects it first.
     @property
+    def in_flight(self) -> bool:
+        return bool(self._flights)
+
+    @property
     def overlap_eager(self) -> bool:
         """Steps with a prompt chunk (eager) launch behind the step in flight too (--overlap-steps but decode)."""
         return self.overlap and self.cfg.overlap_steps != "decode"
-
-    @property
-    def in_flight(self) -> bool:
-        return bool(self._flights)
 
     @property
     def concurrent(self) -> bool:
