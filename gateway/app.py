@@ -88,10 +88,15 @@ async def _answer(request: web.Request, handler) -> web.StreamResponse:
 
 @web.middleware
 async def body_middleware(request: web.Request, handler):
-    """The body, read within --body-timeout before any handler runs (handlers' request.read() gets it cached)."""
+    """The body, read within --body-timeout before any handler runs (handlers' request.read() gets it cached). A
+    compressed body is refused (415) as it came, never inflated: that would let a small request cost the event
+    loop seconds."""
     if request.body_exists:
         request.app[TRIM_KEY].dirty = True
         await request.app[GUARD_KEY].read_body(request)
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise ApiError(415, f"Content-Encoding {encoding!r} is not supported: send the request body uncompressed.")
     return await handler(request)
 
 

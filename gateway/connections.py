@@ -23,6 +23,7 @@ import time
 import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from gateway.errors import ApiError
 
@@ -133,9 +134,11 @@ class Guard:
 
     def factory(self, server: web.Server):
         """The protocol factory for loop.create_server (aiohttp's own keep-alive timer, about an hour, stays: a
-        backstop behind ours)."""
+        backstop behind ours). Bodies are read as they come (auto_decompress off): the app refuses a compressed one
+        (415) rather than inflate it on the event loop."""
         loop = asyncio.get_running_loop()
-        return lambda: Connection(self, server, loop=loop, lingering_time=LINGER_S, access_log=None)
+        return lambda: Connection(self, server, loop=loop, lingering_time=LINGER_S, access_log=None,
+                                  auto_decompress=False)
 
     def start(self) -> None:
         limits = [t for t in (self.header_timeout, self.keepalive_timeout) if t > 0]
@@ -163,9 +166,9 @@ class Guard:
             request.protocol.close()
             raise ApiError(408, f"the request body did not arrive within {self.body_timeout:g} s "
                                 "(--body-timeout)") from None
-        except HttpProcessingError as exc:
+        except (HttpProcessingError, RequestPayloadError) as exc:
             request.protocol.close()
-            raise ApiError(400, f"malformed HTTP request body: {exc.message}") from None
+            raise ApiError(400, f"malformed HTTP request body: {getattr(exc, 'message', exc)}") from None
 
 
 def raise_fd_limit(max_connections: int) -> int:

@@ -108,7 +108,7 @@ class Api:
         bad = next((t for t in req.tokens if not 0 <= t < self.tok.vocab_size), None)
         if bad is not None:
             raise bad_request(f"token id {bad} is out of vocabulary (size {self.tok.vocab_size}).", param="tokens")
-        return json_response({"prompt": self.tok.decode(req.tokens)})
+        return json_response({"prompt": await asyncio.to_thread(self.tok.decode, req.tokens)})  # (off the loop)
 
     # ------------------------------------------------------------------ generation routes
     async def completions(self, request: web.Request) -> web.StreamResponse:

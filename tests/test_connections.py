@@ -5,6 +5,7 @@ connection gets a 503 JSON answer; malformed HTTP gets OpenAI's JSON error, not 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import time
 
@@ -128,6 +129,7 @@ async def _get(url: str) -> str:
         return await r.text()
 
 
+GZIP_BOMB = gzip.compress(b"a" * (64 << 20))
 MALFORMED = {
     "bad request line": b"GARBAGE\r\n\r\n",
     "HTTP/2 preface": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
@@ -140,6 +142,12 @@ MALFORMED = {
     "bad chunk size": (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                        b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n"),
     "unknown Transfer-Encoding": (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n"),
+    "gzip Content-Encoding on a plain body": (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                                              b"Content-Type: application/json\r\nContent-Encoding: gzip\r\n"
+                                              b"Content-Length: 15\r\n\r\n{\"prompt\":\"hi\"}"),
+    # 64 KiB that would inflate to 64 MiB: refused as it came, never inflated on the event loop
+    "gzip bomb": (b"POST /tokenize HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n"
+                  b"Content-Encoding: gzip\r\nContent-Length: %d\r\n\r\n" % len(GZIP_BOMB) + GZIP_BOMB),
 }
 
 
@@ -150,3 +158,5 @@ async def test_malformed_http_gets_an_openai_json_error(stack, case):
     assert headers.get("content-type", "").startswith("application/json"), (case, headers, body[:200])
     error = json.loads(body)["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error", error
+    if "gzip" in case and "Transfer" not in case:
+        assert status == 415 and "Content-Encoding 'gzip' is not supported" in error["message"], error
