@@ -112,7 +112,9 @@ class Api:
 
     # ------------------------------------------------------------------ generation routes
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = S.parse(await request.read(), S.CompletionRequest)
+        body = await request.read()
+        req = S.parse(body, S.CompletionRequest)
+        S.check_unsupported(body, S.UNSUPPORTED_COMPLETION)
         self._check_model(req.model)
         S.check_sampling(req, self.tok.vocab_size)
         S.check_logprobs("logprobs", req.logprobs)
@@ -177,7 +179,9 @@ class Api:
         return ids
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        req = S.parse(await request.read(), S.ChatRequest)
+        body = await request.read()
+        req = S.parse(body, S.ChatRequest)
+        S.check_unsupported(body, S.UNSUPPORTED_CHAT)
         self._check_model(req.model)
         S.check_sampling(req, self.tok.vocab_size)
         S.check_logprobs("top_logprobs", req.top_logprobs)

@@ -24,6 +24,64 @@ _BOUNDED = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_pena
             "max_tokens", "min_tokens", "top_k", "seed", "stop_token_ids", "prompt_logprobs")
 
 
+# OpenAI and vLLM request fields laneserve cannot honour: a value that asks for something is a 400, not ignored as
+# an unknown field would be. field -> (the values that ask for nothing, a hint)
+_OFF = (None, False, "", [], {})
+UNSUPPORTED: dict[str, tuple[tuple, str]] = {
+    "use_beam_search": (_OFF, ""),
+    "length_penalty": (_OFF[:1] + (1.0,), " (it is beam search's)"),
+    "allowed_token_ids": (_OFF, "; logit_bias or guided_choice can steer the tokens"),
+    "bad_words": (_OFF, "; logit_bias -100 lowers a word's tokens"),
+    "truncate_prompt_tokens": (_OFF, "; truncate the prompt before sending it"),
+    "logits_processors": (_OFF, ""),
+    "guided_whitespace_pattern": (_OFF, ""),
+    "guided_decoding_backend": (_OFF + ("auto", "guidance", "llguidance"), " (structured output uses llguidance)"),
+    "detokenize": ((None, True), ""),
+    "spaces_between_special_tokens": ((None, True), ""),
+    "prompt_embeds": (_OFF, ""),
+    "cache_salt": (_OFF, ""),
+    "mm_processor_kwargs": (_OFF, ""),
+    "vllm_xargs": (_OFF, ""),
+    "store": (_OFF, ""),
+    "prediction": (_OFF, ""),
+}
+UNSUPPORTED_COMPLETION = UNSUPPORTED | {"suffix": (_OFF, "")}
+UNSUPPORTED_CHAT = UNSUPPORTED | {
+    "echo": (_OFF, ""),
+    "continue_final_message": (_OFF, ""),
+    "documents": (_OFF, ""),
+    "chat_template": (_OFF, "; the server's template is set with --chat-template"),
+    "chat_template_kwargs": (_OFF, ""),
+    "functions": (_OFF, "; send them as tools"),
+    "function_call": (_OFF, "; use tool_choice"),
+    "audio": (_OFF, ""),
+    "modalities": (_OFF + (["text"],), ""),
+    "web_search_options": (_OFF, ""),
+    "reasoning_effort": (_OFF, ""),
+}
+
+
+def _same(a, b) -> bool:
+    """JSON equality that tells true from 1 and "1" from 1."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    return type(a) is type(b) and a == b
+
+
+def check_unsupported(body: bytes, fields: dict[str, tuple[tuple, str]]) -> None:
+    """A 400 for the first of `fields` (UNSUPPORTED_COMPLETION or UNSUPPORTED_CHAT) the JSON object body asks for."""
+    if not any(b'"' + name.encode() + b'"' in body for name in fields):  # (the common case: none is named)
+        return
+    given = msgspec.json.decode(body)
+    if not isinstance(given, dict):
+        return
+    for name, (nothing, hint) in fields.items():
+        if name in given and not any(_same(given[name], v) for v in nothing):
+            raise bad_request(f"{name} is not supported by this server{hint}.", param=name)
+
+
 class StreamOptions(msgspec.Struct):
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None  # vLLM's: usage so far in every chunk (guidellm sends it)

@@ -60,7 +60,10 @@ def _asked(req) -> list[tuple[str, str]]:
     asked = []
     fmt = req.response_format
     if fmt is not None:
-        kind = fmt.get("type", "text")
+        kind = fmt.get("type")
+        if kind is None:
+            raise bad_request("response_format needs a type: text, json_object or json_schema.",
+                              param="response_format")
         if kind == "json_object":
             asked.append(("response_format", _json_grammar({"type": "object"}, "response_format")))
         elif kind == "json_schema":

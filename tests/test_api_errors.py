@@ -59,6 +59,33 @@ async def test_bad_requests_are_400_with_openai_error_json(stack):
         assert ok["usage"]["completion_tokens"] <= 2
 
 
+UNHONOURED = [("/v1/completions", {"suffix": "END"}), ("/v1/completions", {"use_beam_search": True}),
+              ("/v1/completions", {"allowed_token_ids": [5]}), ("/v1/completions", {"bad_words": ["a"]}),
+              ("/v1/completions", {"truncate_prompt_tokens": 1}), ("/v1/completions", {"detokenize": False}),
+              ("/v1/completions", {"length_penalty": 0.5}), ("/v1/chat/completions", {"echo": True}),
+              ("/v1/chat/completions", {"continue_final_message": True}),
+              ("/v1/chat/completions", {"functions": [{"name": "f", "parameters": {}}]}),
+              ("/v1/chat/completions", {"modalities": ["text", "audio"]}),
+              ("/v1/completions", {"response_format": {}})]
+
+
+async def test_parameters_the_server_cannot_honour_are_400_and_their_off_values_are_accepted(stack):
+    """Known OpenAI / vLLM fields that would change the output are refused by name, never ignored with a 200; the
+    values that ask for nothing pass."""
+    body = {"completions": {"prompt": "x", "max_tokens": 2}, "chat": {"messages": [{"role": "user", "content": "x"}],
+                                                                     "max_tokens": 2}}
+    async with aiohttp.ClientSession() as s:
+        for route, extra in UNHONOURED:
+            base = body["chat" if "chat" in route else "completions"]
+            err, _ = await _call(s, "POST", stack.url(route), 400, json=base | extra)
+            assert err["param"] == next(iter(extra)), err
+        for route, extra in [("/v1/completions", {"suffix": None, "use_beam_search": False, "detokenize": True,
+                                                  "length_penalty": 1.0}),
+                             ("/v1/chat/completions", {"echo": False, "modalities": ["text"], "functions": []})]:
+            base = body["chat" if "chat" in route else "completions"]
+            await _call(s, "POST", stack.url(route), 200, json=base | extra)
+
+
 async def test_context_length_error_keeps_vllms_wording(stack):
     async with aiohttp.ClientSession() as s:
         err, _ = await _call(s, "POST", stack.url("/v1/completions"), 400,
