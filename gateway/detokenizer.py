@@ -54,19 +54,24 @@ class StopStrings:
         self.include_stop_str = include_stop_str
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.pending = ""
+        self.fresh = 0  # a match must end past pending[:fresh] (text pushed with match False)
         self.matched: str | None = None
 
-    def push(self, text: str) -> str:
-        """Feed text; return what is safe to emit. After a match, `matched` is set and nothing more is emitted."""
+    def push(self, text: str, match: bool = True) -> str:
+        """Feed text; return what is safe to emit. After a match, `matched` is set and nothing more is emitted.
+        match False (the first min_tokens tokens' text): nothing matches yet, and later only a stop string that ends
+        in later text (vLLM's rule: one that begins in the held-back tail is still found)."""
         if self.matched is not None or not text:
             return ""
         if not self.stops:
             return text
         self.pending += text
+        if not match:
+            self.fresh = len(self.pending)
         # pending = held tail (< longest stop) + new text: a match can start anywhere in it.
         best, best_stop = -1, None
-        for s in self.stops:
-            i = self.pending.find(s)
+        for s in self.stops if match else ():
+            i = self.pending.find(s, max(0, self.fresh - len(s) + 1))
             if i != -1 and (best == -1 or i < best):
                 best, best_stop = i, s
         if best_stop is not None:
@@ -78,6 +83,7 @@ class StopStrings:
         if cut <= 0:
             return ""
         out, self.pending = self.pending[:cut], self.pending[cut:]
+        self.fresh = max(0, self.fresh - cut)
         return out
 
     def flush(self) -> str:
@@ -89,9 +95,10 @@ class TextStream:
     """One choice's text: tokens in, safe text out; `stop_str` is set when a stop string ended it."""
 
     def __init__(self, tok: ModelTokenizer, prompt_ids: list[int] | None, stops: list[str] | None = None,
-                 include_stop_str: bool = False, skip_special_tokens: bool = True):
+                 include_stop_str: bool = False, skip_special_tokens: bool = True, min_tokens: int = 0):
         self.detok = IncrementalDetokenizer(tok, prompt_ids, skip_special_tokens)
         self.stops = StopStrings(stops or [], include_stop_str)
+        self.min_tokens = min_tokens  # stop strings end the text only once more tokens than this were generated
         self.num_tokens = 0  # tokens consumed (counted in usage), including a hidden stop token
 
     @property
@@ -108,7 +115,7 @@ class TextStream:
                 break
             piece = self.detok.step(t)
             if piece:
-                out.append(self.stops.push(piece))
+                out.append(self.stops.push(piece, self.num_tokens > self.min_tokens))
                 if self.stops.matched is not None:
                     break
         return "".join(out)

@@ -65,10 +65,10 @@ class Choice:
     def __init__(self, index: int, request_id: str, tok: ModelTokenizer, prompt_ids: list[int], stops: list[str],
                  include_stop_str: bool, skip_special_tokens: bool, want_logprobs: bool, prefix: str = "",
                  stop_ids: tuple[int, ...] = (), tools=None, lp_ids: bool = False,
-                 scoring: tuple[int | None, int | None] = (None, None)):
+                 scoring: tuple[int | None, int | None] = (None, None), min_tokens: int = 0):
         self.index = index
         self.request_id = request_id
-        self.text = TextStream(tok, prompt_ids, stops, include_stop_str, skip_special_tokens)
+        self.text = TextStream(tok, prompt_ids, stops, include_stop_str, skip_special_tokens, min_tokens)
         self.eos = tok.eos_token_ids
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None

@@ -309,7 +309,7 @@ class Api:
                     if constraint is not None and constraint.tools else None
                 ch = Choice(index, f"{base}-{index}", self.tok, ids, stops, include_stop, skip_special,
                             logprobs is not None, echo[p] if echo else "", params.stop_token_ids, tools,
-                            bool(req.return_tokens_as_token_ids), scoring)
+                            bool(req.return_tokens_as_token_ids), scoring, params.min_tokens)
                 choices.append(ch)
                 adds.append(AddRequest(request_id=ch.request_id, prompt_token_ids=ids, params=params,
                                        arrival_time=now, priority=req.priority or 0,

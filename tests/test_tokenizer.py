@@ -144,3 +144,13 @@ def test_text_stream_hides_the_stop_token_but_counts_it_and_cuts_at_stop_strings
     ts = TextStream(TINY, None)
     assert ts.add([104, 105, 257], hide_last=True) == "hi" and ts.num_tokens == 3
     assert ts.finish() == ""
+
+
+def test_stop_strings_wait_for_min_tokens_as_vllm():
+    """vLLM checks stop strings only once more than min_tokens tokens were generated; one that begins within them
+    and ends after is still found (the held-back tail)."""
+    ts = TextStream(TINY, None, stops=["a", "xyz"], min_tokens=3)
+    assert ts.add(TINY.encode("aaa")) == "a" and ts.stop_str is None  # 'aa' held back ('xyz' is 3 long)
+    assert ts.add(TINY.encode("ba")) == "aab" and ts.stop_str == "a"  # the fifth token's 'a' ends it
+    ts = TextStream(TINY, None, stops=["xyz"], min_tokens=2)
+    assert ts.add(TINY.encode("xy")) == "" and ts.add(TINY.encode("z")) == "" and ts.stop_str == "xyz"

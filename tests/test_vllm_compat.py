@@ -41,6 +41,14 @@ def test_logit_bias_forces_or_bans_a_token(client):
     assert banned.choices[0].logprobs.tokens[0] != top
 
 
+def test_stop_strings_wait_for_min_tokens(client):
+    """vLLM's rule: a stop string ends the text only after min_tokens tokens (the stop token ids likewise)."""
+    out = client.completions.create(model="tiny", prompt="hi", max_tokens=10, stop=["A"], logit_bias={"65": 100},
+                                    extra_body={"ignore_eos": True, "min_tokens": 4})
+    choice = out.choices[0]
+    assert (choice.text, choice.finish_reason, out.usage.completion_tokens) == ("AAAA", "stop", 5)
+
+
 @pytest.mark.parametrize("bias, why", [({"x": 1}, "token ids"), ({"5": 101}, "[-100, 100]"),
                                        ({"99999": 1}, "not a token id"), ({"65": 100, "065": 100}, "twice")])
 def test_bad_logit_bias_is_a_400(client, bias, why):
