@@ -209,6 +209,9 @@ class Api:
             if req.min_tokens:
                 raise bad_request("min_tokens cannot be combined with structured output (the grammar decides "
                                   "where the output ends).", param="min_tokens")
+            if self.tok.has_special_text(c.grammar.replace("\\", "")):  # (a regex escapes '|')
+                raise bad_request(f"{c.param}: special-token text (an end-of-turn marker, say) cannot be generated as "
+                                  "text; the output would end or break there.", param=c.param)
             await asyncio.to_thread(structured.check, c)
         return c
 

@@ -374,7 +374,7 @@ def test_a_grammar_that_fails_while_running_is_a_400_and_one_completed_by_the_la
     with pytest.raises(openai.BadRequestError) as e:  # compiles, then hits llguidance's parser limits
         client.completions.create(model="tiny", prompt="hi", max_tokens=5,
                                   extra_body={"guided_grammar": 'root ::= a\na ::= "x" a'})
-    assert "grammar" in e.value.body["message"]
+    assert "grammar" in e.value.body["message"] and len(e.value.body["message"]) < 400  # (no parser state dump)
     r = client.completions.create(model="tiny", prompt="hi", max_tokens=3, extra_body={"guided_choice": ["yes"]})
     assert (r.choices[0].text, r.choices[0].finish_reason) == ("yes", "stop")
 
@@ -404,6 +404,12 @@ def test_bad_constraints_over_http_are_400s_and_min_tokens_is_refused(client):
         client.completions.create(model="tiny", prompt="x", max_tokens=5,
                                   extra_body={"guided_choice": ["a"], "min_tokens": 2})
     assert e.value.body["param"] == "min_tokens"
+    # special-token text cannot be generated as text (the output would end at the end-of-turn token, or break)
+    for extra in ({"guided_choice": ["yes<|im_start|>"]}, {"guided_regex": "x<\\|im_end\\|>y"},
+                  {"guided_json": {"type": "string", "enum": ["<|im_end|>"]}}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny", prompt="x", max_tokens=5, extra_body=extra)
+        assert e.value.body["param"] == next(iter(extra)) and "special-token text" in e.value.body["message"]
 
 
 def test_wire_vocabulary_round_trips():
