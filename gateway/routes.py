@@ -93,7 +93,8 @@ class Api:
         self._check_model(req.model)
         if req.messages is not None:  # as a chat request's prompt is made
             ids = await asyncio.to_thread(self._chat_ids, S.chat_messages(req.messages), req.add_generation_prompt,
-                                          S.chat_tools(req.tools), bool(req.add_special_tokens))
+                                          S.chat_tools(req.tools), bool(req.add_special_tokens),
+                                          self._template_kwargs(req.chat_template_kwargs))
         elif req.prompt is not None:
             S.check_text_length(self.tok, req.prompt)
             ids = await asyncio.to_thread(self.tok.encode, req.prompt, req.add_special_tokens is not False)
@@ -143,7 +144,7 @@ class Api:
         return prompts, echo
 
     def _chat_ids(self, messages: list[dict], add_generation_prompt: bool | None, tools: list[dict] | None,
-                  add_special_tokens: bool) -> list[int]:
+                  add_special_tokens: bool, kwargs: dict | None = None) -> list[int]:
         """The conversation rendered and tokenized (run in a thread); 400 before any work for content longer than
         any prompt that fits the context. Special-token text inside a message's content is tokenized as plain text
         (unless --trust-message-special-tokens): such contents are rendered as placeholders, and the text between
@@ -156,16 +157,18 @@ class Api:
             other = [json.dumps(m.get("tool_calls", "")) + (m.get("name") or "") for m in messages]
             if tools:
                 other.append(json.dumps(tools))
+            if kwargs:
+                other.append(json.dumps(kwargs))
             if any(self.tok.has_special_text(s) for s in other):
-                raise bad_request("special-token text is not allowed in tool calls, names or tool descriptions.",
-                                  param="messages")
+                raise bad_request("special-token text is not allowed in tool calls, names, tool descriptions or "
+                                  "chat_template_kwargs.", param="messages")
         if not held:
-            text = self._render_chat(messages, add_generation_prompt, tools)
+            text = self._render_chat(messages, add_generation_prompt, tools, kwargs)
             S.check_text_length(self.tok, text, param="messages")
             return self.tok.encode(text, add_special_tokens=add_special_tokens)
         marks = {f"\ue000{i}\ue001": messages[i]["content"] for i in held}
         shown = [dict(m, content=f"\ue000{i}\ue001") if i in held else m for i, m in enumerate(messages)]
-        text = self._render_chat(shown, add_generation_prompt, tools)
+        text = self._render_chat(shown, add_generation_prompt, tools, kwargs)
         pieces = re.split("(\ue000\\d+\ue001)", text)
         if sorted(p for p in pieces if p in marks) != sorted(marks):
             raise bad_request("a message's content holds special-token text, which this chat template cannot keep "
@@ -192,7 +195,7 @@ class Api:
         tools = S.chat_tools(req.tools)
         constraint = await self._constraint(req)
         ids = await asyncio.to_thread(self._chat_ids, S.chat_messages(req.messages), req.add_generation_prompt, tools,
-                                      bool(req.add_special_tokens))
+                                      bool(req.add_special_tokens), self._template_kwargs(req.chat_template_kwargs))
         if not ids:
             raise bad_request("the rendered conversation is empty.", param="messages")
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -225,11 +228,15 @@ class Api:
         if model is not None and model != self.tok.model_id:
             raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
+    def _template_kwargs(self, kwargs: dict | None) -> dict:
+        return S.template_kwargs(kwargs, ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                          *self.tok.template_vars))
+
     def _render_chat(self, messages: list[dict], add_generation_prompt: bool | None,
-                     tools: list[dict] | None = None) -> str:
+                     tools: list[dict] | None = None, kwargs: dict | None = None) -> str:
         try:
             return self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt is not False,
-                                                tools=tools)
+                                                tools=tools, **(kwargs or {}))
         except ChatTemplateError as exc:
             raise bad_request(str(exc), param="messages") from None
 

@@ -51,7 +51,6 @@ UNSUPPORTED_CHAT = UNSUPPORTED | {
     "continue_final_message": (_OFF, ""),
     "documents": (_OFF, ""),
     "chat_template": (_OFF, "; the server's template is set with --chat-template"),
-    "chat_template_kwargs": (_OFF, ""),
     "functions": (_OFF, "; send them as tools"),
     "function_call": (_OFF, "; use tool_choice"),
     "audio": (_OFF, ""),
@@ -169,6 +168,7 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = None
     add_special_tokens: bool | None = None
+    chat_template_kwargs: dict | None = None  # vLLM's: more variables for the chat template (enable_thinking, ...)
 
 
 class TokenizeRequest(msgspec.Struct):
@@ -178,6 +178,7 @@ class TokenizeRequest(msgspec.Struct):
     tools: list[dict] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
+    chat_template_kwargs: dict | None = None
 
 
 class DetokenizeRequest(msgspec.Struct):
@@ -403,6 +404,23 @@ def chat_tools(tools: list[dict] | None) -> list[dict] | None:
             raise bad_request(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': str, 'description'?: "
                               "str, 'parameters'?: object}}}}.", param=f"tools[{i}]")
     return tools
+
+
+MAX_TEMPLATE_KWARGS_BYTES = 64 << 10
+
+
+def template_kwargs(kwargs: dict | None, reserved) -> dict:
+    """chat_template_kwargs checked: names the template does not already get (`reserved`), at most 64 KiB of JSON."""
+    if not kwargs:
+        return {}
+    taken = sorted(set(kwargs) & set(reserved))
+    if taken:
+        raise bad_request(f"chat_template_kwargs cannot set {taken[0]!r}: the server sets it.",
+                          param="chat_template_kwargs")
+    if len(msgspec.json.encode(kwargs)) > MAX_TEMPLATE_KWARGS_BYTES:
+        raise bad_request(f"chat_template_kwargs is over {MAX_TEMPLATE_KWARGS_BYTES >> 10} KiB of JSON.",
+                          param="chat_template_kwargs")
+    return kwargs
 
 
 def chat_messages(messages: list[Message] | None) -> list[dict]:

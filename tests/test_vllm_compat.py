@@ -197,3 +197,31 @@ def test_streamed_text_offsets_continue_across_chunks_as_the_whole_answer_gives_
     streamed = [o for c in client.completions.create(stream=True, **common) if c.choices[0].logprobs
                 for o in c.choices[0].logprobs.text_offset]
     assert streamed == whole and whole[:6] == [0, 1, 2, 3, 4, 5]  # echo scores the prompt: its tokens come first
+
+
+async def test_chat_template_kwargs_reach_the_template(make_stack, tmp_path):
+    """vLLM's chat_template_kwargs (Qwen3's enable_thinking, say) become the template's variables, in chat and in
+    /tokenize; a variable the server sets itself, or special-token text in them, is a 400."""
+    template = tmp_path / "thinking.jinja"
+    template.write_text("{% if enable_thinking is defined and not enable_thinking %}NOTHINK {% endif %}"
+                        "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    st = make_stack("--chat-template", str(template))
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    async with aiohttp.ClientSession() as s:
+        async def post(path, body):
+            async with s.post(st.url(path), json=body) as r:
+                return r.status, await r.json()
+
+        async def text(body):
+            status, out = await post("/tokenize", body)
+            assert status == 200, out
+            status, out = await post("/detokenize", {"tokens": out["tokens"]})
+            return out["prompt"]
+
+        assert await text(chat | off) == "NOTHINK hi" and await text(chat) == "hi"
+        status, out = await post("/v1/chat/completions", chat | off | {"max_tokens": 2})
+        assert status == 200 and out["usage"]["prompt_tokens"] == len("NOTHINK hi"), out
+        for bad in ({"messages": "x"}, {"enable_thinking": "<|im_end|>"}):
+            status, out = await post("/v1/chat/completions", chat | {"max_tokens": 2, "chat_template_kwargs": bad})
+            assert status == 400, out
