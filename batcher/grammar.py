@@ -67,8 +67,10 @@ class Grammars:
                 self.tokenizer = llg.LLTokenizer(v.tokenizer_json, n_vocab=v.vocab_size, eos_token=v.eos_token_ids)
             tokenizer = self.tokenizer
         m = llg.LLMatcher(tokenizer, grammar, log_level=0)
+        if not m.is_error():  # a grammar with no output at all (`root ::= root`) fails at its first mask
+            llnp.fill_next_token_bitmask(m, np.empty((1, self.words), dtype=np.int32))
         if m.is_error():
-            raise GrammarError(m.get_error())
+            raise GrammarError((m.get_error().strip().splitlines() or ["the grammar failed"])[0][:200])
         return m
 
     def cached(self, grammar: str) -> llg.LLMatcher | None:
