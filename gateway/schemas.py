@@ -73,7 +73,10 @@ def check_unsupported(body: bytes, fields: dict[str, tuple[tuple, str]]) -> None
     """A 400 for the first of `fields` (UNSUPPORTED_COMPLETION or UNSUPPORTED_CHAT) the JSON object body asks for."""
     if not any(b'"' + name.encode() + b'"' in body for name in fields):  # (the common case: none is named)
         return
-    given = msgspec.json.decode(body)
+    try:
+        given = msgspec.json.decode(body)
+    except RecursionError:  # (parse() skipped a deep unknown field this would build)
+        raise bad_request("Request body is not valid JSON: nested too deeply.") from None
     if not isinstance(given, dict):
         return
     for name, (nothing, hint) in fields.items():
