@@ -70,7 +70,7 @@ class Grammars:
         if not m.is_error():  # a grammar with no output at all (`root ::= root`) fails at its first mask
             llnp.fill_next_token_bitmask(m, np.empty((1, self.words), dtype=np.int32))
         if m.is_error():
-            raise GrammarError((m.get_error().strip().splitlines() or ["the grammar failed"])[0][:200])
+            raise GrammarError(_brief(m.get_error()) or "the grammar failed")
         return m
 
     def cached(self, grammar: str) -> llg.LLMatcher | None:
@@ -118,5 +118,10 @@ def follow(matcher: llg.LLMatcher, token: int) -> bool:
     """Advance the matcher by a sampled token; True once the grammar is complete (nothing but EOS may follow).
     Raises GrammarError when the matcher fails: a token it does not allow, or a parser limit its grammar hits."""
     if not matcher.consume_token(token):
-        raise GrammarError(matcher.get_error() or f"token {token} is not allowed by the grammar")
+        raise GrammarError(_brief(matcher.get_error()) or f"token {token} is not allowed by the grammar")
     return matcher.is_stopped()
+
+
+def _brief(error: str) -> str:
+    """llguidance's error, its first line (not the parser's state dump that may follow), at most 200 characters."""
+    return (error.strip().splitlines() or [""])[0][:200]

@@ -923,8 +923,7 @@ class Scheduler:
                         break
                 except GrammarError as exc:  # its grammar failed (a parser limit): end it, without that token
                     toks.pop()
-                    why = (str(exc).strip().splitlines() or [""])[0][:200]  # (not the parser's state dump)
-                    reason, error = FinishReason.INVALID, f"its grammar failed at token {tok}: {why}"
+                    reason, error = FinishReason.INVALID, f"its grammar failed at token {tok}: {exc}"
                     break
             if len(toks) >= req.length_limit:  # max_tokens or the context limit
                 reason = FinishReason.LENGTH

@@ -90,6 +90,7 @@ class Api:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         req = S.parse(await request.read(), S.TokenizeRequest)
+        S.check_unsupported(req)
         self._check_model(req.model)
         if req.messages is not None:  # as a chat request's prompt is made
             ids = await asyncio.to_thread(self._chat_ids, S.chat_messages(req.messages), req.add_generation_prompt,
@@ -100,8 +101,9 @@ class Api:
             ids = await asyncio.to_thread(self.tok.encode, req.prompt, req.add_special_tokens is not False)
         else:
             raise bad_request("either prompt or messages is required.", param="prompt")
+        strs = [self.tok.id_to_token(i) for i in ids] if req.return_token_strs else None
         return json_response({"count": len(ids), "max_model_len": self.tok.max_model_len, "tokens": ids,
-                              "token_strs": None})
+                              "token_strs": strs})
 
     async def detokenize(self, request: web.Request) -> web.Response:
         req = S.parse(await request.read(), S.DetokenizeRequest)
@@ -109,13 +111,12 @@ class Api:
         bad = next((t for t in req.tokens if not 0 <= t < self.tok.vocab_size), None)
         if bad is not None:
             raise bad_request(f"token id {bad} is out of vocabulary (size {self.tok.vocab_size}).", param="tokens")
-        return json_response({"prompt": await asyncio.to_thread(self.tok.decode, req.tokens)})  # (off the loop)
+        return json_response({"prompt": await asyncio.to_thread(self.tok.decode_long, req.tokens)})  # (GIL released)
 
     # ------------------------------------------------------------------ generation routes
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        req = S.parse(body, S.CompletionRequest)
-        S.check_unsupported(body, S.UNSUPPORTED_COMPLETION)
+        req = S.parse(await request.read(), S.CompletionRequest)
+        S.check_unsupported(req)
         self._check_model(req.model)
         S.check_sampling(req, self.tok.vocab_size)
         S.check_logprobs("logprobs", req.logprobs)
@@ -154,14 +155,15 @@ class Api:
         held = [] if trusted else [i for i, m in enumerate(messages)
                                    if m["content"] and self.tok.has_special_text(m["content"])]
         if not trusted:  # other strings of the request that reach the template: special-token text is refused there
-            other = [json.dumps(m.get("tool_calls", "")) + (m.get("name") or "") for m in messages]
+            other = [json.dumps(m.get("tool_calls", ""), ensure_ascii=False) + (m.get("name") or "") for m in messages]
             if tools:
-                other.append(json.dumps(tools))
-            if kwargs:
-                other.append(json.dumps(kwargs))
+                other.append(json.dumps(tools, ensure_ascii=False))
             if any(self.tok.has_special_text(s) for s in other):
-                raise bad_request("special-token text is not allowed in tool calls, names, tool descriptions or "
-                                  "chat_template_kwargs.", param="messages")
+                raise bad_request("special-token text is not allowed in tool calls, names or tool descriptions.",
+                                  param="messages")
+            if kwargs and self.tok.has_special_text(json.dumps(kwargs, ensure_ascii=False)):
+                raise bad_request("special-token text is not allowed in chat_template_kwargs.",
+                                  param="chat_template_kwargs")
         if not held:
             text = self._render_chat(messages, add_generation_prompt, tools, kwargs)
             S.check_text_length(self.tok, text, param="messages")
@@ -182,9 +184,8 @@ class Api:
         return ids
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        req = S.parse(body, S.ChatRequest)
-        S.check_unsupported(body, S.UNSUPPORTED_CHAT)
+        req = S.parse(await request.read(), S.ChatRequest)
+        S.check_unsupported(req)
         self._check_model(req.model)
         S.check_sampling(req, self.tok.vocab_size)
         S.check_logprobs("top_logprobs", req.top_logprobs)
@@ -212,7 +213,7 @@ class Api:
             if req.min_tokens:
                 raise bad_request("min_tokens cannot be combined with structured output (the grammar decides "
                                   "where the output ends).", param="min_tokens")
-            if self.tok.has_special_text(c.grammar.replace("\\", "")):  # (a regex escapes '|')
+            if self.tok.has_special_text(c.source):
                 raise bad_request(f"{c.param}: special-token text (an end-of-turn marker, say) cannot be generated as "
                                   "text; the output would end or break there.", param=c.param)
             await asyncio.to_thread(structured.check, c)
@@ -230,13 +231,13 @@ class Api:
 
     def _template_kwargs(self, kwargs: dict | None) -> dict:
         return S.template_kwargs(kwargs, ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
-                                          *self.tok.template_vars))
+                                          "self", *self.tok.template_vars))  # (self: jinja's render takes it)
 
     def _render_chat(self, messages: list[dict], add_generation_prompt: bool | None,
                      tools: list[dict] | None = None, kwargs: dict | None = None) -> str:
         try:
             return self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt is not False,
-                                                tools=tools, **(kwargs or {}))
+                                                tools=tools, variables=kwargs)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), param="messages") from None
 

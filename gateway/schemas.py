@@ -1,7 +1,7 @@
 """Request validation: OpenAI/vLLM request bodies as msgspec Structs, then ranges -> SamplingParams.
 
-Decoding is strict about types (wrong type -> 400 naming the field) and ignores unknown fields,
-as OpenAI does. Every check a request can fail happens here, at the edge, so the batcher and
+Decoding is strict about types (wrong type -> 400 naming the field) and ignores unknown fields, as
+vLLM does; known ones the server cannot honour are a 400 (UNSUPPORTED). Every check a request can fail happens here, at the edge, so the batcher and
 workers can trust what they get. No I/O.
 """
 
@@ -25,11 +25,12 @@ _BOUNDED = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_pena
 
 
 # OpenAI and vLLM request fields laneserve cannot honour: a value that asks for something is a 400, not ignored as
-# an unknown field would be. field -> (the values that ask for nothing, a hint)
+# an unknown field would be (vLLM itself ignores some of them). field -> (the values that ask for nothing, a hint).
+# They are fields of the request Structs below (any JSON, UNSET when absent): decoded with the rest, so a bad value
+# is parse()'s 400.
 _OFF = (None, False, "", [], {})
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "use_beam_search": (_OFF, ""),
-    "length_penalty": (_OFF[:1] + (1.0,), " (it is beam search's)"),
     "allowed_token_ids": (_OFF, "; logit_bias or guided_choice can steer the tokens"),
     "bad_words": (_OFF, "; logit_bias -100 lowers a word's tokens"),
     "truncate_prompt_tokens": (_OFF, "; truncate the prompt before sending it"),
@@ -46,18 +47,21 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "prediction": (_OFF, ""),
 }
 UNSUPPORTED_COMPLETION = UNSUPPORTED | {"suffix": (_OFF, "")}
-UNSUPPORTED_CHAT = UNSUPPORTED | {
-    "echo": (_OFF, ""),
+_CHAT_TEMPLATE = {
     "continue_final_message": (_OFF, ""),
     "documents": (_OFF, ""),
     "chat_template": (_OFF, "; the server's template is set with --chat-template"),
+}
+UNSUPPORTED_CHAT = UNSUPPORTED | _CHAT_TEMPLATE | {
+    "echo": (_OFF, ""),
     "functions": (_OFF, "; send them as tools"),
-    "function_call": (_OFF, "; use tool_choice"),
+    "function_call": (_OFF + ("none", "auto"), "; use tool_choice"),
     "audio": (_OFF, ""),
     "modalities": (_OFF + (["text"],), ""),
     "web_search_options": (_OFF, ""),
-    "reasoning_effort": (_OFF, ""),
+    "reasoning_effort": (_OFF + ("none",), ""),
 }
+UNSUPPORTED_TOKENIZE = _CHAT_TEMPLATE | {"mm_processor_kwargs": (_OFF, "")}
 
 
 def _same(a, b) -> bool:
@@ -69,18 +73,17 @@ def _same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
-def check_unsupported(body: bytes, fields: dict[str, tuple[tuple, str]]) -> None:
-    """A 400 for the first of `fields` (UNSUPPORTED_COMPLETION or UNSUPPORTED_CHAT) the JSON object body asks for."""
-    if not any(b'"' + name.encode() + b'"' in body for name in fields):  # (the common case: none is named)
-        return
-    try:
-        given = msgspec.json.decode(body)
-    except RecursionError:  # (parse() skipped a deep unknown field this would build)
-        raise bad_request("Request body is not valid JSON: nested too deeply.") from None
-    if not isinstance(given, dict):
-        return
-    for name, (nothing, hint) in fields.items():
-        if name in given and not any(_same(given[name], v) for v in nothing):
+def _refusing(name: str, base: type, fields: dict[str, tuple[tuple, str]]) -> type:
+    """The request Struct: base's fields and, as any JSON (UNSET when absent), the unsupported ones."""
+    return msgspec.defstruct(name, [(f, object, msgspec.UNSET) for f in fields], bases=(base,),
+                             namespace={"unsupported": fields})
+
+
+def check_unsupported(req) -> None:
+    """A 400 for the first unsupported field (its Struct's `unsupported`) the request asks for."""
+    for name, (nothing, hint) in req.unsupported.items():
+        value = getattr(req, name)
+        if value is not msgspec.UNSET and not any(_same(value, v) for v in nothing):
             raise bad_request(f"{name} is not supported by this server{hint}.", param=name)
 
 
@@ -129,7 +132,7 @@ class _Sampling(msgspec.Struct):
     structured_outputs: object = None
 
 
-class CompletionRequest(_Sampling):
+class _Completion(_Sampling):
     prompt: str | list | None = None
     best_of: int | None = None  # generate this many per prompt, answer the n with the highest cumulative logprob
     logprobs: int | None = None
@@ -161,7 +164,7 @@ class Message(msgspec.Struct):
     tool_call_id: str | None = None  # a tool turn: the call it answers
 
 
-class ChatRequest(_Sampling):
+class _Chat(_Sampling):
     messages: list[Message] | None = None
     tools: list[dict] | None = None  # OpenAI's tool objects, to the chat template as sent (chat_tools)
     tool_choice: str | dict | None = None
@@ -174,7 +177,7 @@ class ChatRequest(_Sampling):
     chat_template_kwargs: dict | None = None  # vLLM's: more variables for the chat template (enable_thinking, ...)
 
 
-class TokenizeRequest(msgspec.Struct):
+class _Tokenize(msgspec.Struct):
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = None
@@ -182,6 +185,12 @@ class TokenizeRequest(msgspec.Struct):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
     chat_template_kwargs: dict | None = None
+    return_token_strs: bool | None = None  # vLLM's: each token's string beside its id
+
+
+CompletionRequest = _refusing("CompletionRequest", _Completion, UNSUPPORTED_COMPLETION)
+ChatRequest = _refusing("ChatRequest", _Chat, UNSUPPORTED_CHAT)
+TokenizeRequest = _refusing("TokenizeRequest", _Tokenize, UNSUPPORTED_TOKENIZE)
 
 
 class DetokenizeRequest(msgspec.Struct):
@@ -336,7 +345,7 @@ def sampling_params(req: _Sampling, tok: ModelTokenizer, max_tokens: int, logpro
     )
 
 
-def prompt_token_lists(req: CompletionRequest, tok: ModelTokenizer) -> list[list[int]]:
+def prompt_token_lists(req: _Completion, tok: ModelTokenizer) -> list[list[int]]:
     """prompt as a string, list of strings, token ids or list of token-id lists -> token-id lists."""
     prompt = req.prompt
     add_special = True if req.add_special_tokens is None else req.add_special_tokens

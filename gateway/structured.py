@@ -34,6 +34,7 @@ class Constraint:
     tool_name: str = ""  # named: the function
     parallel: bool = True  # parallel_tool_calls
     param: str = ""  # the request field the grammar comes from (for a 400)
+    source: str = ""  # the text it was made from (choices, regex, grammar, schema): checked for special-token text
 
 
 def constraint(req, parser: str = "") -> Constraint | None:
@@ -42,21 +43,21 @@ def constraint(req, parser: str = "") -> Constraint | None:
     asked = _asked(req)
     tools = _tool_mode(req, parser)
     if tools is not None and tools.tools != "auto":
-        asked.append(("tool_choice", tools.grammar))
+        asked.append(("tool_choice", tools.grammar, ""))  # (the tools' own text is checked with the messages)
     if len(asked) > 1:
-        raise bad_request(f"{' and '.join(p for p, _ in asked)} both constrain the output; give one.",
+        raise bad_request(f"{' and '.join(p for p, *_ in asked)} both constrain the output; give one.",
                           param=asked[1][0])
     if not asked:
         return tools  # None, or auto: free text parsed for calls
-    param, grammar = asked[0]
+    param, grammar, source = asked[0]
     if tools is None:
-        return Constraint(grammar, param=param)
-    tools.grammar, tools.param = grammar, param  # auto: free text held to a grammar, then parsed for calls
-    return tools
+        return Constraint(grammar, param=param, source=source)
+    tools.grammar, tools.param, tools.source = grammar, param, source  # auto: free text held to a grammar, then
+    return tools  # parsed for calls
 
 
-def _asked(req) -> list[tuple[str, str]]:
-    """(param, grammar) for each structured-output field the request sets."""
+def _asked(req) -> list[tuple[str, str, str]]:
+    """(param, grammar, the text it is made from) for each structured-output field the request sets."""
     asked = []
     fmt = req.response_format
     if fmt is not None:
@@ -65,13 +66,14 @@ def _asked(req) -> list[tuple[str, str]]:
             raise bad_request("response_format needs a type: text, json_object or json_schema.",
                               param="response_format")
         if kind == "json_object":
-            asked.append(("response_format", _json_grammar({"type": "object"}, "response_format")))
+            asked.append(("response_format", _json_grammar({"type": "object"}, "response_format"), ""))
         elif kind == "json_schema":
             spec = fmt.get("json_schema")
             if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
                 raise bad_request("response_format.json_schema must be an object with a 'schema' object.",
                                   param="response_format")
-            asked.append(("response_format", _json_grammar(spec.get("schema") or {}, "response_format")))
+            schema = spec.get("schema") or {}
+            asked.append(("response_format", _json_grammar(schema, "response_format"), _source("json", schema)))
         elif kind != "text":
             raise bad_request(f"response_format type must be text, json_object or json_schema, got {kind!r}.",
                               param="response_format")
@@ -79,7 +81,7 @@ def _asked(req) -> list[tuple[str, str]]:
                        ("guided_grammar", "grammar")):
         value = getattr(req, name)
         if value is not None:
-            asked.append((name, _grammar(kind, value, name)))
+            asked.append((name, _grammar(kind, value, name), _source(kind, value)))
     so = req.structured_outputs
     if so is not None:
         if not isinstance(so, dict):
@@ -95,8 +97,19 @@ def _asked(req) -> list[tuple[str, str]]:
         (kind, value), = given.items()
         grammar = _json_grammar({"type": "object"}, "structured_outputs") if kind == "json_object" else \
             _grammar(kind, value, "structured_outputs")
-        asked.append(("structured_outputs", grammar))
+        asked.append(("structured_outputs", grammar, "" if kind == "json_object" else _source(kind, value)))
     return asked
+
+
+def _source(kind: str, value) -> str:
+    """The text a (valid) constraint holds, for the special-token check: choices, a schema's JSON, a regex or grammar
+    with its backslashes dropped (`<\\|im_end\\|>`; a character class or a hex escape still hides a special token's
+    text)."""
+    if kind == "choice":
+        return "\n".join(value)
+    if kind == "json":
+        return json.dumps(json.loads(value) if isinstance(value, str) else value, ensure_ascii=False)
+    return value.replace("\\", "")
 
 
 def _grammar(kind: str, value, param: str) -> str:

@@ -169,14 +169,15 @@ class ModelTokenizer:
         return cached
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **extra) -> str:
+                            variables: dict | None = None, **extra) -> str:
+        """variables: more of the template's variables, any names (a request's chat_template_kwargs)."""
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         try:
             template = _compile(self.chat_template)
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                   **self.template_vars, **extra)
+                                   **self.template_vars, **extra, **(variables or {}))
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as exc:

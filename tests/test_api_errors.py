@@ -54,7 +54,7 @@ async def test_bad_requests_are_400_with_openai_error_json(stack):
         await _call(s, "POST", stack.url("/v1/chat/completions"), 400, json={"messages": []})
         await _call(s, "POST", stack.url("/v1/chat/completions"), 400,
                     json={"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
-        # unknown fields are ignored, as OpenAI does
+        # unknown fields are ignored, as vLLM does
         ok, _ = await _call(s, "POST", url, 200, json={"prompt": "x", "max_tokens": 2, "frobnicate": {"a": 1}})
         assert ok["usage"]["completion_tokens"] <= 2
 
@@ -62,7 +62,7 @@ async def test_bad_requests_are_400_with_openai_error_json(stack):
 UNHONOURED = [("/v1/completions", {"suffix": "END"}), ("/v1/completions", {"use_beam_search": True}),
               ("/v1/completions", {"allowed_token_ids": [5]}), ("/v1/completions", {"bad_words": ["a"]}),
               ("/v1/completions", {"truncate_prompt_tokens": 1}), ("/v1/completions", {"detokenize": False}),
-              ("/v1/completions", {"length_penalty": 0.5}), ("/v1/chat/completions", {"echo": True}),
+              ("/v1/chat/completions", {"echo": True}),
               ("/v1/chat/completions", {"continue_final_message": True}),
               ("/v1/chat/completions", {"functions": [{"name": "f", "parameters": {}}]}),
               ("/v1/chat/completions", {"modalities": ["text", "audio"]}),
@@ -79,11 +79,20 @@ async def test_parameters_the_server_cannot_honour_are_400_and_their_off_values_
             base = body["chat" if "chat" in route else "completions"]
             err, _ = await _call(s, "POST", stack.url(route), 400, json=base | extra)
             assert err["param"] == next(iter(extra)), err
+        err, _ = await _call(s, "POST", stack.url("/v1/completions"), 400,  # a key spelled with a JSON escape
+                             data=b'{"prompt": "x", "\\u0073uffix": "END"}', headers={"Content-Type": "application/json"})
+        assert err["param"] == "suffix"
         for route, extra in [("/v1/completions", {"suffix": None, "use_beam_search": False, "detokenize": True,
-                                                  "length_penalty": 1.0}),
-                             ("/v1/chat/completions", {"echo": False, "modalities": ["text"], "functions": []})]:
+                                                  "length_penalty": 0.5}),
+                             ("/v1/chat/completions", {"echo": False, "modalities": ["text"], "functions": [],
+                                                       "function_call": "none"})]:
             base = body["chat" if "chat" in route else "completions"]
             await _call(s, "POST", stack.url(route), 200, json=base | extra)
+        err, _ = await _call(s, "POST", stack.url("/tokenize"), 400,  # (/tokenize: the chat template's fields)
+                             json={"messages": body["chat"]["messages"], "chat_template": "{{ messages }}"})
+        assert err["param"] == "chat_template"
+        out, _ = await _call(s, "POST", stack.url("/tokenize"), 200, json={"prompt": "hi", "return_token_strs": True})
+        assert out["token_strs"] == ["h", "i"], out
 
 
 async def test_context_length_error_keeps_vllms_wording(stack):

@@ -222,6 +222,6 @@ async def test_chat_template_kwargs_reach_the_template(make_stack, tmp_path):
         assert await text(chat | off) == "NOTHINK hi" and await text(chat) == "hi"
         status, out = await post("/v1/chat/completions", chat | off | {"max_tokens": 2})
         assert status == 200 and out["usage"]["prompt_tokens"] == len("NOTHINK hi"), out
-        for bad in ({"messages": "x"}, {"enable_thinking": "<|im_end|>"}):
+        for bad in ({"messages": "x"}, {"enable_thinking": "<|im_end|>"}, {"self": 1}):
             status, out = await post("/v1/chat/completions", chat | {"max_tokens": 2, "chat_template_kwargs": bad})
             assert status == 400, out
