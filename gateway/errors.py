@@ -50,9 +50,9 @@ class ApiError(Exception):
         if self.retry_after is not None:
             # jittered, so rejected clients spread their retries; retry-after-ms (read by the openai SDK) carries it
             # exactly, Retry-After in whole seconds (at least 1)
-            delay = self.retry_after * random.uniform(1 - RETRY_JITTER, 1 + RETRY_JITTER)
-            headers["Retry-After"] = str(max(1, round(delay)))
-            headers["retry-after-ms"] = str(max(1, round(delay * 1000)))
+            ms = max(1, round(self.retry_after * random.uniform(1 - RETRY_JITTER, 1 + RETRY_JITTER) * 1000))
+            headers["Retry-After"] = str(max(1, round(ms / 1000)))  # (from ms: 1499.6 ms was 1 s but 1,500 ms)
+            headers["retry-after-ms"] = str(ms)
         return web.Response(status=self.status, body=msgspec.json.encode(self.body()),
                             content_type="application/json", headers=headers)
 

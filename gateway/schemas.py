@@ -1,8 +1,8 @@
 """Request validation: OpenAI/vLLM request bodies as msgspec Structs, then ranges -> SamplingParams.
 
 Decoding is strict about types (wrong type -> 400 naming the field) and ignores unknown fields, as
-vLLM does; known ones the server cannot honour are a 400 (UNSUPPORTED). Every check a request can fail happens here, at the edge, so the batcher and
-workers can trust what they get. No I/O.
+vLLM does; known ones the server cannot honour are a 400 (UNSUPPORTED). Every check a request can
+fail happens here, at the edge, so the batcher and workers can trust what they get. No I/O.
 """
 
 from __future__ import annotations

@@ -80,7 +80,8 @@ async def test_parameters_the_server_cannot_honour_are_400_and_their_off_values_
             err, _ = await _call(s, "POST", stack.url(route), 400, json=base | extra)
             assert err["param"] == next(iter(extra)), err
         err, _ = await _call(s, "POST", stack.url("/v1/completions"), 400,  # a key spelled with a JSON escape
-                             data=b'{"prompt": "x", "\\u0073uffix": "END"}', headers={"Content-Type": "application/json"})
+                             data=b'{"prompt": "x", "\\u0073uffix": "END"}',
+                             headers={"Content-Type": "application/json"})
         assert err["param"] == "suffix"
         for route, extra in [("/v1/completions", {"suffix": None, "use_beam_search": False, "detokenize": True,
                                                   "length_penalty": 0.5}),

@@ -405,7 +405,8 @@ def test_bad_constraints_over_http_are_400s_and_min_tokens_is_refused(client):
                                   extra_body={"guided_choice": ["a"], "min_tokens": 2})
     assert e.value.body["param"] == "min_tokens"
     with pytest.raises(openai.BadRequestError):  # a grammar with no output at all: refused, not an empty 200
-        client.completions.create(model="tiny", prompt="x", max_tokens=5, extra_body={"guided_grammar": "root ::= root"})
+        client.completions.create(model="tiny", prompt="x", max_tokens=5,
+                                  extra_body={"guided_grammar": "root ::= root"})
     # special-token text cannot be generated as text (the output would end at the end-of-turn token, or break)
     for extra in ({"guided_choice": ["yes<|im_start|>"]}, {"guided_regex": "x<\\|im_end\\|>y"},
                   {"guided_json": {"type": "string", "enum": ["<|im_end|>"]}}):
