@@ -13,6 +13,7 @@ tokens, so its queries sit at positions seq_lens[i]-query_len .. seq_lens[i]-1.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 import torch
@@ -41,31 +42,32 @@ class AttentionMetadata:
         the end are input 0, for the caller to fill). Host values reach the device without a sync."""
         from workers.sampling import to_device
 
-        ids, positions, slots, query_lens, seq_lens = [], [], [], [], []
-        width = max(-(-(start + n) // block_size) for _, start, n, _ in rows)
-        block_tables = np.zeros((len(rows), width), dtype=np.int32)
-        for i, (block_ids, start, n, known) in enumerate(rows):
-            pos = np.arange(start, start + n)
-            blocks = np.asarray(block_ids[:-(-(start + n) // block_size)], dtype=np.int64)
-            block_tables[i, :len(blocks)] = blocks
-            row = np.zeros(n, dtype=np.int64)
-            row[:len(known)] = known
-            ids.append(row)
-            positions.append(pos)
-            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
-            query_lens.append(n)
-            seq_lens.append(start + n)
+        # whole-step numpy, no per-row numpy calls (a step of 160 decodes took 1.2 ms row by row, on a CI-class CPU)
+        query_lens = [n for _, _, n, _ in rows]
+        seq_lens = [start + n for _, start, n, _ in rows]
+        used = [-(-s // block_size) for s in seq_lens]  # blocks each row's context spans
+        known_lens = [len(k) for *_, k in rows]
         qsl = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=qsl[1:])
+        block_tables = np.zeros((len(rows), max(used)), dtype=np.int32)  # row-major fill of each row's first `used`
+        block_tables[np.arange(block_tables.shape[1]) < np.array(used)[:, None]] = np.fromiter(
+            chain.from_iterable(b[:u] for (b, *_), u in zip(rows, used)), dtype=np.int32, count=sum(used))
+        row_of = np.repeat(np.arange(len(rows)), query_lens)
+        offset = np.arange(qsl[-1]) - qsl[:-1][row_of]  # each token's place in its row
+        positions = np.array([start for _, start, _, _ in rows], dtype=np.int64)[row_of] + offset
+        slots = block_tables[row_of, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        ids = np.zeros(qsl[-1], dtype=np.int64)
+        ids[offset < np.array(known_lens)[row_of]] = np.fromiter(chain.from_iterable(k for *_, k in rows),
+                                                                 dtype=np.int64, count=sum(known_lens))
         decodes = 0
         while decodes < len(query_lens) and query_lens[decodes] == 1:
             decodes += 1
         meta = cls(query_start_loc=to_device(torch.from_numpy(qsl), torch.int32, device),
                    seq_lens=to_device(seq_lens, torch.int32, device),
                    block_tables=to_device(torch.from_numpy(block_tables), torch.int32, device),
-                   slot_mapping=to_device(torch.from_numpy(np.concatenate(slots)), torch.int64, device),
+                   slot_mapping=to_device(torch.from_numpy(slots), torch.int64, device),
                    num_decodes=decodes, query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
-        return meta, np.concatenate(ids), np.concatenate(positions)
+        return meta, ids, positions
 
     @property
     def num_seqs(self) -> int:
