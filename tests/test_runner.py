@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 import torch
 
@@ -215,3 +218,36 @@ def test_mixed_steps_launched_behind_read_their_decodes_tokens_from_the_right_ro
 def test_a_bad_overlap_mode_is_a_clear_error():
     with pytest.raises(ValueError, match="--overlap-steps 'yes': choose from auto, on, decode, off"):
         tiny(overlap_steps="yes")
+
+
+def _metadata_row_by_row(rows, bs):
+    """AttentionMetadata.from_rows's arrays as it once built them, one row at a time (the reference)."""
+    tables = np.zeros((len(rows), max(-(-(start + n) // bs) for _, start, n, _ in rows)), dtype=np.int32)
+    ids, positions, slots = [], [], []
+    for i, (blocks, start, n, known) in enumerate(rows):
+        pos = np.arange(start, start + n)
+        used = np.asarray(blocks[:-(-(start + n) // bs)], dtype=np.int64)
+        tables[i, :len(used)] = used
+        ids.append(np.array(list(known) + [0] * (n - len(known)), dtype=np.int64))
+        positions.append(pos)
+        slots.append(used[pos // bs] * bs + pos % bs)
+    return tables, np.concatenate(ids), np.concatenate(positions), np.concatenate(slots)
+
+
+def test_step_metadata_matches_a_row_by_row_build():
+    from workers.attention.base import AttentionMetadata
+
+    rng = random.Random(0)
+    for _ in range(200):
+        rows = []
+        for _ in range(rng.randrange(1, 12)):
+            n = 1 if rng.random() < 0.5 else rng.randrange(1, 60)
+            start = rng.randrange(0, 300)
+            blocks = rng.sample(range(1000), -(-(start + n) // 16) + rng.randrange(0, 3))  # (spare blocks too)
+            rows.append((blocks, start, n, [rng.randrange(32000) for _ in range(rng.choice([n, n - 1]))]))
+        rows.sort(key=lambda r: r[2] != 1)  # decodes first
+        meta, ids, positions = AttentionMetadata.from_rows(rows, 16, torch.device("cpu"))
+        tables, ref_ids, ref_positions, ref_slots = _metadata_row_by_row(rows, 16)
+        assert np.array_equal(meta.block_tables.numpy(), tables) and np.array_equal(ids, ref_ids)
+        assert np.array_equal(positions, ref_positions) and np.array_equal(meta.slot_mapping.numpy(), ref_slots)
+        assert meta.query_lens_cpu == [n for _, _, n, _ in rows] and meta.num_decodes == sum(r[2] == 1 for r in rows)
