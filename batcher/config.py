@@ -99,6 +99,26 @@ class BatcherConfig:
         "with CURVE: directory of the public certificates of the gateways and workers allowed to connect "
         "('' = any client that knows the server's public key)"))
 
+    def validate(self) -> None:
+        _validate(self)
+
+
+def _validate(cfg: BatcherConfig) -> None:
+    """Start-up checks beyond the numbers' ranges (laneserve.config.from_args calls it): a bad list or file is a
+    clear error before anything starts, not a failure each time a worker registers."""
+    try:
+        buckets = [int(x) for x in cfg.decode_buckets.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise ValueError(f"--decode-buckets {cfg.decode_buckets!r}: must be comma-separated whole numbers") from None
+    if any(b < 1 for b in buckets):
+        raise ValueError(f"--decode-buckets {cfg.decode_buckets!r}: each bound must be at least 1")
+    if cfg.warm_prefix:
+        try:
+            load_warm_prefixes(cfg.warm_prefix)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"--warm-prefix {cfg.warm_prefix}: {exc}") from None
+
+
 
 def load_warm_prefixes(path: str) -> list[list[int]]:
     """Token-id lists from a JSON file (a list of lists, or {"prefixes": [...]}) or JSONL (one list per line).

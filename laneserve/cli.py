@@ -79,11 +79,17 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in TOOLS:
         import importlib
 
-        return importlib.import_module(TOOLS[argv[0]][0]).main(argv[1:]) or 0
+        try:
+            return importlib.import_module(TOOLS[argv[0]][0]).main(argv[1:]) or 0
+        except (ValueError, OSError, ZeroDivisionError) as exc:  # a bad value or file: one line, not a traceback
+            print(f"laneserve {argv[0]}: error: {exc}", file=sys.stderr)
+            return 2
     args = parse_args(argv)
     if args.command == "serve" and any(a == "--api-key" or a.startswith("--api-key=") for a in argv):
         print("laneserve: --api-key on the command line is visible to every user (/proc/PID/cmdline); use "
               "LANESERVE_API_KEY or --api-key-file (the gateway gets it by environment either way)", file=sys.stderr)
+    if not isinstance(logging.getLevelName(args.log_level.upper()), int):
+        raise SystemExit(f"--log-level {args.log_level!r}: choose DEBUG, INFO, WARNING, ERROR or CRITICAL")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     gateway_cfg, batcher_cfg, worker_cfg = _configs()
     if args.command == "serve":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import typing
 from typing import Any, TypeVar
@@ -46,6 +47,37 @@ SHARED: dict[str, tuple[Any, str]] = {
     "curve_client_secret_key": ("", "with CURVE: this client's certificate (zmq.auth secret file); '' = a fresh "
                                     "key pair per start"),
 }
+
+
+# Numbers: every int and float field is finite and at least 0, unless a field name here says otherwise:
+# name -> (lowest, highest, the lowest excluded), None = no bound.
+BOUNDS: dict[str, tuple[float | None, float | None, bool]] = {
+    "seed": (None, None, False),
+    "port": (1, 65535, False),
+    "max_num_seqs": (1, None, False),
+    "max_num_batched_tokens": (1, None, False),
+    "tensor_parallel_size": (1, None, False),
+    "gpu_memory_utilization": (0, 1, True),
+    "watermark": (0, 0.5, False),
+    "startup_timeout": (0, None, True),
+    "burst_window_s": (0, None, True),
+    "batcher_timeout": (0, None, True),
+    "batcher_lost_after": (0, None, True),
+}
+
+
+def check_numbers(cls: type, values: dict[str, Any]) -> None:
+    """SystemExit naming the flag for a number out of its field's range (BOUNDS) or not finite."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        lo, hi, open_lo = BOUNDS.get(name, (0, None, False))
+        if not math.isfinite(value):
+            raise SystemExit(f"{flag_name(name)} {value}: must be a finite number")
+        if lo is not None and (value < lo or open_lo and value == lo) or hi is not None and value > hi:
+            span = (f"{'>' if open_lo else '>='} {lo:g}" if lo is not None else "") + \
+                (f"{' and ' if lo is not None else ''}<= {hi:g}" if hi is not None else "")
+            raise SystemExit(f"{flag_name(name)} {value:g}: must be {span}")
 
 
 def shared(name: str) -> Any:
@@ -122,7 +154,14 @@ def from_args(cls: type[T], ns: argparse.Namespace | None = None, env: dict[str,
                 raise SystemExit(f"invalid {env_name(f.name)}={raw!r}: {exc}") from None
         if value is not None:
             values[f.name] = value
-    return cls(**values)
+    check_numbers(cls, values)
+    cfg = cls(**values)
+    if hasattr(cfg, "validate"):  # a config's own start-up checks (files it reads, lists it parses)
+        try:
+            cfg.validate()
+        except (ValueError, OSError) as exc:
+            raise SystemExit(str(exc)) from None
+    return cfg
 
 
 def secret_env(cfg: Any) -> dict[str, str]:

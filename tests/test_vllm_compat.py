@@ -156,11 +156,26 @@ def test_vllm_flags_parse_to_the_same_config():
     (["serve", "--data-parallel-size", "2"], "--num-workers N"),
     (["serve", "--max-num-sequences", "4"], "nearest laneserve setting is --max-num-seqs"),
     (["serve", "tiny", "--model", "other"], "given twice"),
+    # values out of range are refused before anything starts (each once started a server that hung or failed)
+    (["serve", "--max-num-seqs", "0"], "--max-num-seqs 0: must be >= 1"),
+    (["serve", "--port", "70000"], "--port 70000: must be >= 1 and <= 65535"),
+    (["serve", "--request-timeout", "nan"], "--request-timeout nan: must be a finite number"),
+    (["serve", "--max-waiting-requests", "-1"], "--max-waiting-requests -1: must be >= 0"),
+    (["serve", "--gpu-memory-utilization", "5"], "must be > 0 and <= 1"),
+    (["serve", "--decode-buckets", "a,b"], "--decode-buckets 'a,b': must be comma-separated whole numbers"),
+    (["serve", "--warm-prefix", "/nonexistent.json"], "--warm-prefix /nonexistent.json"),
+    (["--log-level", "FOO", "serve"], "--log-level 'FOO'"),
 ])
 def test_a_flag_laneserve_lacks_is_a_clear_error(argv, says):
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
     assert says in str(e.value)
+
+
+def test_a_tools_bad_value_is_one_line_not_a_traceback(capsys):
+    assert cli.main(["simulate", "--trace", "synthetic", "--num-requests", "20", "--speedup", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("laneserve simulate: error: ") and "\n" not in err, err
 
 
 # ---------------------------------------------------------------- metrics

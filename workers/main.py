@@ -34,7 +34,12 @@ HEARTBEAT_S = 0.5
 
 def run(cfg: WorkerConfig) -> None:
     tp = TPGroup(cfg) if cfg.tensor_parallel_size > 1 else None  # this is rank 0; it starts ranks 1..T-1
-    runner = ModelRunner(cfg)
+    try:
+        runner = ModelRunner(cfg)
+    except (ValueError, OSError) as exc:  # a bad setting or file: one line (the launcher says the worker exited)
+        if tp is not None:
+            tp.close()
+        raise SystemExit(f"laneserve worker {cfg.worker_id}: {exc}") from None
     ctx = zmq.Context()
     sock = transport.connect(ctx, zmq.DEALER, cfg.worker_address, identity=f"worker-{cfg.worker_id}".encode(),
                              curve_server_public_key=cfg.curve_server_public_key,
