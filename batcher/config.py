@@ -119,7 +119,6 @@ def _validate(cfg: BatcherConfig) -> None:
             raise ValueError(f"--warm-prefix {cfg.warm_prefix}: {exc}") from None
 
 
-
 def load_warm_prefixes(path: str) -> list[list[int]]:
     """Token-id lists from a JSON file (a list of lists, or {"prefixes": [...]}) or JSONL (one list per line).
 
