@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from laneserve.config import flag, shared
@@ -117,6 +118,8 @@ def _validate(cfg: BatcherConfig) -> None:
             load_warm_prefixes(cfg.warm_prefix)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"--warm-prefix {cfg.warm_prefix}: {exc}") from None
+    if cfg.cost_model_out and not os.path.isdir(os.path.dirname(os.path.abspath(cfg.cost_model_out))):
+        raise ValueError(f"--cost-model-out {cfg.cost_model_out}: its directory does not exist")
 
 
 def load_warm_prefixes(path: str) -> list[list[int]]:

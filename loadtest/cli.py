@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -46,6 +47,22 @@ def _rates(text: str) -> list[float]:
     return rates
 
 
+def positive(text: str) -> float:
+    """argparse type: a finite number > 0 (a rate, a gamma shape, a speed-up)."""
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number > 0")
+    return value
+
+
+def count(text: str) -> int:
+    """argparse type: a whole number >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
+    return value
+
+
 def add_trace_args(p: argparse.ArgumentParser, rate: bool = True) -> argparse._ArgumentGroup:
     """--trace, --time-unit and the generator flags of the synthetic and rag traces: one definition for
     `laneserve loadtest`, `laneserve loadtest sweep` (rate=False: it has --rates) and `laneserve simulate`.
@@ -59,9 +76,9 @@ def add_trace_args(p: argparse.ArgumentParser, rate: bool = True) -> argparse._A
                         "shipped traces and files written by save_trace do)")
     g = p.add_argument_group("synthetic and rag traces (the same flags in laneserve loadtest and laneserve simulate)")
     if rate:
-        g.add_argument("--rate", type=float, default=4.0, help="requests/s")
-    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 = Poisson, < 1 burstier")
-    g.add_argument("--num-requests", type=int, default=100)
+        g.add_argument("--rate", type=positive, default=4.0, help="requests/s")
+    g.add_argument("--burstiness", type=positive, default=1.0, help="gamma shape: 1 = Poisson, < 1 burstier")
+    g.add_argument("--num-requests", type=count, default=100)
     g.add_argument("--input-tokens", type=_length, default=256, help="N or LO:HI")
     g.add_argument("--output-tokens", type=_length, default=64, help="N or LO:HI")
     g.add_argument("--num-docs", type=int, default=16, help="rag: shared document pool size")
@@ -122,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", required=True, help="server base URL (OpenAI-compatible), e.g. http://127.0.0.1:8000")
     add_trace_args(p)
     w = p.add_argument_group("replay")
-    w.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by this")
+    w.add_argument("--speedup", type=positive, default=1.0, help="divide arrival times by this")
     w.add_argument("--start", type=float, default=0.0, help="trace window start, trace seconds")
     w.add_argument("--duration", type=float, default=None, help="trace window length, trace seconds")
     w.add_argument("--max-requests", type=int, default=None)

@@ -309,8 +309,8 @@ def test_trace_flag_errors(tmp_path):
         assert cli.trace_from_args(parse(["--trace", str(unmarked), "--time-unit", "ms"]))[1].arrival == 1.5
         with pytest.raises(SystemExit, match="for trace files"):
             cli.trace_from_args(parse(["--time-unit", "s"]))
-        with pytest.raises(SystemExit, match="rate and burstiness"):
-            cli.trace_from_args(parse(["--rate", "0"]))
+        with pytest.raises(SystemExit):  # argparse's error: --rate must be a finite number > 0
+            parse(["--rate", "0"])
     with pytest.raises(SystemExit, match="set its length with --num-requests"):
         sim_cli.main(["--trace", "synthetic", "--limit", "1000"])
 

@@ -164,6 +164,7 @@ def test_vllm_flags_parse_to_the_same_config():
     (["serve", "--gpu-memory-utilization", "5"], "must be > 0 and <= 1"),
     (["serve", "--decode-buckets", "a,b"], "--decode-buckets 'a,b': must be comma-separated whole numbers"),
     (["serve", "--warm-prefix", "/nonexistent.json"], "--warm-prefix /nonexistent.json"),
+    (["serve", "--cost-model-out", "/nonexistent/dir/cm.json"], "its directory does not exist"),
     (["--log-level", "FOO", "serve"], "--log-level 'FOO'"),
 ])
 def test_a_flag_laneserve_lacks_is_a_clear_error(argv, says):
@@ -173,9 +174,12 @@ def test_a_flag_laneserve_lacks_is_a_clear_error(argv, says):
 
 
 def test_a_tools_bad_value_is_one_line_not_a_traceback(capsys):
-    assert cli.main(["simulate", "--trace", "synthetic", "--num-requests", "20", "--speedup", "0"]) == 2
+    assert cli.main(["simulate", "--trace", "synthetic", "--num-requests", "20", "--config", "{bad"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("laneserve simulate: error: ") and "\n" not in err, err
+    with pytest.raises(SystemExit):  # a rate or speed-up that is not a finite number > 0: argparse's error
+        cli.main(["simulate", "--trace", "synthetic", "--speedup", "0"])
+    assert "argument --speedup: '0': must be a finite number > 0" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- metrics

@@ -62,7 +62,7 @@ def check_step_noise(sigma: float) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from loadtest.cli import add_trace_args
+    from loadtest.cli import add_trace_args, count, positive
 
     ap = argparse.ArgumentParser(prog="laneserve simulate", description=__doc__.splitlines()[0],
                                  epilog="laneserve simulate sweep ...: laneserve loadtest sweep in simulated time "
@@ -73,9 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cost-model", help="JSON with a, b, c, d (ms); default: the shipped H200 fit for the "
                     "config's lanes (batcher/cost_model.json, or cost_model_streams.json with lanes streams)")
     ap.add_argument("--json", help="write the summary here")
-    ap.add_argument("--limit", type=int,
+    ap.add_argument("--limit", type=count,
                     help="first N requests of the trace (of a generated one: at most --num-requests)")
-    ap.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by X")
+    ap.add_argument("--speedup", type=positive, default=1.0, help="divide arrival times by X")
     ap.add_argument("--pipelined", action="store_true", help="keep 2 steps in flight per worker (async scheduling)")
     ap.add_argument("--step-noise", type=float, default=0.0, metavar="SIGMA",
                     help="each step takes the cost model's time x (1 + N(0, SIGMA)), seeded by --seed, while the "
