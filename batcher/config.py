@@ -101,25 +101,27 @@ class BatcherConfig:
         "('' = any client that knows the server's public key)"))
 
     def validate(self) -> None:
-        _validate(self)
-
-
-def _validate(cfg: BatcherConfig) -> None:
-    """Start-up checks beyond the numbers' ranges (laneserve.config.from_args calls it): a bad list or file is a
-    clear error before anything starts, not a failure each time a worker registers."""
-    try:
-        buckets = [int(x) for x in cfg.decode_buckets.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise ValueError(f"--decode-buckets {cfg.decode_buckets!r}: must be comma-separated whole numbers") from None
-    if any(b < 1 for b in buckets):
-        raise ValueError(f"--decode-buckets {cfg.decode_buckets!r}: each bound must be at least 1")
-    if cfg.warm_prefix:
+        """Start-up checks beyond the numbers' ranges (laneserve.config.from_args calls it): a bad list or file is
+        a clear error before anything starts, not a failure each time a worker registers."""
         try:
-            load_warm_prefixes(cfg.warm_prefix)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"--warm-prefix {cfg.warm_prefix}: {exc}") from None
-    if cfg.cost_model_out and not os.path.isdir(os.path.dirname(os.path.abspath(cfg.cost_model_out))):
-        raise ValueError(f"--cost-model-out {cfg.cost_model_out}: its directory does not exist")
+            buckets = parse_buckets(self.decode_buckets)
+        except ValueError:
+            raise ValueError(f"--decode-buckets {self.decode_buckets!r}: must be comma-separated whole "
+                             "numbers") from None
+        if any(b < 1 for b in buckets):
+            raise ValueError(f"--decode-buckets {self.decode_buckets!r}: each bound must be at least 1")
+        if self.warm_prefix:
+            try:
+                load_warm_prefixes(self.warm_prefix)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"--warm-prefix {self.warm_prefix}: {exc}") from None
+        if self.cost_model_out and not os.path.isdir(os.path.dirname(os.path.abspath(self.cost_model_out))):
+            raise ValueError(f"--cost-model-out {self.cost_model_out}: its directory does not exist")
+
+
+def parse_buckets(spec: str) -> list[int]:
+    """--decode-buckets: the bounds, ascending (a ValueError for one that is not a whole number)."""
+    return sorted({int(x) for x in spec.replace(" ", "").split(",") if x})
 
 
 def load_warm_prefixes(path: str) -> list[list[int]]:

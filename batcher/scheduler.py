@@ -27,7 +27,7 @@ import msgspec
 
 from batcher.block_manager import BlockManager
 from batcher.burst import LongPromptGate
-from batcher.config import BatcherConfig, load_warm_prefixes
+from batcher.config import BatcherConfig, load_warm_prefixes, parse_buckets
 from batcher.cost_model import CostModel, Features, OnlineCostFit, default_cost_model
 from batcher.grammar import GrammarError, Grammars, follow
 from batcher.request import Request, Status, blocks_for
@@ -90,10 +90,6 @@ class StepOrderError(ValueError):
 class StepFailed(Exception):
     """The worker failed the step (StepOutput.error): update() consumed it without applying it. The worker's K/V
     state is unknown, so the caller fails all its requests (fail_all(str(exc)))."""
-
-
-def parse_buckets(spec: str) -> list[int]:
-    return sorted({int(x) for x in spec.replace(" ", "").split(",") if x})
 
 
 class Scheduler:
