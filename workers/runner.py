@@ -92,7 +92,7 @@ class _InFlight:
     t0: float
     collected: tuple | None = None  # TP: (tokens, logprobs), sampled and broadcast in step
     verify: _Verify | None = None  # speculative decoding: the drafts it verifies
-    end: torch.cuda.Event | None = None  # CUDA: an event recorded after all of the step's work on its stream
+    end: torch.cuda.Event | None = None  # CUDA, two lanes or behind: recorded after all of the step's work
     behind: bool = False  # launched while its lane's step before was in flight
     start: torch.cuda.Event | None = None  # CUDA, behind: a timing event recorded before its forward (and `end` times)
     scores: PromptScores | None = None  # the prompt logprobs of its chunks, for the requests that ask
@@ -344,9 +344,8 @@ class ModelRunner:
             if pending is None:
                 self.flush(lanes)  # this step needs the tokens of the one in flight on the host
             drafts, draft_time = self._propose(step.draft_jobs) if step.draft_jobs else (step.spec_token_ids, 0.0)
-            cuda = self.device.type == "cuda"
             start = None
-            if pending is not None and cuda:  # launched behind the step in flight: timed on the device, from when
+            if pending is not None and self.device.type == "cuda":  # launched behind the step in flight: timed on the device, from when
                 start = torch.cuda.Event(enable_timing=True)  # the GPU reaches it (that step's end, or later)
                 start.record()
             t1 = time.perf_counter()
@@ -358,9 +357,9 @@ class ModelRunner:
             f.behind, f.start = pending is not None, start
             for rid in step.allowed_token_ids:
                 self.requests[rid].sample_row.allowed = None
-            if cuda:  # after all of its work: the end of its device time, and (two lanes) its output must not say
-                f.end = torch.cuda.Event(enable_timing=start is not None)  # "done" before the GPU is (held blocks go
-                f.end.record()  # free then)
+            if start is not None or stream is not None:  # after all of its work: the end of its device time, and
+                f.end = torch.cuda.Event(enable_timing=start is not None)  # (two lanes) its output must not say
+                f.end.record()  # "done" before the GPU is (held blocks go free then)
         if not self.overlap:
             self.flush(lanes)
         elif self.concurrent:
@@ -381,7 +380,7 @@ class ModelRunner:
 
     def _collect(self, f: _InFlight) -> None:
         del self._flights[f.lane]
-        if f.end is not None and (self.lane_streams or f.start is not None):
+        if f.end is not None:
             f.end.synchronize()
         out = P.StepOutput(step=f.step, worker_id=self.cfg.worker_id)
         if f.reqs:
