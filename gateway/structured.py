@@ -73,7 +73,7 @@ def _asked(req) -> list[tuple[str, str, str]]:
                 raise bad_request("response_format.json_schema must be an object with a 'schema' object.",
                                   param="response_format")
             schema = spec.get("schema") or {}
-            asked.append(("response_format", _json_grammar(schema, "response_format"), _source("json", schema)))
+            asked.append(("response_format", _json_grammar(schema, "response_format"), _schema_text(schema)))
         elif kind != "text":
             raise bad_request(f"response_format type must be text, json_object or json_schema, got {kind!r}.",
                               param="response_format")
@@ -81,7 +81,7 @@ def _asked(req) -> list[tuple[str, str, str]]:
                        ("guided_grammar", "grammar")):
         value = getattr(req, name)
         if value is not None:
-            asked.append((name, _grammar(kind, value, name), _source(kind, value)))
+            asked.append((name, *_grammar(kind, value, name)))
     so = req.structured_outputs
     if so is not None:
         if not isinstance(so, dict):
@@ -95,24 +95,16 @@ def _asked(req) -> list[tuple[str, str, str]]:
             raise bad_request("structured_outputs must set exactly one of json, regex, choice, grammar, json_object.",
                               param="structured_outputs")
         (kind, value), = given.items()
-        grammar = _json_grammar({"type": "object"}, "structured_outputs") if kind == "json_object" else \
+        grammar, text = (_json_grammar({"type": "object"}, "structured_outputs"), "") if kind == "json_object" else \
             _grammar(kind, value, "structured_outputs")
-        asked.append(("structured_outputs", grammar, "" if kind == "json_object" else _source(kind, value)))
+        asked.append(("structured_outputs", grammar, text))
     return asked
 
 
-def _source(kind: str, value) -> str:
-    """The text a (valid) constraint holds, for the special-token check: choices, a schema's JSON, a regex or grammar
-    with its backslashes dropped (`<\\|im_end\\|>`; a character class or a hex escape still hides a special token's
-    text)."""
-    if kind == "choice":
-        return "\n".join(value)
-    if kind == "json":
-        return json.dumps(json.loads(value) if isinstance(value, str) else value, ensure_ascii=False)
-    return value.replace("\\", "")
-
-
-def _grammar(kind: str, value, param: str) -> str:
+def _grammar(kind: str, value, param: str) -> tuple[str, str]:
+    """(the grammar, the text it holds) of a guided_* / structured_outputs value. The text is for the special-token
+    check: choices, a schema's JSON, a regex or grammar with its backslashes dropped (`<\\|im_end\\|>`; a character
+    class or a hex escape still hides a special token's text)."""
     if kind == "json":
         if isinstance(value, str):
             try:
@@ -122,17 +114,21 @@ def _grammar(kind: str, value, param: str) -> str:
                                   param=param) from None
         if not isinstance(value, dict):
             raise bad_request(f"{param} must be a JSON schema object.", param=param)
-        return _json_grammar(value, param)
+        return _json_grammar(value, param), _schema_text(value)
     if kind == "choice":
         if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
             raise bad_request(f"{param} must be a non-empty list of non-empty strings.", param=param)
-        return llg.grammar_from("choice", json.dumps(value))
+        return llg.grammar_from("choice", json.dumps(value)), "\n".join(value)
     if not (isinstance(value, str) and value):
         raise bad_request(f"{param} must be a non-empty string.", param=param)
     try:
-        return llg.grammar_from(_FORMATS[kind], value)
+        return llg.grammar_from(_FORMATS[kind], value), value.replace("\\", "")
     except ValueError as exc:  # a GBNF grammar that does not convert
         raise bad_request(f"{param}: {exc}", param=param) from None
+
+
+def _schema_text(schema: dict) -> str:
+    return json.dumps(schema, ensure_ascii=False)  # (non-ASCII as itself: a special token's text may be)
 
 
 # JSON as json.dumps writes it: whitespace anywhere else lets a model pad its output (a small one loops on it)
