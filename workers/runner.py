@@ -345,8 +345,9 @@ class ModelRunner:
                 self.flush(lanes)  # this step needs the tokens of the one in flight on the host
             drafts, draft_time = self._propose(step.draft_jobs) if step.draft_jobs else (step.spec_token_ids, 0.0)
             start = None
-            if pending is not None and self.device.type == "cuda":  # launched behind the step in flight: timed on the device, from when
-                start = torch.cuda.Event(enable_timing=True)  # the GPU reaches it (that step's end, or later)
+            if pending is not None and self.device.type == "cuda":  # launched behind the step in flight: timed on
+                start = torch.cuda.Event(enable_timing=True)  # the device, from when the GPU reaches it (that step's
+                # end, or later)
                 start.record()
             t1 = time.perf_counter()
             sampled_reqs, logits_fn, verify, scores = self._run(step.num_scheduled_tokens, pending, lane, drafts)
