@@ -82,6 +82,19 @@ def step_features(flight: list[Scheduled], drafts: dict[str, list[int]] | None =
     return prefill, attention, decodes, kv, 1 if prefill else 0
 
 
+class InFlight(msgspec.Struct, gc=False):
+    """A step sent to the worker whose output has not come back."""
+
+    step: int
+    records: list[Scheduled]
+    features: Features  # its cost-model terms
+    predicted: float  # its predicted time, ms
+    lane: int
+    drafts: dict | None  # request id -> its draft tokens, for the steps that verify drafts
+    wait: int  # QUEUED, TURNAROUND or 0: how the worker was to wait for it
+    draft_priced: float = 0.0  # its draft-model work priced with the model's cost model (draft_work_ms), ms
+
+
 class StepOrderError(ValueError):
     """update() got the output of another step than the oldest in flight (nor a void one): the order is broken,
     the worker's K/V state unknown, so the caller fails all its requests (fail_all(str(exc)))."""
@@ -155,7 +168,7 @@ class Scheduler:
         self.pending: list[TokenDelta] = []  # deltas made outside update() (rejections), sent with the next
         # (step number, its requests, its cost-model terms, its predicted ms, its lane, its drafts or None, how it
         # was scheduled: QUEUED, TURNAROUND or 0), oldest first
-        self.in_flight: deque[tuple[int, list[Scheduled], Features, float, int, dict | None, int]] = deque()
+        self.in_flight: deque[InFlight] = deque()
         self.on_output = False  # a step's output was applied since the last schedule()
         self.late = False  # ... and it came while a late composition was due (wake_at): before its step was sent
         self.busy = [0.0, 0.0, 0.0]  # per lane: when the worker is predicted to be done with its steps in flight
@@ -260,7 +273,7 @@ class Scheduler:
                    for rid, r in self.requests.items() if not r.internal]
         on_worker = [rid for rid, r in self.requests.items() if r.on_worker] + self.finished_ids
         queries, hits = self.bm.queries, self.bm.hits
-        self.void.update(entry[0] for entry in self.in_flight)
+        self.void.update(entry.step for entry in self.in_flight)
         self._reset()
         # the worker's K/V can't be trusted any more: the prefix cache goes too (its counters stay)
         self.bm.queries, self.bm.hits = queries, hits
@@ -299,10 +312,10 @@ class Scheduler:
             if constrained:
                 masks = self.grammars.masks([req.grammar for req in constrained])
                 allowed = {req.request_id: mask for req, mask in zip(constrained, masks)}
-        drafts = self.in_flight[-1][5] or {}
+        drafts = self.in_flight[-1].drafts or {}
         by_model = self.spec.draft_model
         return StepInput(step=self.step_no, new_reqs=new_reqs, cached_reqs=cached_reqs,
-                         num_scheduled_tokens=num_scheduled, finished_req_ids=finished, lane=self.in_flight[-1][4],
+                         num_scheduled_tokens=num_scheduled, finished_req_ids=finished, lane=self.in_flight[-1].lane,
                          spec_token_ids={} if by_model else drafts, draft_jobs=drafts if by_model else {},
                          allowed_token_ids=allowed)
 
@@ -322,7 +335,7 @@ class Scheduler:
         self.on_output = self.late = False
         if self.spec.enabled:
             self.spec_k = self._choose_k()
-            if self.spec_k or any(entry[5] for entry in self.in_flight):
+            if self.spec_k or any(entry.drafts for entry in self.in_flight):
                 limit = 1
         if not self.streams:
             if len(self.in_flight) >= limit:
@@ -333,7 +346,7 @@ class Scheduler:
                     self.wake_at = compose_at
                     return None
             return self._compose(now, LANE_MIXED, after)
-        decoding = sum(1 for entry in self.in_flight if entry[4] == LANE_DECODE)
+        decoding = sum(1 for entry in self.in_flight if entry.lane == LANE_DECODE)
         if decoding == len(self.in_flight):  # no prefill step in flight
             step = self._compose(now, LANE_PREFILL, after)
             if step is not None:
@@ -437,18 +450,21 @@ class Scheduler:
         self.step_no += 1
         features = step_features(flight, self.drafts)
         predicted = self.fit.model.step_ms(*features)
+        draft_priced = 0.0
         if self.drafts and self.spec.draft_model:  # and the draft model's passes
-            predicted += self.spec.draft_ratio * self.spec.draft_work_ms(self.drafts.values(), self.fit.model)
+            draft_priced = self.spec.draft_work_ms(self.drafts.values(), self.fit.model)
+            predicted += self.spec.draft_ratio * draft_priced
         self.busy[lane] = start + predicted / 1000.0
         drafts, self.drafts = self.drafts, {}
         # How the worker waits for it: behind a step of its lane (or, composed late, behind one that ended before
         # it was due: the worker's idle time is a bubble either way); or, composed on an output with none in flight,
         # for the host's turn-around (mixed lane: its idle time is the host gap h)
-        if any(entry[4] == lane for entry in self.in_flight):
+        if any(entry.lane == lane for entry in self.in_flight):
             wait = QUEUED
         else:
             wait = after if lane == LANE_MIXED else 0
-        self.in_flight.append((self.step_no, flight, features, predicted, lane, drafts or None, wait))
+        self.in_flight.append(InFlight(self.step_no, flight, features, predicted, lane, drafts or None, wait,
+                                       draft_priced))
         if lane == LANE_PREFILL:  # no decode step takes them until this step's output is applied
             for rec in flight:
                 rec.req.prefill_step = self.step_no
@@ -733,40 +749,40 @@ class Scheduler:
                 return None
             oldest = {}
             for entry in in_flight:
-                oldest.setdefault(entry[4], entry[0])
+                oldest.setdefault(entry.lane, entry.step)
             raise StepOrderError(f"worker {out.worker_id} returned step {out.step}, expected "
                                  f"{' or '.join(map(str, sorted(oldest.values()))) or None}")
         if out.error is not None:
             del in_flight[i]
             raise StepFailed(f"worker error: {out.error.splitlines()[-1]}")
         if 0.0 < out.execute_time < MAX_STEP_S:  # a worker's figure: a NaN or a wild one must not wipe the fit
-            drafts = in_flight[i][5]
-            draft = out.draft_time if drafts and self.spec.draft_model and 0.0 < out.draft_time < out.execute_time \
+            entry = in_flight[i]
+            draft = out.draft_time if entry.draft_priced and 0.0 < out.draft_time < out.execute_time \
                 else 0.0  # (the model's fit learns the step without its draft model's part)
             if draft:
-                self.spec.observe_draft(self.spec.draft_work_ms(drafts.values(), self.fit.model), draft * 1000.0)
-            self.fit.observe(in_flight[i][2], (out.execute_time - draft) * 1000.0)
-            if in_flight[i][2][4] and 0.0 <= out.launch_time < MAX_STEP_S:  # a step with a prompt chunk: eager
+                self.spec.observe_draft(entry.draft_priced, draft * 1000.0)
+            self.fit.observe(entry.features, (out.execute_time - draft) * 1000.0)
+            if entry.features[4] and 0.0 <= out.launch_time < MAX_STEP_S:  # a step with a prompt chunk: eager
                 self.eager_steps += 1
                 self.eager_launch_ms += out.launch_time * 1000.0
                 self.eager_step_ms += out.execute_time * 1000.0
         if 0.0 < out.idle_time < MAX_STEP_S:
-            if in_flight[i][6] == QUEUED:  # scheduled to queue, yet the worker waited for it
+            if in_flight[i].wait == QUEUED:  # scheduled to queue, yet the worker waited for it
                 self.bubble_ms += out.idle_time * 1000.0
-            elif in_flight[i][6] == TURNAROUND:
+            elif in_flight[i].wait == TURNAROUND:
                 self.fit.observe_gap(out.idle_time * 1000.0)
         return self._apply(now, out, index=i)
 
     def _oldest_of_lane(self, step: int) -> int | None:
         """The place in in_flight of `step` if it is the oldest step in flight of its lane, else None."""
         in_flight = self.in_flight
-        if in_flight and in_flight[0][0] == step:
+        if in_flight and in_flight[0].step == step:
             return 0
         lanes_before = set()
         for i, entry in enumerate(in_flight):
-            if entry[0] == step:
-                return None if entry[4] in lanes_before else i
-            lanes_before.add(entry[4])
+            if entry.step == step:
+                return None if entry.lane in lanes_before else i
+            lanes_before.add(entry.lane)
         return None
 
     def _apply(self, now: float, out: StepOutput | None = None, *, sample: Callable[[int, str], int] | None = None,
@@ -782,11 +798,12 @@ class Scheduler:
         """
         in_flight = self.in_flight
         if index:
-            step_no, flight, _, _, lane, drafts, _ = in_flight[index]
+            entry = in_flight[index]
             del in_flight[index]
         else:
-            step_no, flight, _, _, lane, drafts, _ = in_flight.popleft()
-        self.busy[lane] = now + sum(entry[3] for entry in in_flight if entry[4] == lane) / 1000.0
+            entry = in_flight.popleft()
+        step_no, flight, lane, drafts = entry.step, entry.records, entry.lane, entry.drafts
+        self.busy[lane] = now + sum(e.predicted for e in in_flight if e.lane == lane) / 1000.0
         self.on_output = True
         self.late = self.wake_at is not None
         if lane == LANE_PREFILL:
@@ -794,7 +811,7 @@ class Scheduler:
                 if rec.req.prefill_step == step_no:
                     rec.req.prefill_step = 0
         if self.bm.held:
-            self.bm.release_held(in_flight[0][0] if in_flight else math.inf)
+            self.bm.release_held(in_flight[0].step if in_flight else math.inf)
         if drafts:  # the requests whose drafts this output verifies (not made void since)
             verified = [rec for rec in flight if rec.req.request_id in drafts and rec.req.epoch == rec.epoch]
         deltas, self.pending = self.pending, []

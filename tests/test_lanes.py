@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import msgspec
 import pytest
 
 from batcher.block_manager import BlockManager
@@ -49,8 +50,9 @@ class LaneDriver(Driver):
             self.steps.append(st)
             self.flight.append((st.lane, self.w.execute(st)[0]))
             live = {}  # lane -> requests its steps in flight compute (not the void parts)
-            for step, recs, _, _, lane, _, _ in self.s.in_flight:
-                live.setdefault(lane, set()).update(r.req.request_id for r in recs if r.req.epoch == r.epoch)
+            for entry in self.s.in_flight:
+                live.setdefault(entry.lane, set()).update(r.req.request_id for r in entry.records
+                                                          if r.req.epoch == r.epoch)
             assert not (live.get(LANE_DECODE, set()) & live.get(LANE_PREFILL, set())), "a request in both lanes"
 
     def step(self):
@@ -224,10 +226,12 @@ def family(request, tmp_path_factory):
 
 
 def engine(runner, lanes: str, jobs: dict[str, tuple[list[int], int]], rng: random.Random,
-           cost: CostModel | None = None, params: dict | None = None, **config) -> tuple[dict[str, list[int]], Scheduler]:
+           cost: CostModel | None = None, params: dict | None = None,
+           **config) -> tuple[dict[str, list[int]], Scheduler]:
     """The real Scheduler driving the real ModelRunner in process, steps through the wire format; outputs applied
     in a random order that keeps each lane's. Returns each request's tokens (greedy unless `params` say otherwise),
-    and the scheduler."""
+    and the scheduler. The outputs reach the scheduler without their wall-clock times, so its cost model (hence
+    its choices: K, chunking) is `cost`'s and the run is the same on a loaded machine."""
     s = Scheduler(cfg(lanes=lanes, max_num_batched_tokens=40, **config), runner.num_blocks, runner.block_size,
                   runner.max_model_len, cost=cost)
     for rid, (prompt, n) in jobs.items():
@@ -239,14 +243,19 @@ def engine(runner, lanes: str, jobs: dict[str, tuple[list[int], int]], rng: rand
     now = 0.0
     runner.reset()
     lane_of = {}
+
+    def take() -> list[tuple[int, P.StepOutput]]:
+        return [(lane_of[o.step], msgspec.structs.replace(o, execute_time=0.0, draft_time=0.0, idle_time=0.0,
+                                                           launch_time=0.0)) for o in runner.take_outputs()]
+
     while s.num_unfinished:
         while (st := s.schedule(now)) is not None:
             lane_of[st.step] = st.lane
             runner.submit(wire.decode(P.encode(st)))
-            outs += [(lane_of[o.step], o) for o in runner.take_outputs()]
+            outs += take()
         if not outs:  # on a GPU the steps may all be in flight still
             runner.flush()
-            outs += [(lane_of[o.step], o) for o in runner.take_outputs()]
+            outs += take()
         heads = {}
         for i, (lane, _) in enumerate(outs):
             heads.setdefault(lane, i)

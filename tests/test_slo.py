@@ -61,7 +61,7 @@ def run_timed(s: Scheduler, arrivals: list[tuple[float, AddRequest]], cost: Cost
         if st is None:
             return None
         out, seen = w.execute(st)
-        assert seen == s.in_flight[-1][2]
+        assert seen == s.in_flight[-1].features
         end = now + cost.step_ms(*seen) / 1000.0
         log.append((now, end, dict(st.num_scheduled_tokens), seen))
         return end, out
@@ -834,7 +834,7 @@ def test_host_gap_is_learned_from_the_idle_time_of_steps_composed_on_an_output()
     # the scheduler now expects a step it composes with none in flight to start h later
     s.add_request(msg("b", 20, k=2), now=t)
     s.schedule(t)
-    assert s.busy_until == pytest.approx(t + (s.fit.model.h + s.in_flight[-1][3]) / 1000.0)
+    assert s.busy_until == pytest.approx(t + (s.fit.model.h + s.in_flight[-1].predicted) / 1000.0)
 
 
 def test_a_learned_host_gap_turns_speculation_off_where_it_no_longer_pays():
@@ -859,7 +859,7 @@ def test_an_output_before_the_late_composition_is_a_bubble_not_a_host_gap():
     s.update(StepOutput(step=first.step, worker_id=0, request_ids=["a"], sampled_token_ids=[[5]],
                         execute_time=0.005, idle_time=0.0), 0.006)  # far sooner than predicted
     second = s.schedule(0.006)
-    assert second is not None and s.in_flight[-1][6] == QUEUED
+    assert second is not None and s.in_flight[-1].wait == QUEUED
     s.update(StepOutput(step=second.step, worker_id=0, request_ids=["a"], sampled_token_ids=[[6]],
                         execute_time=0.01, idle_time=0.004), 0.02)
     assert s.stats().pipeline_bubble_ms == pytest.approx(4.0) and s.fit.gaps == 0 and s.fit.model.h == 0.0

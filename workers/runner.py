@@ -92,9 +92,9 @@ class _InFlight:
     t0: float
     collected: tuple | None = None  # TP: (tokens, logprobs), sampled and broadcast in step
     verify: _Verify | None = None  # speculative decoding: the drafts it verifies
-    end: torch.cuda.Event | None = None  # CUDA, two lanes or behind: recorded after all of the step's work
+    end: torch.cuda.Event | None = None  # CUDA: a timing event recorded after all of the step's work
     behind: bool = False  # launched while its lane's step before was in flight
-    start: torch.cuda.Event | None = None  # CUDA, behind: a timing event recorded before its forward (and `end` times)
+    start: torch.cuda.Event | None = None  # CUDA: a timing event recorded before its work (drafts included)
     scores: PromptScores | None = None  # the prompt logprobs of its chunks, for the requests that ask
     draft_time: float = 0.0  # seconds its draft model took (StepInput.draft_jobs)
     launch_time: float = 0.0  # seconds the host took to build its forward's inputs and launch it
@@ -151,7 +151,9 @@ class ModelRunner:
             raise ValueError(f"--overlap-steps {cfg.overlap_steps!r}: choose from {', '.join(OVERLAP_MODES)}")
         self.tp_rank, self.tp_size = tp_rank, cfg.tensor_parallel_size
         self.device = rank_device(resolve_device(cfg.device), tp_rank)
-        if self.device.type == "cpu" and cfg.num_threads > 0:
+        if self.device.type == "cuda":  # streams, events and graphs made without a device name use this one
+            torch.cuda.set_device(self.device)
+        elif cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype)
@@ -343,12 +345,11 @@ class ModelRunner:
             pending = self._pending_rows(step.num_scheduled_tokens, lane, step.draft_jobs or step.spec_token_ids)
             if pending is None:
                 self.flush(lanes)  # this step needs the tokens of the one in flight on the host
-            drafts, draft_time = self._propose(step.draft_jobs) if step.draft_jobs else (step.spec_token_ids, 0.0)
             start = None
-            if pending is not None and self.device.type == "cuda":  # launched behind the step in flight: timed on
-                start = torch.cuda.Event(enable_timing=True)  # the device, from when the GPU reaches it (that step's
-                # end, or later)
+            if self.device.type == "cuda":  # timed on the device, from when the GPU reaches it (launched behind the
+                start = torch.cuda.Event(enable_timing=True)  # step in flight: that step's end, or later) to its end
                 start.record()
+            drafts, draft_time = self._propose(step.draft_jobs) if step.draft_jobs else (step.spec_token_ids, 0.0)
             t1 = time.perf_counter()
             sampled_reqs, logits_fn, verify, scores = self._run(step.num_scheduled_tokens, pending, lane, drafts)
             launch_time = time.perf_counter() - t1
@@ -358,9 +359,9 @@ class ModelRunner:
             f.behind, f.start = pending is not None, start
             for rid in step.allowed_token_ids:
                 self.requests[rid].sample_row.allowed = None
-            if start is not None or stream is not None:  # after all of its work: the end of its device time, and
-                f.end = torch.cuda.Event(enable_timing=start is not None)  # (two lanes) its output must not say
-                f.end.record()  # "done" before the GPU is (held blocks go free then)
+            if start is not None:  # after all of its work: the end of its device time; its output does not say
+                f.end = torch.cuda.Event(enable_timing=True)  # "done" before the GPU is (two lanes: held blocks go
+                f.end.record()  # free then; a step that samples nothing is not collected on its launch)
         if not self.overlap:
             self.flush(lanes)
         elif self.concurrent:
@@ -400,8 +401,9 @@ class ModelRunner:
                 out.sampled_token_ids.append(tokens)
                 if out.logprobs:
                     out.logprobs.append([])
-        # This step's own time: from its start, or from the end of its lane's step before when they overlapped; on
-        # CUDA, launched behind that one, on the device: a launch that outlasted that step counts here, not there.
+        # This step's own time. On CUDA, on the device: launched behind its lane's step before, from that step's
+        # end (a launch that outlasted that step counts here, not there). On the CPU, from its start or the end of
+        # that step, when they overlapped.
         done = time.perf_counter()
         if f.start is not None:
             out.execute_time = f.start.elapsed_time(f.end) / 1000.0

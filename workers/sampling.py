@@ -199,12 +199,13 @@ def sample_on_device(logits: torch.Tensor, rows: list[SampleRow]) -> Sampled:
             logits.index_put_((to_device(i, torch.int64, device), to_device(t, torch.int64, device)),
                               to_device(b, torch.float32, device), accumulate=True)
 
-    if any(r.params.min_tokens and r.num_output_tokens < r.params.min_tokens for r in rows):
+    at = [(i, t) for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens
+          for t in r.params.stop_token_ids if 0 <= t < V]  # min_tokens: no stop token yet
+    if at:
         logits = logits.clone()
-        for i, r in enumerate(rows):
-            if r.num_output_tokens < r.params.min_tokens:
-                ids = [t for t in r.params.stop_token_ids if 0 <= t < V]
-                logits[i, ids] = float("-inf")
+        i, t = zip(*at)
+        logits.index_put_((to_device(i, torch.int64, device), to_device(t, torch.int64, device)),
+                          logits.new_full((len(at),), float("-inf")))
     if any(r.params.repetition_penalty != 1.0 or r.params.frequency_penalty or r.params.presence_penalty
            for r in rows):
         logits = logits.clone()

@@ -397,8 +397,8 @@ class _Fleet:
                     self._wake(w, sched.wake_at)
                     break
                 out, seen = self.sim_workers[w].execute(step)  # now: the state the worker would see
-                assert seen == sched.in_flight[-1][2], f"step {step.step}: the worker ran {seen}"
-            features = sched.in_flight[-1][2]  # the scheduler's terms of the step
+                assert seen == sched.in_flight[-1].features, f"step {step.step}: the worker ran {seen}"
+            features = sched.in_flight[-1].features  # the scheduler's terms of the step
             dt = self.step_ms(*features) / 1000.0
             if self.noise:
                 dt *= max(0.1, 1.0 + self.rng.gauss(0.0, self.noise))
@@ -408,7 +408,7 @@ class _Fleet:
             bm = sched.bm
             res.block_seconds += (bm.num_blocks - bm.num_free) * dt
             if lanes is not None:
-                step_no, lane = sched.in_flight[-1][0], sched.in_flight[-1][4]
+                step_no, lane = sched.in_flight[-1].step, sched.in_flight[-1].lane
                 lanes[lane] = done_at = max(now, lanes[lane]) + dt
                 heappush(self.events, (done_at, 0, w, (step_no, out)))
                 continue
