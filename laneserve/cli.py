@@ -75,10 +75,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # Tools own their argument parsing.
-    if argv and argv[0] in TOOLS:
+    # Tools own their argument parsing (after the global --log-level, if given first).
+    level, rest = (argv[1], argv[2:]) if argv[:1] == ["--log-level"] and len(argv) > 2 else (None, argv)
+    if rest[:1] and rest[0].startswith("--log-level="):
+        level, rest = rest[0].split("=", 1)[1], rest[1:]
+    if rest and rest[0] in TOOLS:
         import importlib
 
+        if level is not None:
+            _check_log_level(level)
+            logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        argv = rest
         try:
             return importlib.import_module(TOOLS[argv[0]][0]).main(argv[1:]) or 0
         except (ValueError, OSError, ZeroDivisionError) as exc:  # a bad value or file: one line, not a traceback
@@ -88,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve" and any(a == "--api-key" or a.startswith("--api-key=") for a in argv):
         print("laneserve: --api-key on the command line is visible to every user (/proc/PID/cmdline); use "
               "LANESERVE_API_KEY or --api-key-file (the gateway gets it by environment either way)", file=sys.stderr)
-    if not isinstance(logging.getLevelName(args.log_level.upper()), int):
-        raise SystemExit(f"--log-level {args.log_level!r}: choose DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    _check_log_level(args.log_level)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     gateway_cfg, batcher_cfg, worker_cfg = _configs()
     if args.command == "serve":
@@ -110,6 +116,11 @@ def main(argv: list[str] | None = None) -> int:
 
         run(from_args(worker_cfg, args))
     return 0
+
+
+def _check_log_level(level: str) -> None:
+    if not isinstance(logging.getLevelName(level.upper()), int):
+        raise SystemExit(f"--log-level {level!r}: choose DEBUG, INFO, WARNING, ERROR or CRITICAL")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

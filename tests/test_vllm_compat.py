@@ -166,6 +166,7 @@ def test_vllm_flags_parse_to_the_same_config():
     (["serve", "--warm-prefix", "/nonexistent.json"], "--warm-prefix /nonexistent.json"),
     (["serve", "--cost-model-out", "/nonexistent/dir/cm.json"], "its directory does not exist"),
     (["--log-level", "FOO", "serve"], "--log-level 'FOO'"),
+    (["--log-level=FOO", "simulate", "--help"], "--log-level 'FOO'"),  # before a tool's name too
 ])
 def test_a_flag_laneserve_lacks_is_a_clear_error(argv, says):
     with pytest.raises(SystemExit) as e:
@@ -180,6 +181,9 @@ def test_a_tools_bad_value_is_one_line_not_a_traceback(capsys):
     with pytest.raises(SystemExit):  # a rate or speed-up that is not a finite number > 0: argparse's error
         cli.main(["simulate", "--trace", "synthetic", "--speedup", "0"])
     assert "argument --speedup: '0': must be a finite number > 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # the global --log-level before a tool's name reaches the tool's parser
+        cli.main(["--log-level", "WARNING", "simulate", "--help"])
+    assert e.value.code == 0 and "usage: laneserve simulate" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------- metrics

@@ -24,7 +24,7 @@ class WorkerConfig:
         "--speculative draft: loaded beside the model, with its own K/V in every KV block, in the model's dtype "
         "(random weights when --load-format dummy); '' = none"))
     kv_cache_memory: str = field(default="", metadata=flag(
-        "KV pool size, e.g. 256MiB or 4GiB; empty = on CPU 256MiB or room for two --max-model-len sequences, "
+        "KV pool size, e.g. 256MiB or 4GiB; empty or 0 = on CPU 256MiB or room for two --max-model-len sequences, "
         "whichever is more; on CUDA --gpu-memory-utilization"))
     gpu_memory_utilization: float = field(default=0.9, metadata=flag(
         "share of GPU memory for weights + activations + KV pool (measured after a warm-up forward)"))
