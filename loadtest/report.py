@@ -133,7 +133,8 @@ def print_report(meta: dict, s: dict, console: Console | None = None) -> None:
     console = console or Console()
     console.print(f"laneserve loadtest: model {meta.get('model')} at {meta.get('url')}")
     if meta.get("tokenizer_probe") is False:
-        console.print(f"note: /tokenize gave no usable token alphabet; prompts use ids 0..{meta.get('alphabet_size', 0) - 1}")
+        console.print("note: /tokenize gave no usable token alphabet; prompts use ids "
+                      f"0..{meta.get('alphabet_size', 0) - 1}")
     t = Table(title="requests and throughput")
     t.add_column("metric")
     t.add_column("value", justify="right")

@@ -281,7 +281,8 @@ def run(warmup: list[traces.TraceRequest], runs: list[tuple[float, int, list[tra
                      "metrics": metrics})
         console.print(f"rate {rate:g} seed {seed}: sent {metrics['sent']} finished {metrics['finished']} "
                       f"rejected {metrics['rejected']}  TTFT p95 {_fmt(metrics['ttft_p95_ms'])} ms  "
-                      f"TPOT p95 {_fmt(metrics['tpot_p95_ms'])} ms  ITL p95 {_fmt(metrics['itl_p95_ms'])} ms  goodput {metrics['goodput_pct']:.1f}%  "
+                      f"TPOT p95 {_fmt(metrics['tpot_p95_ms'])} ms  ITL p95 {_fmt(metrics['itl_p95_ms'])} ms  "
+                      f"goodput {metrics['goodput_pct']:.1f}%  "
                       f"{_fmt(metrics['output_tok_s'])} output tok/s")
         if meta.get("interrupted"):  # Ctrl-C: keep what was measured, run no more
             console.print("[yellow]interrupted: the sweep stops here")
