@@ -166,8 +166,8 @@ def resolve_generator_flags(args: argparse.Namespace) -> None:
     stray = [k for k in GENERATOR_DEFAULTS if k not in shaping and getattr(args, k, None) is not None]
     if stray:
         flags = ", ".join("--" + k.replace("_", "-") for k in stray)
-        what = (f"the {args.trace!r} trace takes --" + ", --".join(k.replace("_", "-") for k in shaping)
-                if shaping else f"they shape the generated traces ({', '.join(GENERATED)}), not a trace file")
+        what = (f"the {args.trace!r} trace takes --" + ", --".join(k.replace("_", "-") for k in shaping) if shaping
+                else f"generator flags shape the generated traces ({', '.join(GENERATED)}), not a trace file")
         raise ValueError(f"{flags} {'does' if len(stray) == 1 else 'do'} not apply to --trace {args.trace}: {what}")
     for k in shaping:
         if hasattr(args, k) and getattr(args, k) is None:

@@ -130,7 +130,7 @@ async def _json(session: aiohttp.ClientSession, method: str, url: str, timeout: 
 def _max_model_len(value, where: str) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value < 2**63 or value % 1:
         raise RuntimeError(f"{where}: the server reports max_model_len {value!r}, not a whole number >= 1")
     return int(value)
 
