@@ -22,29 +22,22 @@ import json
 import math
 import os
 import sys
+import tempfile
+import urllib.parse
+from pathlib import Path
 
 from loadtest import traces
 
 GENERATED = ("synthetic", "rag")  # --trace values made by a generator (the generator flags apply)
-
-
-def _length(text: str) -> int | tuple[int, int]:
-    """'128' -> 128; '64:512' -> uniform on [64, 512]."""
-    if ":" in text:
-        lo, hi = text.split(":", 1)
-        return int(lo), int(hi)
-    return int(text)
-
-
-def _rates(text: str) -> list[float]:
-    """'24,30,36' -> [24.0, 30.0, 36.0]"""
-    try:
-        rates = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad rate list {text!r}; expected e.g. 24,30,36") from None
-    if not rates or min(rates) <= 0 or len(set(rates)) != len(rates):
-        raise argparse.ArgumentTypeError(f"{text!r}: give distinct rates > 0, e.g. 24,30,36")
-    return rates
+# The generator flags' defaults, and the flags that shape each generated trace (--seed is not among them: it also
+# seeds the prompts of a trace file's replay). A flag left unset is None until trace_from_args fills it in.
+GENERATOR_DEFAULTS = {"rate": 4.0, "burstiness": 1.0, "num_requests": 100, "input_tokens": 256, "output_tokens": 64,
+                      "num_docs": 16, "doc_tokens": 1024, "question_tokens": (32, 96), "hit_rate": 0.8}
+SHAPES = {"synthetic": ("rate", "burstiness", "num_requests", "input_tokens", "output_tokens"),
+          "rag": ("rate", "burstiness", "num_requests", "num_docs", "doc_tokens", "question_tokens", "output_tokens",
+                  "hit_rate")}
+MAX_SPAN_S = 7 * 24 * 3600.0  # a replay planned to last longer is a mistake (a tiny --rate or --speedup)
+MAX_SEEDS = 100  # per rate, in a sweep (every run's trace is built up front)
 
 
 def positive(text: str) -> float:
@@ -55,12 +48,78 @@ def positive(text: str) -> float:
     return value
 
 
+def non_negative(text: str) -> float:
+    """argparse type: a finite number >= 0 (a window start)."""
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number >= 0")
+    return value
+
+
+def share(text: str) -> float:
+    """argparse type: a number from 0 to 1."""
+    value = float(text)
+    if not 0.0 <= value <= 1.0:  # (NaN fails too)
+        raise argparse.ArgumentTypeError(f"{text!r}: must be from 0 to 1")
+    return value
+
+
 def count(text: str) -> int:
     """argparse type: a whole number >= 1."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
     return value
+
+
+def whole(text: str) -> int:
+    """argparse type: a whole number >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be 0 or more")
+    return value
+
+
+def _seeds(text: str) -> int:
+    value = count(text)
+    if value > MAX_SEEDS:
+        raise argparse.ArgumentTypeError(f"{text!r}: at most {MAX_SEEDS}")
+    return value
+
+
+def _length(text: str) -> int | tuple[int, int]:
+    """'128' -> 128; '64:512' -> uniform on [64, 512]; lengths are >= 1."""
+    try:
+        parts = [count(x) for x in text.split(":", 1)]
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected N or LO:HI, whole numbers >= 1") from None
+    if len(parts) == 2 and parts[0] > parts[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: LO:HI needs LO <= HI")
+    return (parts[0], parts[1]) if len(parts) == 2 else parts[0]
+
+
+def _rates(text: str) -> list[float]:
+    """'24,30,36' -> [24.0, 30.0, 36.0]: distinct finite rates > 0."""
+    try:
+        rates = [positive(x) for x in text.split(",")]
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"{text!r}: give distinct finite rates > 0, e.g. 24,30,36") from None
+    if len(set(rates)) != len(rates):
+        raise argparse.ArgumentTypeError(f"{text!r}: a rate is given twice")
+    return rates
+
+
+def check_url(text: str, flag: str = "--url") -> str:
+    """A server's base URL, http(s)://HOST[:PORT]; a ValueError naming the flag otherwise (checked after parsing:
+    tests build traces with a placeholder URL)."""
+    try:
+        parts = urllib.parse.urlsplit(text)
+        ok = parts.scheme in ("http", "https") and parts.hostname and parts.port != 0
+    except ValueError:  # a port out of range, a bad IPv6 address
+        ok = False
+    if not ok or parts.query or parts.fragment:
+        raise ValueError(f"{flag} {text!r}: must be http(s)://HOST[:PORT], a port from 1 to 65535")
+    return text
 
 
 def add_trace_args(p: argparse.ArgumentParser, rate: bool = True) -> argparse._ArgumentGroup:
@@ -74,34 +133,52 @@ def add_trace_args(p: argparse.ArgumentParser, rate: bool = True) -> argparse._A
     p.add_argument("--time-unit", choices=tuple(traces.TIME_UNITS), default=None,
                    help="unit of a JSONL trace file's timestamps when the file does not say it (no header line; "
                         "shipped traces and files written by save_trace do)")
-    g = p.add_argument_group("synthetic and rag traces (the same flags in laneserve loadtest and laneserve simulate)")
+    g = p.add_argument_group("synthetic and rag traces (the same flags in laneserve loadtest and laneserve simulate; "
+                             "an error with a trace they do not shape)")
+    d = GENERATOR_DEFAULTS
     if rate:
-        g.add_argument("--rate", type=positive, default=4.0, help="requests/s")
-    g.add_argument("--burstiness", type=positive, default=1.0, help="gamma shape: 1 = Poisson, < 1 burstier")
-    g.add_argument("--num-requests", type=count, default=100)
-    g.add_argument("--input-tokens", type=_length, default=256, help="N or LO:HI")
-    g.add_argument("--output-tokens", type=_length, default=64, help="N or LO:HI")
-    g.add_argument("--num-docs", type=int, default=16, help="rag: shared document pool size")
-    g.add_argument("--doc-tokens", type=int, default=1024, help="rag: document length (whole 512-token blocks)")
-    g.add_argument("--question-tokens", type=_length, default=(32, 96), help="rag: N or LO:HI")
-    g.add_argument("--hit-rate", type=float, default=0.8, help="rag: share of prompts on a pooled document")
-    g.add_argument("--seed", type=int, default=0)
+        g.add_argument("--rate", type=positive, help=f"requests/s (default {d['rate']:g})")
+    g.add_argument("--burstiness", type=positive,
+                   help=f"gamma shape: 1 = Poisson, < 1 burstier (default {d['burstiness']:g})")
+    g.add_argument("--num-requests", type=count, help=f"default {d['num_requests']}")
+    g.add_argument("--input-tokens", type=_length, help=f"synthetic: N or LO:HI (default {d['input_tokens']})")
+    g.add_argument("--output-tokens", type=_length, help=f"N or LO:HI (default {d['output_tokens']})")
+    g.add_argument("--num-docs", type=count, help=f"rag: shared document pool size (default {d['num_docs']})")
+    g.add_argument("--doc-tokens", type=count,
+                   help=f"rag: document length (whole 512-token blocks; default {d['doc_tokens']})")
+    g.add_argument("--question-tokens", type=_length, help="rag: N or LO:HI (default %d:%d)" % d["question_tokens"])
+    g.add_argument("--hit-rate", type=share,
+                   help=f"rag: share of prompts on a pooled document (default {d['hit_rate']:g})")
+    g.add_argument("--seed", type=whole, default=0)
     return g
 
 
 def generator_flags(args: argparse.Namespace) -> dict:
     """The generator flags that shape args.trace (for reports)."""
-    keys = ("rate", "burstiness", "num_requests", "input_tokens", "output_tokens", "seed")
-    if args.trace == "rag":
-        keys = ("rate", "burstiness", "num_requests", "num_docs", "doc_tokens", "question_tokens", "output_tokens",
-                "hit_rate", "seed")
+    keys = (*SHAPES.get(args.trace, ("rate", "burstiness", "num_requests", "input_tokens", "output_tokens")), "seed")
     return {k: getattr(args, k) for k in keys if hasattr(args, k)}
+
+
+def resolve_generator_flags(args: argparse.Namespace) -> None:
+    """Set the unset generator flags that shape args.trace to their defaults (in args); one given for a trace it
+    does not shape (a trace file, or the other generator's flag) is a ValueError, not ignored."""
+    shaping = SHAPES.get(args.trace, ())
+    stray = [k for k in GENERATOR_DEFAULTS if k not in shaping and getattr(args, k, None) is not None]
+    if stray:
+        flags = ", ".join("--" + k.replace("_", "-") for k in stray)
+        what = (f"the {args.trace!r} trace takes --" + ", --".join(k.replace("_", "-") for k in shaping) if shaping
+                else f"generator flags shape the generated traces ({', '.join(GENERATED)}), not a trace file")
+        raise ValueError(f"{flags} {'does' if len(stray) == 1 else 'do'} not apply to --trace {args.trace}: {what}")
+    for k in shaping:
+        if hasattr(args, k) and getattr(args, k) is None:
+            setattr(args, k, GENERATOR_DEFAULTS[k])
 
 
 def trace_from_args(args: argparse.Namespace) -> list[traces.TraceRequest]:
     """The trace that --trace, --time-unit and the generator flags name (add_trace_args). A bad name,
     file, unit or generator value exits with the reason (SystemExit)."""
     try:
+        resolve_generator_flags(args)
         if args.trace in GENERATED and args.time_unit is not None:
             raise ValueError(f"--time-unit is for trace files, not the generated {args.trace!r} trace")
         if args.trace == "synthetic":
@@ -113,6 +190,27 @@ def trace_from_args(args: argparse.Namespace) -> list[traces.TraceRequest]:
         return traces.load_trace(args.trace, time_unit=args.time_unit)
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"error: {exc}") from None
+
+
+def check_span(trace: list[traces.TraceRequest], speedup: float, hint: str) -> float:
+    """The replay's planned length in seconds; a ValueError when it is absurd (over MAX_SPAN_S), with the hint."""
+    span = trace[-1].arrival / speedup if trace else 0.0
+    if not span <= MAX_SPAN_S:
+        raise ValueError(f"the replay would last {span:.3g} s, more than {MAX_SPAN_S / 86400:g} days: {hint}")
+    return span
+
+
+def writable_dir(path: str | Path, flag: str) -> None:
+    """Create the directory now (parents too) and check a file can be written in it: a bad --out fails before the
+    run, not after it. A ValueError naming the flag otherwise."""
+    if not str(path):
+        raise ValueError(f"{flag} is empty")
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot write files there ({exc.strerror or exc})") from None
 
 
 def _add_request_args(p: argparse.ArgumentParser) -> None:
@@ -127,10 +225,10 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_limits(w) -> None:
-    w.add_argument("--time-limit", type=float, default=None,
+    w.add_argument("--time-limit", type=positive, default=None,
                    help="wall seconds for one replay (default: trace span + request timeout)")
-    w.add_argument("--request-timeout", type=float, default=600.0)
-    w.add_argument("--max-connections", type=int, default=256, help="HTTP connection pool size")
+    w.add_argument("--request-timeout", type=positive, default=600.0)
+    w.add_argument("--max-connections", type=count, default=256, help="HTTP connection pool size")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,11 +238,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_trace_args(p)
     w = p.add_argument_group("replay")
     w.add_argument("--speedup", type=positive, default=1.0, help="divide arrival times by this")
-    w.add_argument("--start", type=float, default=0.0, help="trace window start, trace seconds")
-    w.add_argument("--duration", type=float, default=None, help="trace window length, trace seconds")
-    w.add_argument("--max-requests", type=int, default=None)
-    w.add_argument("--max-input-tokens", type=int, default=None, help="cap each prompt (e.g. for a small model)")
-    w.add_argument("--max-output-tokens", type=int, default=None, help="cap each output")
+    w.add_argument("--start", type=non_negative, default=0.0, help="trace window start, trace seconds")
+    w.add_argument("--duration", type=positive, default=None, help="trace window length, trace seconds")
+    w.add_argument("--max-requests", type=count, default=None)
+    w.add_argument("--max-input-tokens", type=count, default=None, help="cap each prompt (e.g. for a small model)")
+    w.add_argument("--max-output-tokens", type=count, default=None, help="cap each output")
     _add_limits(w)
     _add_request_args(p)
     _add_output_args(p, "directory for report.json, records.jsonl and plots")
@@ -153,15 +251,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_output_args(p: argparse.ArgumentParser, out_help: str) -> None:
     o = p.add_argument_group("output")
-    o.add_argument("--slo", default="ttft=120ms,tpot=30ms", help="goodput SLO, e.g. ttft=120ms,tpot=30ms,e2e=5s")
+    o.add_argument("--slo", default="ttft=120ms,tpot=30ms",
+                   help="goodput SLO, e.g. ttft=120ms,tpot=30ms,e2e=5s (terms ttft, tpot, itl, e2e; units us, ms "
+                        "[the default], s); --slo= sets none: every finished request counts as good")
     o.add_argument("--out", required=True, help=out_help)
     o.add_argument("--no-plots", dest="plots", action="store_false")
     o.add_argument("--no-progress", dest="progress", action="store_false")
 
 
 def make_trace(args: argparse.Namespace) -> list[traces.TraceRequest]:
-    reqs = trace_from_args(args)
-    reqs = traces.window(reqs, args.start, args.duration, args.max_requests)
+    full = trace_from_args(args)
+    if full and not math.isfinite(full[-1].arrival):  # a generator's gaps overflowed (a --rate of 1e-320, say)
+        raise ValueError(f"the trace's arrival times overflow: --rate {args.rate:g} is too low")
+    reqs = traces.window(full, args.start, args.duration, args.max_requests)
+    if not reqs:
+        span = f"0 to {full[-1].arrival:g} s" if full else "no request at all"
+        raise ValueError(f"--start {args.start:g}" + (f" --duration {args.duration:g}" if args.duration else "")
+                         + f" selects no request of the trace {args.trace!r} (its arrivals: {span})")
     return traces.cap(reqs, args.max_input_tokens, args.max_output_tokens)
 
 
@@ -200,14 +306,17 @@ def run_main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     slo = report.parse_slo(args.slo)
     trace = make_trace(args)
+    check_url(args.url)
+    span = check_span(trace, args.speedup, "check --rate and --speedup, or cut the trace with --duration or "
+                                           "--max-requests")
+    writable_dir(args.out, "--out")
     console = Console(stderr=True)
-    span = trace[-1].arrival / args.speedup if trace else 0.0
     console.print(f"replaying {len(trace)} requests over {span:.1f}s against {args.url}")
     cfg = _load_config(args, args.speedup)
     try:
         records, meta = _run(trace, cfg, console, args.progress and console.is_terminal)
     except (aiohttp.ClientError, OSError, RuntimeError, ValueError) as exc:  # the probe failed
-        console.print(f"[red]loadtest failed before the run: {exc}")
+        print(f"laneserve loadtest: failed before the run: {exc}", file=sys.stderr)  # one line: no rich wrapping
         return 2
     meta.update(trace=args.trace, start=args.start, duration=args.duration, max_requests=args.max_requests,
                 max_input_tokens=args.max_input_tokens, max_output_tokens=args.max_output_tokens,
@@ -240,8 +349,9 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     """A sweep's rates, seeds and warm-up, and the trace flags: `laneserve loadtest sweep` and `laneserve simulate
     sweep` (which replays the same traces: plan_sweep)."""
     p.add_argument("--rates", type=_rates, required=True, help="requests/s, comma-separated, e.g. 24,30,36")
-    p.add_argument("--seeds", type=int, default=3, help="seeds per rate: --seed, --seed + 1, ...")
-    p.add_argument("--warmup-requests", type=int, default=None,
+    p.add_argument("--seeds", type=_seeds, default=3, help=f"seeds per rate: --seed, --seed + 1, ... (at most "
+                                                           f"{MAX_SEEDS})")
+    p.add_argument("--warmup-requests", type=whole, default=None,
                    help="requests of the warm-up replay, at most --num-requests (0: none; default: 32, or --num-docs "
                         "if more, for rag)")
     add_trace_args(p, rate=False)
@@ -254,11 +364,15 @@ def plan_sweep(p: argparse.ArgumentParser, args: argparse.Namespace):
 
     if args.trace not in GENERATED:
         p.error(f"--trace must be one of {', '.join(GENERATED)}: the sweep sets the rate of a generated trace")
-    if args.seeds < 1:
-        p.error("--seeds must be >= 1")
+    try:
+        resolve_generator_flags(args)
+    except ValueError as exc:
+        p.error(str(exc))
     warmup_n = args.warmup_requests
     if warmup_n is None:
-        warmup_n = max(32, args.num_docs) if args.trace == "rag" else 32
+        warmup_n = min(max(32, args.num_docs) if args.trace == "rag" else 32, args.num_requests)
+    elif warmup_n > args.num_requests:
+        p.error(f"--warmup-requests {warmup_n} is more than --num-requests {args.num_requests}")
 
     def make(rate: float, seed: int) -> list[traces.TraceRequest]:
         return trace_from_args(argparse.Namespace(**{**vars(args), "rate": rate, "seed": seed}))
@@ -277,8 +391,12 @@ def sweep_main(argv: list[str]) -> int:
 
     p = build_sweep_parser()
     args = p.parse_args(argv)
-    warmup, runs = plan_sweep(p, args)
     slo = report.parse_slo(args.slo)
+    warmup, runs = plan_sweep(p, args)
+    check_url(args.url)
+    for trace in (warmup, *(t for _, _, t in runs)):
+        check_span(trace, 1.0, "raise the lowest of --rates, or lower --num-requests")
+    writable_dir(args.out, "--out")
     console = Console(stderr=True)
     console.print(f"sweep: {len(runs)} replays ({len(args.rates)} rates x {args.seeds} seeds) of {args.num_requests} "
                   f"requests against {args.url}, after a warm-up of {len(warmup)}")
@@ -288,7 +406,7 @@ def sweep_main(argv: list[str]) -> int:
                                lambda trace, cfg: _run(trace, cfg, console, args.progress and console.is_terminal),
                                console)
     except (aiohttp.ClientError, OSError, RuntimeError, ValueError) as exc:  # a probe failed: the server is gone
-        console.print(f"[red]sweep failed: {exc}")
+        print(f"laneserve loadtest sweep: failed: {exc}", file=sys.stderr)
         return 2
     gen = generator_flags(args)
     gen.pop("rate", None)
@@ -313,10 +431,41 @@ def sweep_main(argv: list[str]) -> int:
 
 def _run_name(path: str) -> str:
     """runs/burst/report.json -> 'burst', runs/h200/sweep.json -> 'h200' (the --out directory names the run)."""
-    from pathlib import Path
-
     p = Path(path)
     return p.parent.name if p.name in ("report.json", "sweep.json") and p.parent.name else p.stem
+
+
+def _load_result(path: str) -> tuple[dict, str]:
+    """A report.json or sweep.json file's object and its kind, "report" or "sweep"; a ValueError naming the file."""
+    from loadtest import report, sweep
+
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except ValueError as exc:  # not JSON, not UTF-8
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+    kind = "sweep" if isinstance(d, dict) and d.get("kind") == sweep.KIND else "report"
+    why = (sweep if kind == "sweep" else report).shape_problem(d)
+    if why:
+        raise ValueError(f"{path}: not a loadtest report or sweep ({why})")
+    return d, kind
+
+
+def _plot_path(text: str) -> Path:
+    """--plot's file: NAME with no extension is NAME.png (as matplotlib writes it); a format matplotlib does not
+    write, or a place no file can be written, is a ValueError before any table is printed."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    path = Path(text)
+    if not text or path.is_dir():
+        raise ValueError(f"--plot {text!r}: give a file name, e.g. sweep-compare.png")
+    if not path.suffix:
+        path = path.with_name(path.name + ".png")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if path.suffix[1:].lower() not in formats:
+        raise ValueError(f"--plot {text}: the extension must be one of {', '.join(sorted(formats))}")
+    writable_dir(path.parent, "--plot")
+    return path
 
 
 def compare_main(argv: list[str]) -> int:
@@ -327,35 +476,45 @@ def compare_main(argv: list[str]) -> int:
                                             "and both curves on one plot")
     p.add_argument("a")
     p.add_argument("b")
-    p.add_argument("--plot", default="sweep-compare.png", help="sweeps: where to write the plot")
+    p.add_argument("--plot", default="sweep-compare.png",
+                   help="sweeps: where to write the plot (.png unless another extension is given)")
     p.add_argument("--no-plots", dest="plots", action="store_false")
     args = p.parse_args(argv)
-    with open(args.a) as fa, open(args.b) as fb:
-        a, b = json.load(fa), json.load(fb)
+    (a, kind_a), (b, kind_b) = _load_result(args.a), _load_result(args.b)
+    if kind_a != kind_b:
+        p.error(f"compare takes two report.json or two sweep.json files; got a {kind_a} and a {kind_b}")
     names = tuple(_run_name(x) for x in (args.a, args.b))
     names = names if names[0] != names[1] else (args.a, args.b)
-    kinds = ["sweep" if d.get("kind") == sweep.KIND else "report" if "summary" in d else None for d in (a, b)]
-    if kinds[0] != kinds[1] or None in kinds:
-        p.error(f"compare takes two report.json or two sweep.json files; got {kinds[0] or 'neither'} and "
-                f"{kinds[1] or 'neither'}")
-    if kinds[0] == "report":
+    if kind_a == "report":
         report.print_compare(a, b, names)
         return 0
+    plot = _plot_path(args.plot) if args.plots else None
     sweep.print_sweeps([a, b], list(names))
-    if args.plots:
+    if plot:
         from loadtest.plots import plot_sweeps
 
-        print(f"wrote {plot_sweeps(list(zip(names, (a, b))), args.plot)}")
+        print(f"wrote {plot_sweeps(list(zip(names, (a, b))), plot)}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`laneserve loadtest` and `python -m loadtest`: a bad value or file is one line and exit status 2."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] == "compare":
-        return compare_main(argv[1:])
-    if argv and argv[0] == "sweep":
-        return sweep_main(argv[1:])
-    return run_main(argv)
+    tool = "laneserve loadtest" + (f" {argv[0]}" if argv[:1] in (["compare"], ["sweep"]) else "")
+    try:
+        if argv and argv[0] == "compare":
+            return compare_main(argv[1:])
+        if argv and argv[0] == "sweep":
+            return sweep_main(argv[1:])
+        return run_main(argv)
+    except (ValueError, OSError, ZeroDivisionError) as exc:  # as laneserve/cli.py's: one line, not a traceback
+        print(f"{tool}: error: {exc}", file=sys.stderr)
+        return 2
+    except SystemExit as exc:  # trace_from_args' "error: ..." (shared with laneserve simulate): status 2 here
+        if not isinstance(exc.code, str):
+            raise
+        print(f"{tool}: {exc.code}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

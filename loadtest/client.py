@@ -24,6 +24,7 @@ from loadtest.traces import TraceRequest, synth_token_ids
 # Text tokenized once to learn ordinary (non-special) token ids of the server's vocabulary; fewer distinct ids
 # than MIN_ALPHABET and the fallback alphabet is used instead.
 MIN_ALPHABET = 32
+PROBE_TIMEOUT = 30.0  # s for each request of the probe (a server that takes the connection and never answers)
 PROBE_TEXT = (
     "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs! "
     "0123456789 +-*/=<>()[]{} retrieval augmented generation answers questions about documents; "
@@ -96,36 +97,75 @@ def _base(url: str) -> str:
     return url[:-3] if url.endswith("/v1") else url
 
 
-async def _json(session: aiohttp.ClientSession, method: str, url: str, **kw):
-    async with session.request(method, url, **kw) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"{method} {url}: HTTP {resp.status}: {(await resp.text())[:200]}")
-        return await resp.json(content_type=None)
+def _error_detail(body: bytes) -> str:
+    """': message' of an OpenAI-style JSON error body, or of a short text one, on one line; '' for an HTML page."""
+    try:
+        err = json.loads(body).get("error")
+        msg = err.get("message") if isinstance(err, dict) else err
+    except AttributeError:  # JSON, not an object
+        return ""
+    except ValueError:
+        msg = body.decode(errors="replace")
+        msg = "" if msg.lstrip().startswith("<") else msg
+    return f": {' '.join(str(msg).split())[:200]}" if msg else ""
+
+
+async def _json(session: aiohttp.ClientSession, method: str, url: str, timeout: float | None = None, **kw):
+    """The JSON reply of one request; a RuntimeError of one line for an HTTP error, a reply that is not JSON, or no
+    reply within timeout seconds (default: the session's)."""
+    limit = aiohttp.ClientTimeout(total=timeout) if timeout else session.timeout
+    try:
+        async with session.request(method, url, timeout=limit, **kw) as resp:
+            body = await resp.read()
+            if resp.status != 200:
+                raise RuntimeError(f"{method} {url}: HTTP {resp.status} {resp.reason}{_error_detail(body)}")
+    except asyncio.TimeoutError:
+        raise RuntimeError(f"{method} {url}: no response within {limit.total:g} s") from None
+    try:
+        return json.loads(body)
+    except ValueError:
+        raise RuntimeError(f"{method} {url}: the reply is not JSON (is this an OpenAI-compatible server?)") from None
+
+
+def _max_model_len(value, where: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value < 2**63 or value % 1:
+        raise RuntimeError(f"{where}: the server reports max_model_len {value!r}, not a whole number >= 1")
+    return int(value)
 
 
 async def probe(session: aiohttp.ClientSession, cfg: LoadConfig) -> ServerInfo:
+    """The server's model (cfg.model, which it must list, or the first it lists), max_model_len and a token
+    alphabet; a RuntimeError of one line when it is not an OpenAI-compatible server. Each request is bounded by
+    PROBE_TIMEOUT (or the request timeout, if shorter)."""
     base = _base(cfg.url)
-    models = await _json(session, "GET", base + "/v1/models")
-    cards = models.get("data") or []
-    model = cfg.model or (cards[0]["id"] if cards else None)
+    timeout = min(PROBE_TIMEOUT, cfg.request_timeout)
+    models = await _json(session, "GET", base + "/v1/models", timeout)
+    cards = models.get("data") if isinstance(models, dict) else None
+    if not isinstance(cards, list) or not all(isinstance(c, dict) and isinstance(c.get("id"), str) for c in cards):
+        raise RuntimeError(f'GET {base}/v1/models: not an OpenAI model list {{"data": [{{"id": ...}}, ...]}}')
+    ids = [c["id"] for c in cards]
+    if cfg.model is not None and ids and cfg.model not in ids:
+        raise RuntimeError(f"--model {cfg.model}: {base} serves {', '.join(ids)}")
+    model = cfg.model or (ids[0] if ids else None)
     if model is None:
         raise RuntimeError(f"{base}/v1/models lists no model; pass --model")
-    card = next((c for c in cards if c.get("id") == model), {})
-    max_len = card.get("max_model_len")
+    card = next((c for c in cards if c["id"] == model), {})
+    max_len = _max_model_len(card.get("max_model_len"), f"GET {base}/v1/models")
     try:
-        tok = await _json(session, "POST", base + "/tokenize",
+        tok = await _json(session, "POST", base + "/tokenize", timeout,
                           json={"model": model, "prompt": PROBE_TEXT, "add_special_tokens": False})
         alphabet = sorted(set(int(t) for t in tok["tokens"]))
-        max_len = tok.get("max_model_len") or max_len
         # A tokenizer that maps the probe to a handful of ids (a word-level one missing English words maps it
         # all to <unk>) would make every prompt the same few ids, and every block a prefix-cache hit.
         tokenize_ok = len(alphabet) >= MIN_ALPHABET
         if not tokenize_ok:
             alphabet = []
-    except (RuntimeError, aiohttp.ClientError, KeyError, ValueError):
-        alphabet, tokenize_ok = [], False
-    return ServerInfo(model, int(max_len) if max_len else None, alphabet or list(range(cfg.vocab_size)),
-                      tokenize_ok)
+    except (RuntimeError, aiohttp.ClientError, KeyError, ValueError, TypeError):
+        tok, alphabet, tokenize_ok = {}, [], False
+    max_len = _max_model_len(tok.get("max_model_len"), f"POST {base}/tokenize") or max_len
+    return ServerInfo(model, max_len, alphabet or list(range(cfg.vocab_size)), tokenize_ok)
 
 
 def fit_to_context(req: TraceRequest, max_model_len: int | None) -> tuple[TraceRequest, bool]:
@@ -179,13 +219,13 @@ class LoadRunner:
             async with session.post(_base(self.cfg.url) + path, json=body) as resp:
                 rec.status = resp.status
                 if resp.status != 200:
-                    rec.error = (await resp.text())[:500] or resp.reason or "error"
+                    rec.error = f"HTTP {resp.status} {resp.reason}{_error_detail(await resp.read())}"
                     return
                 await self._read_stream(resp, rec, start)
         except asyncio.CancelledError:
             rec.error = rec.error or "cancelled: the run stopped (time limit or interrupt)"
             raise
-        except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError, KeyError) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError, KeyError, TypeError) as exc:
             rec.error = f"{type(exc).__name__}: {exc}"[:500] or type(exc).__name__
         finally:
             if rec.ok:
@@ -207,19 +247,22 @@ class LoadRunner:
                 rec.e2e = loop.time() - start
                 break
             now = loop.time()
-            obj = json.loads(data)
-            if obj.get("error"):
-                err = obj["error"]
-                rec.error = (err.get("message") if isinstance(err, dict) else str(err)) or "stream error"
-                return
-            if obj.get("usage"):
-                rec.output_tokens = int(obj["usage"].get("completion_tokens") or 0)
-                rec.prompt_tokens = obj["usage"].get("prompt_tokens")
+            try:
+                obj = json.loads(data)
+                err, usage, choices = obj.get("error"), obj.get("usage"), list(obj.get("choices") or ())
+                if err:
+                    rec.error = (err.get("message") if isinstance(err, dict) else str(err)) or "stream error"
+                    return
+                if usage:
+                    rec.output_tokens = int(usage.get("completion_tokens") or 0)
+                    rec.prompt_tokens = usage.get("prompt_tokens")
+                role_only = self.cfg.endpoint == "chat" and bool(choices) and _role_only(choices[0])
+            except (ValueError, TypeError, AttributeError):
+                raise ValueError(f"not an OpenAI stream chunk: {data[:80].decode(errors='replace')}") from None
             # As vLLM's benchmark: every chunk with choices is a token event, text or not (a byte-level
             # tokenizer may hold back a partial UTF-8 character). The chat role chunk comes first and
             # carries no content, so it does not count.
-            choices = obj.get("choices") or ()
-            if choices and not (self.cfg.endpoint == "chat" and _role_only(choices[0])):
+            if choices and not role_only:
                 chunks += 1
                 if last is None:
                     rec.ttft = now - start

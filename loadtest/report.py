@@ -8,6 +8,7 @@ Pure computation and file output; no HTTP, no plotting (plots.py).
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import Counter
 from dataclasses import asdict
@@ -25,13 +26,19 @@ _UNITS = {"ms": 1e-3, "s": 1.0, "us": 1e-6}
 
 
 def parse_slo(text: str | None) -> dict[str, float]:
-    """'ttft=120ms,tpot=30ms[,e2e=2s]' -> {'ttft': 0.12, 'tpot': 0.03, ...} in seconds."""
+    """'ttft=120ms,tpot=30ms[,e2e=2s]' -> {'ttft': 0.12, 'tpot': 0.03, ...} in seconds; '' -> {} (no SLO).
+    A ValueError naming --slo for a bad term, a term given twice, or a bound that is not a finite time > 0."""
     slo: dict[str, float] = {}
     for part in filter(None, (p.strip() for p in (text or "").split(","))):
-        m = re.fullmatch(r"(ttft|tpot|itl|e2e)\s*=\s*([0-9.]+)\s*(ms|s|us)?", part)
+        m = re.fullmatch(r"(ttft|tpot|itl|e2e)\s*=\s*(\d+\.?\d*|\.\d+)\s*(ms|s|us)?", part)
         if not m:
-            raise ValueError(f"bad SLO term {part!r}; expected e.g. ttft=120ms,tpot=30ms")
-        slo[m.group(1)] = float(m.group(2)) * _UNITS[m.group(3) or "ms"]
+            raise ValueError(f"--slo: bad term {part[:40]!r}; expected e.g. ttft=120ms,tpot=30ms")
+        if m.group(1) in slo:
+            raise ValueError(f"--slo: {m.group(1)} is given twice")
+        value = float(m.group(2)) * _UNITS[m.group(3) or "ms"]
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"--slo: {part[:40]!r}: the bound must be a finite time > 0")
+        slo[m.group(1)] = value
     return slo
 
 
@@ -126,7 +133,8 @@ def print_report(meta: dict, s: dict, console: Console | None = None) -> None:
     console = console or Console()
     console.print(f"laneserve loadtest: model {meta.get('model')} at {meta.get('url')}")
     if meta.get("tokenizer_probe") is False:
-        console.print(f"note: /tokenize gave no usable token alphabet; prompts use ids 0..{meta.get('alphabet_size', 0) - 1}")
+        console.print("note: /tokenize gave no usable token alphabet; prompts use ids "
+                      f"0..{meta.get('alphabet_size', 0) - 1}")
     t = Table(title="requests and throughput")
     t.add_column("metric")
     t.add_column("value", justify="right")
@@ -157,6 +165,28 @@ def print_report(meta: dict, s: dict, console: Console | None = None) -> None:
     lag = s["dispatch_lag_ms"]
     if lag["p99"] is not None and lag["p99"] > 50:
         console.print(f"[yellow]client lag p99 {lag['p99']:.0f} ms: the load generator fell behind the trace")
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def shape_problem(d) -> str | None:
+    """Why d is not a report.json object, as far as compare reads one; None when it is one."""
+    s = d.get("summary") if isinstance(d, dict) else None
+    if not isinstance(s, dict):
+        return 'no "summary" object'
+    for key in ("sent", "finished", "errored", "duration_s", "request_throughput", "output_tok_s", "total_tok_s",
+                "goodput"):
+        if not _number(s.get(key)):
+            return f"summary.{key} is not a number"
+    if s.get("rejected") is not None and not _number(s["rejected"]):
+        return "summary.rejected is not a number"
+    for name in LATENCIES:
+        st = s.get(f"{name}_ms")
+        if not isinstance(st, dict) or not all(v is None or _number(v) for v in st.values()):
+            return f"summary.{name}_ms is not a table of numbers"
+    return None
 
 
 def compare(a: dict, b: dict) -> list[tuple[str, object, object, float | None]]:

@@ -139,6 +139,33 @@ def build(meta: dict, runs: list[dict], slo_ms: dict[str, float]) -> dict:
             "runs": runs, "definitions": DEFINITIONS}
 
 
+def shape_problem(d) -> str | None:
+    """Why d is not a sweep.json object, as far as compare and the plots read one; None when it is one."""
+    def number(v, none_ok: bool = False) -> bool:
+        return (v is None and none_ok) or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+    if not isinstance(d, dict) or d.get("kind") != KIND:
+        return f'no "kind": "{KIND}"'
+    if not isinstance(d.get("meta", {}), dict):
+        return '"meta" is not an object'
+    if not isinstance(d.get("slo_ms"), dict) or not all(number(v) for v in d["slo_ms"].values()):
+        return '"slo_ms" is not an object of numbers'
+    if not all(number(d.get(k), none_ok=True) for k in ("saturation_rate", "slo_capacity_rate", "max_output_tok_s")):
+        return "the saturation rate, SLO capacity or max output tok/s is not a number"
+    if not isinstance(d.get("rates"), list):
+        return '"rates" is not a list'
+    for row in d["rates"]:
+        if not isinstance(row, dict) or not number(row.get("rate")) or "holds_slo" not in row:
+            return 'a row of "rates" has no rate or holds_slo'
+        for key, _, _ in METRICS:  # a sweep.json older than a metric has none of it (plotted ones: always there)
+            cell = row.get(key)
+            if cell is None and key in ("itl_p95_ms", "rejected"):
+                continue
+            if not isinstance(cell, dict) or not all(number(cell.get(f), none_ok=True) for f in ("worst", "median")):
+                return f"rate {row['rate']:g}: {key} is not a worst / median pair"
+    return None
+
+
 # ----------------------------------------------------------------------------------------- output
 
 def _fmt(v) -> str:
@@ -254,7 +281,8 @@ def run(warmup: list[traces.TraceRequest], runs: list[tuple[float, int, list[tra
                      "metrics": metrics})
         console.print(f"rate {rate:g} seed {seed}: sent {metrics['sent']} finished {metrics['finished']} "
                       f"rejected {metrics['rejected']}  TTFT p95 {_fmt(metrics['ttft_p95_ms'])} ms  "
-                      f"TPOT p95 {_fmt(metrics['tpot_p95_ms'])} ms  ITL p95 {_fmt(metrics['itl_p95_ms'])} ms  goodput {metrics['goodput_pct']:.1f}%  "
+                      f"TPOT p95 {_fmt(metrics['tpot_p95_ms'])} ms  ITL p95 {_fmt(metrics['itl_p95_ms'])} ms  "
+                      f"goodput {metrics['goodput_pct']:.1f}%  "
                       f"{_fmt(metrics['output_tok_s'])} output tok/s")
         if meta.get("interrupted"):  # Ctrl-C: keep what was measured, run no more
             console.print("[yellow]interrupted: the sweep stops here")

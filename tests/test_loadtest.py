@@ -275,6 +275,135 @@ def test_429_and_other_http_errors_are_rejections_and_goodput_misses():
     assert dict(report._rows(s))["rejected"] == 2
 
 
+# ----------------------------------------------------------------------------------- bad input, no server
+
+FILE = "<a file>"  # stands for a regular file in tmp_path
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--slo=ttft=abc"], "--slo: bad term"), (["--slo=ttft=1.2.3ms"], "--slo: bad term"),
+    (["--slo=ttft=1ms,ttft=2ms"], "ttft is given twice"), (["--slo=ttft=0"], "finite time > 0"),
+    (["--slo=ttft=" + "9" * 400 + "s"], "finite time > 0"),
+    (["--max-connections", "0"], "--max-connections"), (["--input-tokens", "0:0"], "--input-tokens"),
+    (["--output-tokens", "5:3"], "LO <= HI"), (["--max-input-tokens", "0"], "--max-input-tokens"),
+    (["--max-requests", "-1"], "--max-requests"), (["--duration", "nan"], "--duration"), (["--start", "-5"], "--start"),
+    (["--start", "1e9"], "selects no request"), (["--request-timeout", "0"], "--request-timeout"),
+    (["--time-limit", "nan"], "--time-limit"), (["--rate", "1e-300"], "more than 7 days"),
+    (["--speedup", "1e-9"], "more than 7 days"), (["--rate", "1e-320"], "arrival times overflow"),
+    (["--num-docs", "3"], "--num-docs does not apply to --trace synthetic"),
+    (["--url", "127.0.0.1:8123"], "must be http(s)://HOST[:PORT]"), (["--url", "http://[::1"], "must be http(s)://"),
+    (["--url", "http://127.0.0.1:99999"], "must be http(s)://"), (["--out", FILE], "cannot write files there"),
+    (["--out", ""], "--out is empty"),
+    (["sweep", "--rates", "5,,6"], "--rates"), (["sweep", "--rates", "inf"], "--rates"),
+    (["sweep", "--rates", "5", "--seeds", "1000"], "--seeds"), (["sweep", "--rates", "1e-300"], "more than 7 days"),
+    (["sweep", "--rates", "5", "--warmup-requests", "9"], "more than --num-requests 3"),
+    (["sweep", "--rates", "5", "--out", FILE], "cannot write files there"),
+])
+def test_bad_flags_are_one_line_errors_before_the_run(flags, says, tmp_path, capsys):
+    """Each is refused before any request (the URL refuses connections: reaching it would say so instead)."""
+    (tmp_path / "f").write_text("x")
+    flags = [str(tmp_path / "f") if f == FILE else f for f in flags]
+    sub = flags[:1] if flags[0] == "sweep" else []
+    argv = [*sub, "--url", "http://127.0.0.1:1", "--no-progress", "--no-plots", "--out", str(tmp_path / "o"),
+            "--num-requests", "3", "--input-tokens" if not sub else "--output-tokens", "16", *flags[len(sub):]]
+    try:
+        rc = cli.main(argv)
+    except SystemExit as exc:  # argparse's usage and error
+        rc = exc.code
+    assert rc == 2
+    assert says in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_python_m_loadtest_gives_the_same_one_line_error():
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "loadtest", "--url", "http://127.0.0.1:1", "--out", "x",
+                          "--slo=ttft=abc"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and res.stderr.splitlines() == ["laneserve loadtest: error: --slo: bad term 'ttft=abc'; "
+                                                                "expected e.g. ttft=120ms,tpot=30ms"]
+
+
+@pytest.mark.parametrize("text, says", [
+    ("[]", 'no "summary" object'), ('{"summary": 5}', 'no "summary" object'), ('{"summary": {}}', "summary.sent"),
+    ('{"kind": "laneserve-sweep"}', '"slo_ms"'), ("<html>", "not JSON"),
+])
+def test_compare_refuses_files_of_the_wrong_shape(text, says, tmp_path, capsys):
+    good = report.write_report(tmp_path / "r", {"model": "m"}, report.summarize([_rec(0, 1, 2, 3)]), [])
+    (tmp_path / "bad.json").write_text(text)
+    assert cli.main(["compare", str(tmp_path / "bad.json"), str(good)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"laneserve loadtest compare: error: {tmp_path / 'bad.json'}: ")
+    assert says in err[0]
+
+
+class NotOpenAI:
+    """A server on loopback that is not quite OpenAI-compatible, one way per first path segment (the --url's path)."""
+
+    MODELS = {"list": [], "noid": {"data": [{"object": "model"}]}, "dictdata": {"data": {"id": "x"}},
+              "neglen": {"data": [{"id": "m", "max_model_len": -5}]}}
+
+    async def handle(self, request):
+        way, _, rest = request.path.lstrip("/").partition("/")
+        if way == "silent":
+            await self.release.wait()
+        if way == "html404":
+            return web.Response(status=404, text="<html>\n<body>\n<p>not here</p>\n</body>\n</html>",
+                                content_type="text/html")
+        if way == "html200":
+            return web.Response(text="<html><body>hello</body></html>", content_type="text/html")
+        if rest == "v1/models":
+            return web.json_response(self.MODELS.get(way, {"data": [{"id": "m", "max_model_len": 512}]}))
+        if rest == "tokenize":
+            return web.json_response({"tokens": list(range(100))})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: [1,2]\n\ndata: [DONE]\n\n")  # way "badchunk"
+        return resp
+
+    async def __aenter__(self) -> str:
+        self.release = asyncio.Event()
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *exc) -> None:
+        self.release.set()
+        await self.runner.cleanup()
+
+
+async def test_a_server_that_is_not_openai_compatible_is_a_one_line_error(tmp_path, capsys):
+    from loadtest import quote_qa
+
+    flags = ["--no-progress", "--no-plots", "--out", str(tmp_path / "o"), "--num-requests", "3", "--input-tokens",
+             "16", "--output-tokens", "4", "--request-timeout", "1"]
+    expect = {"silent": "/v1/models: no response within 1 s", "html404": "/v1/models: HTTP 404 Not Found",
+              "html200": "/v1/models: the reply is not JSON", "list": "not an OpenAI model list",
+              "noid": "not an OpenAI model list", "dictdata": "not an OpenAI model list",
+              "neglen": "max_model_len -5, not a whole number >= 1"}
+    async with NotOpenAI() as url:
+        for way, says in expect.items():
+            assert await asyncio.to_thread(cli.main, ["--url", f"{url}/{way}", *flags]) == 2, way
+            assert says in capsys.readouterr().err.splitlines()[-1], way
+        assert await asyncio.to_thread(cli.main, ["--url", f"{url}/ok", "--model", "other", *flags]) == 2
+        assert capsys.readouterr().err.splitlines()[-1].endswith(f"--model other: {url}/ok serves m")
+        assert await asyncio.to_thread(cli.main, ["sweep", "--url", f"{url}/silent", "--rates", "5", *flags]) == 2
+        assert "no response within 1 s" in capsys.readouterr().err.splitlines()[-1]
+        # a chunk that is not an OpenAI one: that request's error, of a named kind
+        assert await asyncio.to_thread(cli.main, ["--url", f"{url}/badchunk", *flags]) == 1
+        assert json.loads((tmp_path / "o" / "report.json").read_text())["summary"]["error_kinds"] == {
+            "ValueError: not an OpenAI stream chunk: [1,2]": 3}
+        for way, says in (("silent", "no response within 1 s"), ("html404", "HTTP 404 Not Found")):
+            capsys.readouterr()
+            assert await asyncio.to_thread(quote_qa.main, ["--url", f"{url}/{way}", "--timeout", "1"]) == 2
+            err = capsys.readouterr().err.splitlines()
+            assert len(err) == 1 and says in err[0], err
+
+
 # ------------------------------------------------------------------------- the trace flags, shared
 
 @pytest.mark.parametrize("flags", [
@@ -309,6 +438,10 @@ def test_trace_flag_errors(tmp_path):
         assert cli.trace_from_args(parse(["--trace", str(unmarked), "--time-unit", "ms"]))[1].arrival == 1.5
         with pytest.raises(SystemExit, match="for trace files"):
             cli.trace_from_args(parse(["--time-unit", "s"]))
+        with pytest.raises(SystemExit, match="--rate, --num-requests do not apply to --trace burstgpt-1"):
+            cli.trace_from_args(parse(["--trace", "burstgpt-1", "--rate", "5", "--num-requests", "2"]))
+        with pytest.raises(SystemExit, match="--input-tokens does not apply to --trace rag"):
+            cli.trace_from_args(parse(["--trace", "rag", "--input-tokens", "5"]))
         with pytest.raises(SystemExit):  # argparse's error: --rate must be a finite number > 0
             parse(["--rate", "0"])
     with pytest.raises(SystemExit, match="set its length with --num-requests"):
@@ -408,6 +541,11 @@ def test_compare_two_sweeps(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "a worst" in out and "b median" in out and "3 req/s" in out and "b: SLO capacity: 2 req/s" in out
     assert plot.stat().st_size > 0
+    assert cli.main(["compare", str(pa), str(pb), "--plot", str(tmp_path / "ab")]) == 0  # matplotlib adds .png
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {tmp_path / 'ab.png'}" and (tmp_path / "ab.png").exists()
+    for bad in ("x.bogusext", str(plot / "x.png"), str(tmp_path)):  # refused before the tables
+        assert cli.main(["compare", str(pa), str(pb), "--plot", bad]) == 2
+        assert capsys.readouterr().out == ""
     rep = report.write_report(tmp_path / "r", {"model": "m"}, report.summarize([_rec(0, 1, 2, 3)]), [])
     with pytest.raises(SystemExit):
         cli.main(["compare", str(pa), str(rep)])
