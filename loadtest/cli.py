@@ -228,7 +228,9 @@ def _add_limits(w) -> None:
     w.add_argument("--time-limit", type=positive, default=None,
                    help="wall seconds for one replay (default: trace span + request timeout)")
     w.add_argument("--request-timeout", type=positive, default=600.0)
-    w.add_argument("--max-connections", type=count, default=256, help="HTTP connection pool size")
+    w.add_argument("--max-connections", type=count, default=4096,
+                   help="completions in flight at once (HTTP connections); one above it waits, and the wait counts "
+                        "in its TTFT (reported: pool_wait_ms)")
 
 
 def build_parser() -> argparse.ArgumentParser:

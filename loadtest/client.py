@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import resource
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -39,7 +40,7 @@ class LoadConfig:
     model: str | None = None  # None: the first id from GET /v1/models
     endpoint: str = "completions"  # or "chat"
     speedup: float = 1.0  # arrival times are divided by this
-    max_connections: int = 256  # bounded pool; requests beyond it wait for a connection (counted in TTFT)
+    max_connections: int = 4096  # bounded pool; a request beyond it waits for a connection (in its TTFT)
     request_timeout: float = 600.0
     time_limit: float | None = None  # wall seconds for the whole run; None: trace span + request_timeout
     ignore_eos: bool = True
@@ -68,6 +69,7 @@ class RequestRecord:
     trace_output_tokens: int
     clamped: bool = False  # shortened to fit max_model_len
     sent: float | None = None  # when the request was handed to the pool, s from run start
+    pool_wait: float = 0.0  # s of its TTFT spent waiting for one of --max-connections connections
     status: int = 0  # HTTP status; 0: no response
     error: str | None = None
     ttft: float | None = None  # s from sent to the first generated text
@@ -187,6 +189,9 @@ class LoadRunner:
         self.info: ServerInfo | None = None
         self.meta: dict = {}
         self.sent = self.finished = self.errored = 0
+        # The connection pool: a completion holds one of these while it streams (the connector itself is
+        # unbounded, so /detokenize calls are not counted), and the time it waited for one is measured.
+        self.pool = asyncio.Semaphore(cfg.max_connections)
 
     # ------------------------------------------------------------------ prompts and payloads
     async def _prompt(self, session, req: TraceRequest, index: int):
@@ -216,12 +221,15 @@ class LoadRunner:
             path, body = self._payload(prompt, rec.max_tokens)
             rec.sent = loop.time() - t0
             start = loop.time()
-            async with session.post(_base(self.cfg.url) + path, json=body) as resp:
-                rec.status = resp.status
-                if resp.status != 200:
-                    rec.error = f"HTTP {resp.status} {resp.reason}{_error_detail(await resp.read())}"
-                    return
-                await self._read_stream(resp, rec, start)
+            full = self.pool.locked()
+            async with self.pool:
+                rec.pool_wait = loop.time() - start if full else 0.0
+                async with session.post(_base(self.cfg.url) + path, json=body) as resp:
+                    rec.status = resp.status
+                    if resp.status != 200:
+                        rec.error = f"HTTP {resp.status} {resp.reason}{_error_detail(await resp.read())}"
+                        return
+                    await self._read_stream(resp, rec, start)
         except asyncio.CancelledError:
             rec.error = rec.error or "cancelled: the run stopped (time limit or interrupt)"
             raise
@@ -285,7 +293,8 @@ class LoadRunner:
         limit = cfg.time_limit if cfg.time_limit is not None else span + cfg.request_timeout
         timeout = aiohttp.ClientTimeout(total=cfg.request_timeout)
         headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
-        connector = aiohttp.TCPConnector(limit=cfg.max_connections)
+        _raise_fd_limit(cfg.max_connections)
+        connector = aiohttp.TCPConnector(limit=0)  # (self.pool bounds the completions)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
             self.info = await probe(session, cfg)
             loop = asyncio.get_running_loop()
@@ -294,7 +303,8 @@ class LoadRunner:
             self.meta = {"url": cfg.url, "model": self.info.model, "endpoint": cfg.endpoint, "speedup": cfg.speedup,
                          "max_model_len": self.info.max_model_len, "tokenizer_probe": self.info.tokenize_ok,
                          "alphabet_size": len(self.info.alphabet), "prompt_mode": cfg.prompt_mode,
-                         "ignore_eos": cfg.ignore_eos, "planned": len(self.trace), "time_limit_s": limit,
+                         "ignore_eos": cfg.ignore_eos, "planned": len(self.trace),
+                         "max_connections": cfg.max_connections, "time_limit_s": limit,
                          "started_at": time.time(), "wall_s": None, "interrupted": False}
             tasks: list[asyncio.Task] = []
             for i, tr in enumerate(self.trace):
@@ -317,6 +327,14 @@ class LoadRunner:
                 await asyncio.gather(*pending, return_exceptions=True)
             self.meta["wall_s"] = loop.time() - t0
         return self.meta
+
+
+def _raise_fd_limit(connections: int, spare: int = 64) -> None:
+    """Raise the soft open-files limit so the pool fits, up to the hard limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = connections + spare
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
 
 
 def run_load(trace: list[TraceRequest], cfg: LoadConfig,

@@ -85,7 +85,8 @@ def _sweep_lines(axes, sweep: dict, color: str, name: str) -> None:
                 ys = [np.nan if row[key][which] is None else row[key][which] for row in sweep["rates"]]
                 ax.plot(rates, ys, style, marker=marker, color=color,
                         label=f"{name}{label}" if which == "median" else None)
-        for rate, style in ((sweep.get("saturation_rate"), ":"), (sweep.get("slo_capacity_rate"), "-.")):
+        saturation = sweep.get("saturation_rate") if sweep.get("saturation_reached") is not False else None
+        for rate, style in ((saturation, ":"), (sweep.get("slo_capacity_rate"), "-.")):
             if rate is not None:
                 ax.axvline(rate, color=color, linestyle=style, alpha=0.6)
 

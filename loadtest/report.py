@@ -52,10 +52,12 @@ def stats_ms(values) -> dict[str, float | None]:
 
 
 def meets_slo(r: RequestRecord, slo: dict[str, float]) -> bool:
+    """Finished inside every term; a term with no value passes only where none can exist (TPOT and ITL of a
+    one-token answer), not a TTFT or e2e the stream never gave."""
     if not r.ok:
         return False
     checks = {"ttft": r.ttft, "tpot": r.tpot, "e2e": r.e2e, "itl": max(r.itl) if r.itl else None}
-    return all(checks[k] is None or checks[k] <= v for k, v in slo.items())
+    return all(checks[k] <= v if checks[k] is not None else k in ("tpot", "itl") for k, v in slo.items())
 
 
 def summarize(records: list[RequestRecord], slo: dict[str, float] | None = None) -> dict:
@@ -82,6 +84,8 @@ def summarize(records: list[RequestRecord], slo: dict[str, float] | None = None)
         "ttft_ms": stats_ms(r.ttft for r in ok), "tpot_ms": stats_ms(r.tpot for r in ok),
         "itl_ms": stats_ms(g for r in ok for g in r.itl), "e2e_ms": stats_ms(r.e2e for r in ok),
         "dispatch_lag_ms": stats_ms(r.sent - r.scheduled for r in records if r.sent is not None),
+        "pool_waited": sum(1 for r in records if r.pool_wait > 0.0),
+        "pool_wait_ms": stats_ms(r.pool_wait for r in records if r.sent is not None),
         "slo": {k: v * 1e3 for k, v in slo.items()},
         "goodput": (len(good) / len(sent)) if sent else 0.0, "goodput_req_s": per_s(len(good)),
         "errors_by_status": dict(sorted(errors.items())), "error_kinds": dict(kinds.most_common(5)),
@@ -165,6 +169,13 @@ def print_report(meta: dict, s: dict, console: Console | None = None) -> None:
     lag = s["dispatch_lag_ms"]
     if lag["p99"] is not None and lag["p99"] > 50:
         console.print(f"[yellow]client lag p99 {lag['p99']:.0f} ms: the load generator fell behind the trace")
+    if s.get("pool_waited"):
+        console.print(f"[yellow]{s['pool_waited']} requests waited for a connection (up to "
+                      f"{s['pool_wait_ms']['max']:.0f} ms, counted in their TTFT): --max-connections "
+                      f"{meta.get('max_connections')} capped the requests in flight, not the server")
+    if s.get("output_tokens_short") and meta.get("ignore_eos"):
+        console.print(f"[yellow]{s['output_tokens_short']} finished requests gave other than max_tokens output "
+                      "tokens with ignore_eos (no usage in the stream: counted by chunks?)")
 
 
 def _number(v) -> bool:

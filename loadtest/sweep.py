@@ -41,10 +41,16 @@ DEFINITIONS = {
     "median": "per metric, the median seed (of an even number, the better of the two middle ones)",
     "saturation_rate": f"the highest rate whose median-seed output tok/s is within {SATURATION_WITHIN:.0%} of "
                        "the maximum over rates",
-    "slo_capacity_rate": "the highest rate at which the worst seed's p95 TTFT and p95 TPOT are inside the SLO "
-                         f"(terms the SLO sets) and its goodput is >= {CAPACITY_GOODPUT_PCT:g}%",
+    "saturation_reached": "whether the highest rate tried delivered less output tok/s than the rate before it "
+                          f"scaled by the rates' ratio, less {SATURATION_WITHIN:.0%} (the curve bent); if not, "
+                          "the server was not saturated at any rate tried and the saturation rate is only a bound",
+    "slo_capacity_rate": "the highest rate at which, and at every lower rate, the worst seed's p95 TTFT and p95 "
+                         "TPOT are inside the SLO (terms the SLO sets), its goodput is >= "
+                         f"{CAPACITY_GOODPUT_PCT:g}% and every request of the trace was sent",
+    "slo_holds_above_capacity": "rates above a failing one where the SLO held again (seed luck: not capacity)",
     "goodput": "requests that finished within every SLO term / requests sent; a request answered 429 (or any "
                "non-200), errored or cut by the time limit is a miss; 'rejected' counts the non-200 answers",
+    "output_tok_s": "output tokens of the finished requests / (first send -> last finish), as vLLM's benchmark",
 }
 
 
@@ -74,9 +80,10 @@ def plan(make_trace: Callable[[float, int], list[traces.TraceRequest]], rates: l
 
 # ------------------------------------------------------------------------------------ aggregation
 
-def run_metrics(summary: dict) -> dict:
-    """The sweep's metrics of one run, from report.summarize()'s summary."""
-    return {"ttft_p95_ms": summary["ttft_ms"]["p95"], "tpot_p95_ms": summary["tpot_ms"]["p95"],
+def run_metrics(summary: dict, planned: int | None = None) -> dict:
+    """The sweep's metrics of one run, from report.summarize()'s summary (planned: the trace's requests)."""
+    return {"unsent": max(0, (planned or 0) - summary["sent"]), "pool_waited": summary.get("pool_waited", 0),
+            "ttft_p95_ms": summary["ttft_ms"]["p95"], "tpot_p95_ms": summary["tpot_ms"]["p95"],
             "itl_p95_ms": summary["itl_ms"]["p95"],
             "goodput_pct": 100.0 * summary["goodput"], "output_tok_s": summary["output_tok_s"],
             "rejected": summary["rejected"], "sent": summary["sent"], "finished": summary["finished"],
@@ -107,13 +114,17 @@ def aggregate(runs: list[dict]) -> list[dict]:
             median = sorted(group, key=bad)[(len(group) - 1) // 2]  # (a sweep.json older than a metric: None)
             row[key] = {"worst": worst["metrics"].get(key), "worst_seed": worst["seed"],
                         "median": median["metrics"].get(key), "median_seed": median["seed"]}
+        for key in ("unsent", "pool_waited"):  # the most of any seed
+            row[key] = max(r["metrics"].get(key, 0) for r in group)
         rows.append(row)
     return rows
 
 
 def holds_slo(row: dict, slo_ms: dict[str, float]) -> bool:
     """The worst seed of this rate is inside the SLO: p95 TTFT and p95 TPOT (the terms slo_ms sets, in ms)
-    and goodput >= CAPACITY_GOODPUT_PCT."""
+    and goodput >= CAPACITY_GOODPUT_PCT, with the whole trace sent."""
+    if row.get("unsent"):
+        return False
     for key, term in (("ttft_p95_ms", "ttft"), ("tpot_p95_ms", "tpot")):
         if term in slo_ms and (row[key]["worst"] is None or row[key]["worst"] > slo_ms[term]):
             return False
@@ -121,13 +132,21 @@ def holds_slo(row: dict, slo_ms: dict[str, float]) -> bool:
 
 
 def mark(rows: list[dict], slo_ms: dict[str, float]) -> dict:
-    """The saturation rate and the SLO capacity of aggregate()'s rows (None when no rate qualifies)."""
+    """The saturation rate and the SLO capacity of aggregate()'s rows, ascending (None when no rate qualifies),
+    and whether the curve bent (DEFINITIONS)."""
     tput = {row["rate"]: row["output_tok_s"]["median"] or 0.0 for row in rows}
     top = max(tput.values(), default=0.0)
     saturated = [rate for rate, v in tput.items() if top > 0 and v >= (1 - SATURATION_WITHIN) * top]
-    inside = [row["rate"] for row in rows if holds_slo(row, slo_ms)]
-    return {"saturation_rate": max(saturated, default=None), "slo_capacity_rate": max(inside, default=None),
-            "max_output_tok_s": top}
+    rates = sorted(tput)
+    reached = len(rates) >= 2 and tput[rates[-1]] < (1 - SATURATION_WITHIN) * tput[rates[-2]] * rates[-1] / rates[-2]
+    capacity, above = None, []
+    for row in rows:
+        if not holds_slo(row, slo_ms):
+            above = [r["rate"] for r in rows if r["rate"] > row["rate"] and holds_slo(r, slo_ms)]
+            break
+        capacity = row["rate"]
+    return {"saturation_rate": max(saturated, default=None), "saturation_reached": reached,
+            "slo_capacity_rate": capacity, "slo_holds_above_capacity": above, "max_output_tok_s": top}
 
 
 def build(meta: dict, runs: list[dict], slo_ms: dict[str, float]) -> dict:
@@ -182,10 +201,17 @@ def _rate(v) -> str:
 
 def mark_lines(sweep: dict) -> list[str]:
     slo = ", ".join(f"p95 {k.upper()} <= {v:g} ms" for k, v in sweep["slo_ms"].items() if k in ("ttft", "tpot"))
-    return [f"saturation rate: {_rate(sweep['saturation_rate'])} (the highest rate whose median-seed output tok/s "
-            f"is within {SATURATION_WITHIN:.0%} of the maximum, {_fmt(sweep['max_output_tok_s'])})",
-            f"SLO capacity: {_rate(sweep['slo_capacity_rate'])} (the highest rate whose worst seed has "
-            f"{slo + ' and ' if slo else ''}goodput >= {CAPACITY_GOODPUT_PCT:g}%)"]
+    lines = [f"saturation rate: {_rate(sweep['saturation_rate'])} (the highest rate whose median-seed output tok/s "
+             f"is within {SATURATION_WITHIN:.0%} of the maximum, {_fmt(sweep['max_output_tok_s'])})",
+             f"SLO capacity: {_rate(sweep['slo_capacity_rate'])} (the highest rate at and below which the worst seed "
+             f"has {slo + ' and ' if slo else ''}goodput >= {CAPACITY_GOODPUT_PCT:g}%)"]
+    if sweep.get("saturation_reached") is False:  # (None: a sweep.json from before it was computed)
+        lines[0] += ("; NOT reached: output tok/s still grew in proportion to the rate at the highest rate tried, "
+                     "so saturation lies above it")
+    if sweep.get("slo_holds_above_capacity"):
+        lines[1] += (f"; the SLO held again at {', '.join(f'{r:g}' for r in sweep['slo_holds_above_capacity'])} "
+                     "req/s, above a rate where it failed")
+    return lines
 
 
 def markdown(sweep: dict) -> str:
@@ -276,7 +302,7 @@ def run(warmup: list[traces.TraceRequest], runs: list[tuple[float, int, list[tra
         summary = report.summarize(records, slo)
         name = f"rate{rate:g}_seed{seed}"
         report.write_report(Path(out_dir) / "runs" / name, {**meta, "rate": rate, "seed": seed}, summary, records)
-        metrics = run_metrics(summary)
+        metrics = run_metrics(summary, meta.get("planned"))
         rows.append({"rate": rate, "seed": seed, "dir": f"runs/{name}", "wall_s": meta.get("wall_s"),
                      "metrics": metrics})
         console.print(f"rate {rate:g} seed {seed}: sent {metrics['sent']} finished {metrics['finished']} "

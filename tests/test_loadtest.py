@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 
 from loadtest import cli, report, sweep
-from loadtest.client import PROBE_TEXT, LoadConfig, LoadRunner, RequestRecord, fit_to_context
+from loadtest.client import PROBE_TEXT, LoadConfig, LoadRunner, RequestRecord, fit_to_context, run_load
 from loadtest.traces import DATA_DIR as TRACES
 from loadtest.traces import TraceRequest, load_trace, rag
 
@@ -358,6 +358,12 @@ class NotOpenAI:
             return web.json_response({"tokens": list(range(100))})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if way == "slow":  # one token after 0.2 s of work, with usage
+            await asyncio.sleep(0.2)
+            await resp.write(b'data: {"choices": [{"text": "a"}]}\n\n'
+                             b'data: {"choices": [], "usage": {"completion_tokens": 1, "prompt_tokens": 4}}\n\n'
+                             b"data: [DONE]\n\n")
+            return resp
         await resp.write(b"data: [1,2]\n\ndata: [DONE]\n\n")  # way "badchunk"
         return resp
 
@@ -402,6 +408,19 @@ async def test_a_server_that_is_not_openai_compatible_is_a_one_line_error(tmp_pa
             assert await asyncio.to_thread(quote_qa.main, ["--url", f"{url}/{way}", "--timeout", "1"]) == 2
             err = capsys.readouterr().err.splitlines()
             assert len(err) == 1 and says in err[0], err
+
+
+async def test_a_request_waiting_for_a_connection_has_the_wait_in_its_ttft_and_the_report_says_so():
+    trace = [TraceRequest(0.0, 4, 1)] * 3  # three at once, each served in 0.2 s
+    async with NotOpenAI() as url:
+        for pool, waited in ((1, 2), (3, 0)):
+            cfg = LoadConfig(url=f"{url}/slow", max_connections=pool)
+            records, _ = await asyncio.to_thread(run_load, trace, cfg)
+            s = report.summarize(records)
+            assert s["finished"] == 3 and s["pool_waited"] == waited
+            assert sorted(r.pool_wait > 0 for r in records) == [False] * (3 - waited) + [True] * waited
+            assert all(r.ttft >= r.pool_wait + 0.2 for r in records)  # (the wait is in the TTFT)
+            assert waited == 0 or max(r.pool_wait for r in records) >= 0.4  # the third waited for two
 
 
 # ------------------------------------------------------------------------- the trace flags, shared
@@ -484,8 +503,21 @@ def test_sweep_marks_saturation_and_slo_capacity():
     rows = sweep.aggregate(runs)
     m = sweep.mark(rows, slo)
     # max median tok/s 2000 (rate 30); rate 40's 1950 is within 3% (>= 1940): the highest such rate is 40
-    assert m["max_output_tok_s"] == 2000 and m["saturation_rate"] == 40
+    assert m["max_output_tok_s"] == 2000 and m["saturation_rate"] == 40 and m["saturation_reached"]
     assert [sweep.holds_slo(r, slo) for r in rows] == [True, True, False, False] and m["slo_capacity_rate"] == 20
+    # a curve still rising in proportion to the rate at the top: the saturation rate is only a bound
+    assert not sweep.mark(rows[:2], slo)["saturation_reached"]  # 10 -> 20 req/s: 1000 -> 1950 tok/s
+    assert sweep.mark(rows[1:3], slo)["saturation_reached"]  # 20 -> 30 req/s: 1950 -> 2000 tok/s
+    assert any("NOT reached" in line for line in sweep.mark_lines({**sweep.mark(rows[:2], slo), "slo_ms": slo}))
+    # the capacity is the highest rate at and below which the SLO holds: not a rate above one that failed
+    lucky = [dict(r, metrics=dict(r["metrics"], ttft_p95_ms=100)) if r["rate"] == 40 else r for r in runs]
+    lucky = [dict(r, metrics=dict(r["metrics"], tpot_p95_ms=20, goodput_pct=99)) if r["rate"] == 40 else r
+             for r in lucky]
+    m = sweep.mark(sweep.aggregate(lucky), slo)
+    assert m["slo_capacity_rate"] == 20 and m["slo_holds_above_capacity"] == [40]
+    # a rate that left requests of its trace unsent (time limit) does not hold the SLO
+    cut = [dict(r, metrics=dict(r["metrics"], unsent=1)) if (r["rate"], r["seed"]) == (20, 2) else r for r in runs]
+    assert sweep.mark(sweep.aggregate(cut), slo)["slo_capacity_rate"] == 10
     # goodput 94.9% for one seed, or a TPOT p95 just over: no longer inside
     runs[4]["metrics"]["goodput_pct"] = 94.9
     assert sweep.mark(sweep.aggregate(runs), slo)["slo_capacity_rate"] == 10
@@ -501,7 +533,8 @@ def test_sweep_marks_saturation_and_slo_capacity():
     assert sweep.mark(sweep.aggregate(runs[3:]), {"ttft": 120.0})["slo_capacity_rate"] == 20
     # no throughput at all: no saturation rate either
     dead = [_sweep_run(r, 0, None, None, 0.0, 0.0, 10) for r in (1, 2)]
-    assert sweep.mark(sweep.aggregate(dead), slo) == {"saturation_rate": None, "slo_capacity_rate": None,
+    assert sweep.mark(sweep.aggregate(dead), slo) == {"saturation_rate": None, "saturation_reached": False,
+                                                      "slo_capacity_rate": None, "slo_holds_above_capacity": [],
                                                       "max_output_tok_s": 0.0}
 
 
@@ -582,5 +615,5 @@ def test_sweep_against_the_stack(stack, tmp_path):
     tput = {row["rate"]: row["output_tok_s"]["median"] for row in s["rates"]}
     assert s["saturation_rate"] == max(r for r, v in tput.items() if v >= 0.97 * max(tput.values()))
     inside = [row["rate"] for row in s["rates"] if row["holds_slo"]]
-    assert s["slo_capacity_rate"] == (max(inside) if inside else None)
+    assert s["slo_capacity_rate"] == (inside[-1] if inside == [8, 16][:len(inside)] and inside else None)
     assert "## 16 req/s" in (out / "sweep.md").read_text() and (out / "sweep.png").stat().st_size > 0
