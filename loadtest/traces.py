@@ -79,6 +79,7 @@ def _parse_datetime(s: str) -> float:
 
 MAX_TOKENS = 10_000_000  # the most tokens one request of a trace may have, in or out: a sanity bound, not a model's
 MAX_SECONDS = 1e11  # the largest timestamp (s, either sign): epoch times fit; beyond, a float blurs step times
+MAX_REQUESTS = 10_000_000  # the longest generated trace (the simulator runs ~2k requests/s)
 
 
 class TraceFileError(ValueError):
@@ -371,8 +372,13 @@ def _arrivals(rng: np.random.Generator, rate: float, n: int, burstiness: float) 
     for flag, value in (("--rate", rate), ("--burstiness", burstiness)):
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"{flag} {value}: must be a finite number > 0")
+    if not _whole(n, 0, MAX_REQUESTS):
+        raise ValueError(f"--num-requests {n}: must be a whole number up to {MAX_REQUESTS:,}")
     gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=max(n - 1, 0))
-    return np.concatenate([[0.0], np.cumsum(gaps)])[:n]
+    t = np.concatenate([[0.0], np.cumsum(gaps)])[:n]
+    if n and not t[-1] <= MAX_SECONDS:  # (NaN fails too)
+        raise ValueError(f"--rate {rate}: {n} requests would span {t[-1]:.3g} s, more than {MAX_SECONDS:g}")
+    return t
 
 
 def gamma_bursts(rate: float, n: int, burstiness: float, input_tokens, output_tokens,

@@ -270,6 +270,7 @@ BAD_FLAGS = [  # flags -> the start of the one-line error
     (["--config", '{"num_blocks": 100}', "--input-tokens", "3000"], "every request failed, e.g.: prompt of 3000"),
     (["--cost-model", "nofile.json"], "--cost-model nofile.json: cannot read it"),
     (["--json", "."], "--json .: is a directory"),
+    (["--speedup", "1e-300"], "--speedup 1e-300: the trace would span"),
     (["--json", "nodir/x.json"], "--json nodir/x.json: "),
 ]
 

@@ -328,6 +328,8 @@ def test_a_bom_and_any_finite_timestamps_are_read(tmp_path):
     (lambda: poisson(1.0, 4, 8, 2, seed=-1), "--seed -1: must be a whole number >= 0"),
     (lambda: poisson(math.nan, 4, 8, 2), "--rate nan: must be a finite number > 0"),
     (lambda: gamma_bursts(1.0, 4, 0.0, 8, 2), "--burstiness 0.0: must be"),
+    (lambda: poisson(1e-300, 4, 8, 2), "--rate 1e-300: 4 requests would span"),
+    (lambda: poisson(1.0, 10**8, 8, 2), "--num-requests 100000000: must be a whole number up to 10,000,000"),
     (lambda: rag(1.0, 4, 2, 512, (9, 3), 2, 0.5), "--question-tokens 9:3: LO"),
     (lambda: rag(1.0, 4, 2, 512, 8, 2, 2.0), "--hit-rate 2.0: must be in [0, 1]"),
     (lambda: rag(1.0, 4, 2, 512, 8, 2, math.nan), "--hit-rate nan"),
@@ -339,3 +341,4 @@ def test_generators_name_the_flag_of_a_bad_value(call, error):
     with pytest.raises(ValueError) as exc:
         call()
     assert str(exc.value).startswith(error), str(exc.value)
+    assert poisson(1.0, 0, 8, 2) == [] and len(poisson(1e-300, 1, 8, 2)) == 1

@@ -36,6 +36,7 @@ def trace_requests(args: argparse.Namespace, max_model_len: int | None = None) -
     Mooncake's, rag's documents), so prefixes hit the simulated prefix cache as they hit the server's."""
     from batcher.sim.sweep import fit_rows
     from loadtest.cli import GENERATED, trace_from_args
+    from loadtest.traces import MAX_SECONDS
 
     trace = trace_from_args(args)
     if args.limit is not None:
@@ -43,6 +44,9 @@ def trace_requests(args: argparse.Namespace, max_model_len: int | None = None) -
             raise SystemExit(f"error: --limit {args.limit} is more than the {len(trace)} requests of the generated "
                              f"{args.trace!r} trace; set its length with --num-requests")
         trace = trace[:args.limit]
+    span = max(t.arrival for t in trace) / args.speedup if trace else 0.0
+    if not span <= MAX_SECONDS:
+        raise ValueError(f"--speedup {args.speedup}: the trace would span {span:.3g} s, more than {MAX_SECONDS:g}")
     trace, clamped = fit_rows(trace, max_model_len) if max_model_len else (trace, 0)
     if clamped:
         print(f"note: {clamped} of {len(trace)} requests shortened to fit max_model_len {max_model_len} (as laneserve "
