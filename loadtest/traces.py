@@ -1,9 +1,12 @@
 """Request traces: readers for the public trace formats, synthetic generators, prompt synthesis.
 
 A trace is a list of `TraceRequest` (arrival seconds from the start, token counts, optional
-prefix-block ids), sorted by arrival and rebased so the first request arrives at 0. Readers
-(format detected from the file's contents; the shipped traces and their sources are in
-loadtest/data/README.md, and `load_trace` takes their short names, TRACE_NAMES):
+prefix-block ids), sorted by arrival and rebased so the first request arrives at 0 (only the timestamps'
+differences matter: they may start anywhere, negative too). Readers (format detected from the file's
+contents, UTF-8 with or without a BOM; the shipped traces and their sources are in
+loadtest/data/README.md, and `load_trace` takes their short names, TRACE_NAMES) check every row: a
+timestamp a finite number within MAX_SECONDS, an input of 1 to MAX_TOKENS tokens, an output of 0 to
+MAX_TOKENS (whole numbers), and at least one request; TraceFileError names the file and line otherwise.
   - BurstGPT CSV: columns read by name (`Timestamp` seconds); failed rows (zero tokens) dropped.
   - Azure LLM inference CSV: `TIMESTAMP` datetime strings, `ContextTokens`, `GeneratedTokens`.
   - JSONL rows `{timestamp, input_length, output_length[, hash_ids]}` (Mooncake's format: `hash_ids`
@@ -74,22 +77,114 @@ def _parse_datetime(s: str) -> float:
     return t.timestamp()
 
 
+MAX_TOKENS = 10_000_000  # the most tokens one request of a trace may have, in or out: a sanity bound, not a model's
+MAX_SECONDS = 1e11  # the largest timestamp (s, either sign): epoch times fit; beyond, a float blurs step times
+MAX_REQUESTS = 10_000_000  # the longest generated trace (the simulator runs ~2k requests/s)
+
+
+class TraceFileError(ValueError):
+    """A trace file that cannot be read: the file and line, and what is wrong there."""
+
+
+def _number(value, what: str) -> int | float:
+    """A JSON number or a CSV field's text as a number (ValueError naming `what` if it is neither)."""
+    if isinstance(value, str):
+        for kind in (int, float):
+            try:
+                return kind(value.strip())
+            except ValueError:
+                pass
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
+    raise ValueError(f"{what} {json.dumps(value)[:40]}: not a number")
+
+
+def tokens(value, what: str, lowest: int = 1) -> int:
+    """A token count: a whole number from lowest to MAX_TOKENS (ValueError naming `what` otherwise)."""
+    x = _number(value, what)
+    if isinstance(x, float) and not x.is_integer():
+        raise ValueError(f"{what} {value}: not a whole number")
+    if not lowest <= x <= MAX_TOKENS:
+        raise ValueError(f"{what} {value}: must be from {lowest} to {MAX_TOKENS:,}")
+    return int(x)
+
+
+def _seconds(value, what: str, scale: float = 1.0) -> float:
+    """A timestamp in seconds (value x scale): finite, within MAX_SECONDS."""
+    try:
+        t = float(_number(value, what)) * scale
+    except OverflowError:  # an int too large for a float
+        t = math.inf
+    if not math.isfinite(t):
+        raise ValueError(f"{what} {value}: must be a finite number")
+    if abs(t) > MAX_SECONDS:
+        raise ValueError(f"{what} {value}: out of range (at most {MAX_SECONDS:g} s either way)")
+    return t
+
+
+def _lines(path: Path):
+    """(line number, text) of each line of a UTF-8 file (a BOM skipped); TraceFileError at one that is not UTF-8."""
+    with open(path, "rb") as f:
+        for no, raw in enumerate(f, 1):
+            try:
+                yield no, raw.decode("utf-8-sig" if no == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                raise TraceFileError(f"{path}:{no}: not UTF-8 text ({exc.reason}, byte {exc.start + 1})") from None
+
+
+def _rows(path: Path, rows, parse) -> list[TraceRequest]:
+    """parse(row) for each (line number, row); a ValueError becomes a TraceFileError naming the file and line.
+    parse returns None for a row to drop."""
+    out = []
+    for no, row in rows:
+        try:
+            req = parse(row)
+        except ValueError as exc:
+            raise TraceFileError(f"{path}:{no}: {exc}") from None
+        if req is not None:
+            out.append(req)
+    return out
+
+
+def _burstgpt_row(r: dict) -> TraceRequest | None:
+    inp, outp = tokens(r["Request tokens"], "Request tokens", 0), tokens(r["Response tokens"], "Response tokens", 0)
+    if inp == 0 or outp == 0:  # zero tokens = a failed request upstream
+        return None
+    return TraceRequest(_seconds(r["Timestamp"], "Timestamp"), inp, outp)
+
+
+def _azure_row(r: dict) -> TraceRequest:
+    try:
+        t = _parse_datetime(r["TIMESTAMP"])
+    except ValueError:
+        raise ValueError(f"TIMESTAMP {r['TIMESTAMP']!r}: not a date and time like 2023-11-16 18:15:46.68") from None
+    return TraceRequest(t, tokens(r["ContextTokens"], "ContextTokens"),
+                        tokens(r["GeneratedTokens"], "GeneratedTokens", 0))
+
+
+CSV_FORMATS = {("Timestamp", "Request tokens", "Response tokens"): _burstgpt_row,  # BurstGPT
+               ("TIMESTAMP", "ContextTokens", "GeneratedTokens"): _azure_row}  # Azure
+
+
 def _read_csv(path: Path) -> list[TraceRequest]:
-    with open(path, newline="") as f:
-        rows = csv.DictReader(f)
-        cols = set(rows.fieldnames or ())
-        out: list[TraceRequest] = []
-        if {"Timestamp", "Request tokens", "Response tokens"} <= cols:  # BurstGPT
-            for r in rows:
-                inp, outp = int(float(r["Request tokens"])), int(float(r["Response tokens"]))
-                if inp > 0 and outp > 0:  # zero tokens = a failed request upstream
-                    out.append(TraceRequest(float(r["Timestamp"]), inp, outp))
-        elif {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} <= cols:  # Azure
-            for r in rows:
-                out.append(TraceRequest(_parse_datetime(r["TIMESTAMP"]), int(r["ContextTokens"]),
-                                        int(r["GeneratedTokens"])))
-        else:
-            raise ValueError(f"{path}: unknown CSV trace columns {sorted(cols)}")
+    lines = _lines(path)
+    rows = csv.DictReader(text for _, text in lines)
+    cols = set(rows.fieldnames or ())
+    parse = next((f for need, f in CSV_FORMATS.items() if set(need) <= cols), None)
+    if parse is None:
+        raise TraceFileError(f"{path}: unknown CSV trace columns {sorted(cols)}; expected "
+                             + " or ".join(", ".join(need) for need in CSV_FORMATS))
+
+    def numbered():
+        for r in rows:
+            if None in r.values() or None in r:  # a short row, or one with more fields than the header
+                n = sum(v is not None for k, v in r.items() if k is not None) + len(r.get(None, ()))
+                raise TraceFileError(f"{path}:{rows.line_num}: {n} fields where the header has {len(rows.fieldnames)}")
+            yield rows.line_num, r
+
+    out = _rows(path, numbered(), parse)
+    if not out and rows.line_num > 1:
+        raise TraceFileError(f"{path}: no requests in the trace (rows with zero tokens, failed requests, are dropped)")
     return out
 
 
@@ -128,9 +223,14 @@ def _read_jsonl(path: Path, time_unit: str | None = None) -> list[TraceRequest]:
     `time_unit`, which must agree when several say it (TraceUnitError otherwise, or when none does)."""
     if time_unit is not None and time_unit not in TIME_UNITS:
         raise TraceUnitError(f"unknown time unit {time_unit!r}; one of {', '.join(TIME_UNITS)}")
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    header = _header_unit(path, rows[0]) if rows else None
+    rows = []
+    for no, line in _lines(path):
+        if line.strip():
+            try:
+                rows.append((no, json.loads(line)))
+            except ValueError as exc:
+                raise TraceFileError(f"{path}:{no}: not a JSON line ({exc})") from None
+    header = _header_unit(path, rows[0][1]) if rows and isinstance(rows[0][1], dict) else None
     if header is not None:
         rows = rows[1:]
     known = header or _shipped_unit(path)
@@ -144,8 +244,25 @@ def _read_jsonl(path: Path, time_unit: str | None = None) -> list[TraceRequest]:
             f"--time-unit s or --time-unit ms (time_unit= in Python; Mooncake's traces count milliseconds), "
             f"or make its first line {json.dumps(replay_header())} (what save_trace writes)")
     scale = TIME_UNITS[unit]
-    return [TraceRequest(float(d["timestamp"]) * scale, int(d["input_length"]), int(d["output_length"]),
-                         tuple(int(h) for h in d.get("hash_ids", ()))) for d in rows]
+    return _rows(path, rows, lambda d: _jsonl_row(d, scale))
+
+
+JSONL_KEYS = ("timestamp", "input_length", "output_length")  # and optionally hash_ids
+
+
+def _jsonl_row(d, scale: float) -> TraceRequest:
+    if not isinstance(d, dict):
+        raise ValueError(f"expected a JSON object with {', '.join(JSONL_KEYS)}[, hash_ids], got {json.dumps(d)[:60]}")
+    if "trace_format" in d:
+        raise ValueError("a header line (trace_format) may only be the first line")
+    missing = [k for k in JSONL_KEYS if k not in d]
+    if missing:
+        raise ValueError(f"no {' or '.join(missing)} in the row")
+    ids = d.get("hash_ids", [])
+    if not isinstance(ids, list) or not all(type(h) is int for h in ids):
+        raise ValueError(f"hash_ids {json.dumps(ids)[:60]}: must be a list of whole numbers")
+    return TraceRequest(_seconds(d["timestamp"], "timestamp", scale), tokens(d["input_length"], "input_length"),
+                        tokens(d["output_length"], "output_length", 0), tuple(ids))
 
 
 DATA_DIR = Path(__file__).with_name("data")
@@ -185,14 +302,17 @@ def load_trace(path: str, limit: int | None = None, time_unit: str | None = None
     first `limit` rows. time_unit ('s' or 'ms'): the timestamps' unit of a JSONL file that does not say
     it (see the module doc); CSV formats have theirs fixed, so it is an error there."""
     p = trace_path(path)
-    with open(p) as f:
-        first = f.readline().lstrip()
+    first = next((text.lstrip() for _, text in _lines(p) if text.strip()), None)
+    if first is None:
+        raise TraceFileError(f"{p}: empty trace file")
     if first.startswith("{"):
         reqs = _read_jsonl(p, time_unit)
     elif time_unit is not None:
         raise TraceUnitError(f"{p}: --time-unit applies to JSONL traces; a CSV format's timestamps have a fixed unit")
     else:
         reqs = _read_csv(p)
+    if not reqs:
+        raise TraceFileError(f"{p}: no requests in the trace")
     return _finish(reqs, limit)
 
 
@@ -210,29 +330,63 @@ def save_trace(path: str, reqs: list[TraceRequest]) -> None:
 
 # ------------------------------------------------------------------------------------- generators
 
-def _lengths(rng: np.random.Generator, spec: int | tuple[int, int], n: int) -> np.ndarray:
-    """An int is a fixed length; a (lo, hi) tuple is uniform on [lo, hi] inclusive."""
-    if isinstance(spec, (tuple, list)):
-        lo, hi = int(spec[0]), int(spec[1])
-        return rng.integers(lo, hi + 1, size=n)
-    return np.full(n, int(spec))
+def _lengths(rng: np.random.Generator, spec: int | tuple[int, int], n: int, flag: str, lowest: int = 1) -> np.ndarray:
+    """An int is a fixed length; a (lo, hi) tuple is uniform on [lo, hi] inclusive. Each from lowest to MAX_TOKENS
+    (ValueError naming `flag`, the command-line flag of the spec, otherwise)."""
+    lo, hi = _span(spec, flag, lowest)
+    return rng.integers(lo, hi + 1, size=n) if isinstance(spec, (tuple, list)) else np.full(n, lo)
+
+
+def _span(spec: int | tuple[int, int], flag: str, lowest: int) -> tuple[int, int]:
+    """The (lo, hi) of a length spec, checked (see _lengths)."""
+    pair = isinstance(spec, (tuple, list))
+    text = _spec_text(spec)
+    lo, hi = spec if pair and len(spec) == 2 else (None, None) if pair else (spec, spec)
+    if not (_whole(lo, lowest, MAX_TOKENS) and _whole(hi, lowest, MAX_TOKENS)):
+        raise ValueError(f"{flag} {text}: must be N or LO:HI, whole numbers from {lowest} to {MAX_TOKENS:,}")
+    if lo > hi:
+        raise ValueError(f"{flag} {text}: LO must not be more than HI")
+    return int(lo), int(hi)
+
+
+def _spec_text(spec) -> str:
+    """A length spec as its flag writes it: 128 or 64:512."""
+    return ":".join(map(str, spec)) if isinstance(spec, (tuple, list)) else str(spec)
+
+
+def _whole(x, lowest: int, highest: float = math.inf) -> bool:
+    """x is a whole number (not a bool) from lowest to highest."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool) and lowest <= x <= highest
+
+
+def _rng(seed: int) -> np.random.Generator:
+    if not _whole(seed, 0):
+        raise ValueError(f"--seed {seed}: must be a whole number >= 0")
+    return np.random.default_rng(seed)
 
 
 def _arrivals(rng: np.random.Generator, rate: float, n: int, burstiness: float) -> np.ndarray:
     """vLLM benchmark_serving: gamma inter-arrivals with shape=burstiness, scale=1/(rate*burstiness),
     so the mean gap is 1/rate and the gaps' coefficient of variation is 1/sqrt(burstiness)
     (burstiness 1 = Poisson, < 1 burstier). The first request arrives at 0."""
-    if rate <= 0 or burstiness <= 0:
-        raise ValueError("rate and burstiness must be > 0")
+    for flag, value in (("--rate", rate), ("--burstiness", burstiness)):
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{flag} {value}: must be a finite number > 0")
+    if not _whole(n, 0, MAX_REQUESTS):
+        raise ValueError(f"--num-requests {n}: must be a whole number up to {MAX_REQUESTS:,}")
     gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=max(n - 1, 0))
-    return np.concatenate([[0.0], np.cumsum(gaps)])[:n]
+    t = np.concatenate([[0.0], np.cumsum(gaps)])[:n]
+    if n and not t[-1] <= MAX_SECONDS:  # (NaN fails too)
+        raise ValueError(f"--rate {rate}: {n} requests would span {t[-1]:.3g} s, more than {MAX_SECONDS:g}")
+    return t
 
 
 def gamma_bursts(rate: float, n: int, burstiness: float, input_tokens, output_tokens,
                  seed: int = 0) -> list[TraceRequest]:
-    rng = np.random.default_rng(seed)
+    """A bad value is a ValueError naming its command-line flag (--rate, --input-tokens, ...), as for rag()."""
+    rng = _rng(seed)
     t = _arrivals(rng, rate, n, burstiness)
-    ins, outs = _lengths(rng, input_tokens, n), _lengths(rng, output_tokens, n)
+    ins, outs = _lengths(rng, input_tokens, n, "--input-tokens"), _lengths(rng, output_tokens, n, "--output-tokens", 0)
     return [TraceRequest(float(a), int(i), int(o)) for a, i, o in zip(t, ins, outs)]
 
 
@@ -247,13 +401,20 @@ def rag(rate: float, n: int, num_docs: int, doc_tokens: int, question_tokens: in
     is drawn (uniformly) from a pool of num_docs shared ones, otherwise it is a fresh one never seen
     again. The document is a whole number of 512-token blocks (doc_tokens rounded up) whose ids go in
     hash_ids, so `synth_token_ids` shares exactly the document and nothing of the question."""
-    if not 0.0 <= hit_rate <= 1.0:
-        raise ValueError("hit_rate must be in [0, 1]")
-    rng = np.random.default_rng(seed)
-    t = _arrivals(rng, rate, n, burstiness)
-    outs = _lengths(rng, output_tokens, n)
-    qs = _lengths(rng, question_tokens, n)
+    if not 0.0 <= hit_rate <= 1.0:  # (NaN fails too)
+        raise ValueError(f"--hit-rate {hit_rate}: must be in [0, 1]")
+    if not _whole(num_docs, 0):
+        raise ValueError(f"--num-docs {num_docs}: must be a whole number >= 0")
+    if not _whole(doc_tokens, 0, MAX_TOKENS):
+        raise ValueError(f"--doc-tokens {doc_tokens}: must be a whole number from 0 to {MAX_TOKENS:,}")
     blocks = rag_doc_blocks(doc_tokens)
+    if blocks * MOONCAKE_BLOCK_TOKENS + _span(question_tokens, "--question-tokens", 0)[1] > MAX_TOKENS:
+        raise ValueError(f"--doc-tokens {doc_tokens} and --question-tokens {_spec_text(question_tokens)}: prompts over "
+                         f"{MAX_TOKENS:,} tokens")
+    rng = _rng(seed)
+    t = _arrivals(rng, rate, n, burstiness)
+    outs = _lengths(rng, output_tokens, n, "--output-tokens", 0)
+    qs = _lengths(rng, question_tokens, n, "--question-tokens", 0)
     hits = rng.random(n) < hit_rate
     docs = rng.integers(0, max(num_docs, 1), size=n)
     out = []

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +15,7 @@ from batcher.sim.cli import main
 from batcher.sim.engine import CostModel, SimRequest, simulate, summarize
 
 COST = CostModel(a=4.0, b=0.06, c=0.05, d=0.0001)
+REPO = str(Path(__file__).resolve().parents[1])
 
 
 def cfg(**kw) -> BatcherConfig:
@@ -239,10 +242,78 @@ def test_step_noise_is_seeded_and_changes_timing_only():
     assert simulate(reqs, cfg(schedule_lead_ms=1.0), COST, step_noise=0.0, noise_seed=9, **kw).ttft == base.ttft
 
 
-@pytest.mark.parametrize("sigma", ["-0.1", "nan"])
-def test_cli_refuses_a_bad_step_noise(sigma):
-    with pytest.raises(SystemExit, match="--step-noise"):
-        main([*RAG_FLAGS, "--step-noise", sigma])
+BAD_FLAGS = [  # flags -> the start of the one-line error
+    (["--step-noise", "-0.1"], "--step-noise -0.1: must be from 0 to 10"),
+    (["--step-noise", "nan"], "--step-noise nan: must be"),
+    (["--input-tokens", "5:3"], "--input-tokens 5:3: LO must not be more than HI"),
+    (["--trace", "rag", "--question-tokens", "5:3"], "--question-tokens 5:3: LO"),
+    (["--input-tokens", "1000000000"], "--input-tokens 1000000000: must be N or LO:HI"),
+    (["--trace", "rag", "--doc-tokens", "1000000000"], "--doc-tokens 1000000000: must be"),
+    (["--seed", "-1"], "--seed -1: must be a whole number >= 0"),
+    (["--trace", "rag", "--hit-rate", "2"], "--hit-rate 2.0: must be in [0, 1]"),
+    (["--limit", "6"], "--limit 6 is more than the 5 requests"),
+    (["--config", '{"bogus": 1}'], "--config: unknown fields ['bogus']"),
+    (["--config", "[1]"], "--config '[1]': must be a JSON object"),
+    (["--config", "nofile.json"], "--config 'nofile.json': neither a file nor a JSON object"),
+    (["--config", '{"num_workers": 0}'], "--config num_workers 0: must be from 1"),
+    (["--config", '{"num_blocks": 1.7}'], "--config num_blocks 1.7: must be a whole number"),
+    (["--config", '{"num_blocks": -5}'], "--config num_blocks -5: must be from 1"),
+    (["--config", '{"block_size": 0}'], "--config block_size 0: must be from 1"),
+    (["--config", '{"max_model_len": 0}'], "--config max_model_len 0: must be from 1"),
+    (["--config", '{"max_num_seqs": 0}'], "--config max_num_seqs 0: must be >= 1"),
+    (["--config", '{"max_num_batched_tokens": -1}'], "--config max_num_batched_tokens -1: must be >= 1"),
+    (["--config", '{"watermark": 2}'], "--config watermark 2: must be >= 0 and <= 0.5"),
+    (["--config", '{"watermark": NaN}'], "--config watermark nan: must be a finite number"),
+    (["--config", '{"enable_prefix_caching": "no"}'], '--config enable_prefix_caching "no": must be true or false'),
+    (["--config", '{"decode_buckets": "a"}'], "--config decode_buckets 'a': must be comma-separated"),
+    (["--config", '{"lanes": "x"}'], "--config: lanes must be one of"),
+    (["--config", '{"num_blocks": 100}', "--input-tokens", "3000"], "every request failed, e.g.: prompt of 3000"),
+    (["--cost-model", "nofile.json"], "--cost-model nofile.json: cannot read it"),
+    (["--json", "."], "--json .: is a directory"),
+    (["--speedup", "1e-300"], "--speedup 1e-300: the trace would span"),
+    (["--json", "nodir/x.json"], "--json nodir/x.json: "),
+]
+
+
+@pytest.mark.parametrize("flags,error", BAD_FLAGS)
+def test_cli_refuses_a_bad_value_in_one_line(flags, error, capsys, tmp_path, monkeypatch):
+    """A bad flag, config field or value: one line naming it, exit status 2, before anything runs."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["--num-requests", "5", "--output-tokens", "2", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"laneserve simulate: error: {error}") and err.count("\n") == 1, err
+
+
+def test_python_m_batcher_sim_is_laneserve_simulate(tmp_path):
+    """`python -m batcher.sim` exits as `laneserve simulate` does: one line, status 2, no traceback."""
+    import subprocess
+    import sys
+
+    for cmd in (["-m", "batcher.sim"], ["-m", "laneserve.cli", "simulate"]):
+        run = subprocess.run([sys.executable, *cmd, "--seed", "-1"], capture_output=True, text=True, cwd=tmp_path,
+                             env={**os.environ, "PYTHONPATH": REPO})
+        assert run.returncode == 2
+        assert run.stderr == "laneserve simulate: error: --seed -1: must be a whole number >= 0\n"
+
+
+def test_cli_shortens_requests_to_max_model_len_as_loadtest_does(tmp_path, capsys):
+    """A prompt over --config's max_model_len is shortened as the load client shortens it (with a note), not an
+    ERROR finish; one the pool can never hold is, and a note says so."""
+    out = tmp_path / "s.json"
+    flags = ["--num-requests", "4", "--input-tokens", "300", "--output-tokens", "8", "--json", str(out)]
+    assert main([*flags, "--config", '{"max_model_len": 200}']) == 0
+    assert "note: 4 of 4 requests shortened to fit max_model_len 200" in capsys.readouterr().err
+    s = json.loads(out.read_text())
+    assert s["finish"] == {"LENGTH": 4} and s["output_tokens"] == 32
+    assert main([*flags, "--input-tokens", "100:300", "--seed", "1", "--config", '{"num_blocks": 12}']) == 0
+    err = capsys.readouterr().err
+    s = json.loads(out.read_text())
+    assert 0 < s["finish"]["ERROR"] < 4 and f"note: {s['finish']['ERROR']} of 4 requests failed (ERROR)" in err
+    assert main(["sweep", "--trace", "synthetic", "--num-requests", "4", "--input-tokens", "300", "--output-tokens",
+                 "4", "--rates", "5", "--seeds", "1", "--warmup-requests", "0", "--config", '{"max_model_len": 200}',
+                 "--out", str(tmp_path / "sweep")]) == 0
+    run = json.loads((tmp_path / "sweep" / "sweep.json").read_text())["runs"][0]["metrics"]
+    assert run["finished"] == run["sent"] == 4 and run["errored"] == 0
 
 
 SWEEP_FLAGS = ["sweep", "--trace", "rag", "--num-requests", "24", "--burstiness", "0.5", "--num-docs", "2",

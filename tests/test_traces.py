@@ -10,9 +10,9 @@ import tomllib
 import numpy as np
 import pytest
 
-from loadtest.traces import (DATA_DIR, SHIPPED_TIME_UNITS, TRACE_NAMES, TraceRequest, TraceUnitError, gamma_bursts,
-                             load_trace, poisson, rag, rag_cover_pool, rag_doc_blocks, rag_fresh_docs_apart,
-                             replay_header, save_trace, synth_token_ids)
+from loadtest.traces import (DATA_DIR, SHIPPED_TIME_UNITS, TRACE_NAMES, TraceFileError, TraceRequest,
+                             TraceUnitError, gamma_bursts, load_trace, poisson, rag, rag_cover_pool, rag_doc_blocks,
+                             rag_fresh_docs_apart, replay_header, save_trace, synth_token_ids)
 
 TRACES = DATA_DIR
 
@@ -251,3 +251,94 @@ def test_rag_runs_share_the_pool_but_not_fresh_documents():
     cover = rag_cover_pool(a[:10], 4, 1000)
     assert [r.hash_ids[0] // rag_doc_blocks(1000) for r in cover] == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
     assert [r.input_tokens for r in cover] == [r.input_tokens for r in a[:10]]
+
+
+# ------------------------------------------------------------------ bad trace files: one clear error, file and line
+
+HEADER = json.dumps(replay_header("s"))
+BURST = "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+AZURE = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+
+
+def _row(**kw) -> str:
+    return json.dumps({"timestamp": 0, "input_length": 16, "output_length": 2} | kw)
+
+
+BAD_FILES = [  # (file name, bytes, the error after "FILE")
+    ("e.csv", b"", ": empty trace file"),
+    ("b.jsonl", b"\n  \n\n", ": empty trace file"),
+    ("h.jsonl", f"{HEADER}\n".encode(), ": no requests in the trace"),
+    ("h.csv", BURST.encode(), ": no requests in the trace"),
+    ("z.csv", (BURST + "1,m,0,4,4,x\n").encode(), ": no requests in the trace (rows with zero tokens"),
+    ("u.csv", b"a,b\n1,2\n", ": unknown CSV trace columns ['a', 'b']; expected Timestamp, Request tokens"),
+    ("m.jsonl", f'{HEADER}\n{{"timestamp": 0, "input_length": 5}}\n'.encode(), ":2: no output_length in the row"),
+    ("l.jsonl", f"{HEADER}\n{_row()}\n[1, 2, 3]\n".encode(), ":3: expected a JSON object with timestamp"),
+    ("x.jsonl", f"{HEADER}\n{_row(hash_ids=5)}\n".encode(), ":2: hash_ids 5: must be a list of whole numbers"),
+    ("x.jsonl", f"{HEADER}\n{_row(hash_ids=[1.5])}\n".encode(), ":2: hash_ids [1.5]: must be a list"),
+    ("2h.jsonl", f"{HEADER}\n{HEADER}\n{_row()}\n".encode(), ":2: a header line (trace_format) may only be the first"),
+    ("j.jsonl", f'{HEADER}\n{_row()}\n{{"timestamp": 0,\n'.encode(), ":3: not a JSON line (Expecting"),
+    ("n.jsonl", f"{HEADER}\n{_row(timestamp=math.nan)}\n".encode(), ":2: timestamp nan: must be a finite number"),
+    ("i.jsonl", f"{HEADER}\n{_row(timestamp=math.inf)}\n".encode(), ":2: timestamp inf: must be a finite number"),
+    ("t.jsonl", f"{HEADER}\n{_row(timestamp=1e300)}\n".encode(), ":2: timestamp 1e+300: out of range"),
+    ("s.jsonl", f"{HEADER}\n{_row(timestamp='abc')}\n".encode(), ':2: timestamp "abc": not a number'),
+    ("t.jsonl", f"{HEADER}\n{_row(timestamp=True)}\n".encode(), ":2: timestamp true: not a number"),
+    ("ni.jsonl", f"{HEADER}\n{_row(input_length=-5)}\n".encode(), ":2: input_length -5: must be from 1 to 10,000,000"),
+    ("zi.jsonl", f"{HEADER}\n{_row(input_length=0)}\n".encode(), ":2: input_length 0: must be from 1"),
+    ("no.jsonl", f"{HEADER}\n{_row(output_length=-1)}\n".encode(), ":2: output_length -1: must be from 0"),
+    ("f.jsonl", f"{HEADER}\n{_row(input_length=16.7)}\n".encode(), ":2: input_length 16.7: not a whole number"),
+    ("g.jsonl", f"{HEADER}\n{_row(input_length=1e30)}\n".encode(), ":2: input_length 1e+30: must be from 1 to"),
+    ("utf.jsonl", f"{HEADER}\n{_row()}\n".encode() + b'{"timestamp": "\xff"}\n', ":3: not UTF-8 text"),
+    ("short.csv", (BURST + "0,16\n").encode(), ":2: 2 fields where the header has 6"),
+    ("long.csv", (BURST + "0,m,1,2,3,x,9\n").encode(), ":2: 7 fields where the header has 6"),
+    ("bi.csv", (BURST + "inf,m,1,2,3,x\n").encode(), ":2: Timestamp inf: must be a finite number"),
+    ("bn.csv", (BURST + "1,m,-3,2,3,x\n").encode(), ":2: Request tokens -3: must be from 0"),
+    ("bf.csv", (BURST + "1,m,3,2.5,3,x\n").encode(), ":2: Response tokens 2.5: not a whole number"),
+    ("ad.csv", (AZURE + "2023-11-16 18:15:46.6805900,5,2\nnotadate,5,2\n").encode(), ":3: TIMESTAMP 'notadate': not a"),
+    ("af.csv", (AZURE + "2023-11-16 18:15:46.6805900,16.5,2\n").encode(), ":2: ContextTokens 16.5: not a whole"),
+    ("aa.csv", (AZURE + "2023-11-16 18:15:46.6805900,abc,2\n").encode(), ':2: ContextTokens "abc": not a number'),
+]
+
+
+@pytest.mark.parametrize("name,data,error", BAD_FILES)
+def test_a_bad_trace_file_is_one_error_naming_the_file_and_line(tmp_path, name, data, error):
+    path = tmp_path / name
+    path.write_bytes(data)
+    with pytest.raises(TraceFileError) as exc:
+        load_trace(str(path))
+    assert str(exc.value).startswith(str(path) + error), str(exc.value)
+
+
+def test_a_bom_and_any_finite_timestamps_are_read(tmp_path):
+    """A UTF-8 BOM is skipped (JSONL and CSV); negative timestamps are fine: the trace is rebased to its first."""
+    jsonl = tmp_path / "bom.jsonl"
+    jsonl.write_bytes(b"\xef\xbb\xbf" + f"{HEADER}\n{_row(timestamp=-5)}\n{_row(timestamp=-1.5, output_length=0)}\n"
+                      .encode())
+    assert load_trace(str(jsonl)) == [TraceRequest(0.0, 16, 2), TraceRequest(3.5, 16, 0)]
+    csv = tmp_path / "bom.csv"
+    csv.write_bytes(b"\xef\xbb\xbf" + (BURST + "7,m,3,4,7,x\n9.5,m,5,6,11,x\n").encode())
+    assert load_trace(str(csv)) == [TraceRequest(0.0, 3, 4), TraceRequest(2.5, 5, 6)]
+
+
+@pytest.mark.parametrize("call,error", [
+    (lambda: poisson(1.0, 4, (5, 3), 2), "--input-tokens 5:3: LO must not be more than HI"),
+    (lambda: poisson(1.0, 4, 0, 2), "--input-tokens 0: must be N or LO:HI, whole numbers from 1"),
+    (lambda: poisson(1.0, 4, 8, -1), "--output-tokens -1: must be N or LO:HI, whole numbers from 0"),
+    (lambda: poisson(1.0, 4, 10**9, 2), "--input-tokens 1000000000: must be"),
+    (lambda: poisson(1.0, 4, 2.5, 2), "--input-tokens 2.5: must be"),
+    (lambda: poisson(1.0, 4, 8, 2, seed=-1), "--seed -1: must be a whole number >= 0"),
+    (lambda: poisson(math.nan, 4, 8, 2), "--rate nan: must be a finite number > 0"),
+    (lambda: gamma_bursts(1.0, 4, 0.0, 8, 2), "--burstiness 0.0: must be"),
+    (lambda: poisson(1e-300, 4, 8, 2), "--rate 1e-300: 4 requests would span"),
+    (lambda: poisson(1.0, 10**8, 8, 2), "--num-requests 100000000: must be a whole number up to 10,000,000"),
+    (lambda: rag(1.0, 4, 2, 512, (9, 3), 2, 0.5), "--question-tokens 9:3: LO"),
+    (lambda: rag(1.0, 4, 2, 512, 8, 2, 2.0), "--hit-rate 2.0: must be in [0, 1]"),
+    (lambda: rag(1.0, 4, 2, 512, 8, 2, math.nan), "--hit-rate nan"),
+    (lambda: rag(1.0, 4, -1, 512, 8, 2, 0.5), "--num-docs -1: must be a whole number >= 0"),
+    (lambda: rag(1.0, 4, 2, 10**9, 8, 2, 0.5), "--doc-tokens 1000000000: must be"),
+    (lambda: rag(1.0, 4, 2, 10**7, 8, 2, 0.5), "--doc-tokens 10000000 and --question-tokens 8: prompts over"),
+])
+def test_generators_name_the_flag_of_a_bad_value(call, error):
+    with pytest.raises(ValueError) as exc:
+        call()
+    assert str(exc.value).startswith(error), str(exc.value)
+    assert poisson(1.0, 0, 8, 2) == [] and len(poisson(1e-300, 1, 8, 2)) == 1

@@ -5,6 +5,8 @@ the trace (the flags and the trace of `laneserve loadtest`: loadtest.cli's
 add_trace_args / trace_from_args; --limit, --speedup) and the config, running
 engine.simulate(), printing / writing the summary, and --bench-step (the CPU cost of
 one schedule() + update() with 256 running decodes). Must not simulate anything itself.
+Every value is checked before the simulation starts: a bad one is a one-line error naming its flag (or file and
+line) and exit status 2 (`main`), for `python -m batcher.sim` as for `laneserve simulate`.
 """
 
 from __future__ import annotations
@@ -12,23 +14,29 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
+import typing
 from pathlib import Path
 
 from batcher.config import BatcherConfig
 from batcher.cost_model import CostModel, default_cost_model
 from batcher.scheduler import Scheduler
 from batcher.sim.engine import SimWorker, TraceSimRequest, simulate, summarize
+from laneserve.config import check_numbers
 from laneserve.wire.protocol import AddRequest, SamplingParams
 
 
-def trace_requests(args: argparse.Namespace) -> list[TraceSimRequest]:
+def trace_requests(args: argparse.Namespace, max_model_len: int | None = None) -> list[TraceSimRequest]:
     """The trace of `laneserve loadtest` for the same trace flags (loadtest.cli.trace_from_args), first
-    --limit rows, arrivals divided by --speedup. Each request's prompt is built when it arrives, by
+    --limit rows, arrivals divided by --speedup, rows longer than max_model_len (if given) shortened as the load
+    client shortens them (sweep.fit_rows; a note says how many). Each request's prompt is built when it arrives, by
     traces.compact_token_ids: the prefix sharing of the prompts the load client sends (hash_ids blocks:
     Mooncake's, rag's documents), so prefixes hit the simulated prefix cache as they hit the server's."""
+    from batcher.sim.sweep import fit_rows
     from loadtest.cli import GENERATED, trace_from_args
+    from loadtest.traces import MAX_SECONDS
 
     trace = trace_from_args(args)
     if args.limit is not None:
@@ -36,29 +44,93 @@ def trace_requests(args: argparse.Namespace) -> list[TraceSimRequest]:
             raise SystemExit(f"error: --limit {args.limit} is more than the {len(trace)} requests of the generated "
                              f"{args.trace!r} trace; set its length with --num-requests")
         trace = trace[:args.limit]
+    span = max(t.arrival for t in trace) / args.speedup if trace else 0.0
+    if not span <= MAX_SECONDS:
+        raise ValueError(f"--speedup {args.speedup}: the trace would span {span:.3g} s, more than {MAX_SECONDS:g}")
+    trace, clamped = fit_rows(trace, max_model_len) if max_model_len else (trace, 0)
+    if clamped:
+        print(f"note: {clamped} of {len(trace)} requests shortened to fit max_model_len {max_model_len} (as laneserve "
+              "loadtest shortens them to the server's; set max_model_len in --config)", file=sys.stderr)
     return [TraceSimRequest(t.arrival / args.speedup, t, i) for i, t in enumerate(trace)]
 
 
-SIM_FIELDS = {"num_blocks": 8192, "block_size": 16, "max_model_len": 32768, "num_workers": 1}  # --config's own
+# --config's own settings (simulate()'s): name -> (default, lowest, highest); the highest keep a typo from
+# allocating without bound
+SIM_FIELDS = {"num_blocks": (8192, 1, 10_000_000), "block_size": (16, 1, 4096),
+              "max_model_len": (32768, 1, 10_000_000), "num_workers": (1, 1, 256)}
+TYPE_NAMES = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}
 
 
 def _config(text: str | None) -> tuple[BatcherConfig, dict]:
     """--config (a JSON object, inline or in a file): its BatcherConfig fields, and its simulate() settings
-    (SIM_FIELDS, with their defaults)."""
+    (SIM_FIELDS, with their defaults). Each checked as the server checks the same setting (type, then
+    laneserve.config.check_numbers' ranges and BatcherConfig.validate); ValueError naming --config and the field."""
     data = {}
     if text:
-        data = json.loads(Path(text).read_text()) if not text.lstrip().startswith("{") else json.loads(text)
-    known = {f.name for f in dataclasses.fields(BatcherConfig)}
-    unknown = set(data) - known - set(SIM_FIELDS)
+        is_file = os.path.isfile(text)
+        try:
+            data = json.loads(Path(text).read_text() if is_file else text)
+        except OSError as exc:
+            raise ValueError(f"--config {text}: cannot read it ({exc.strerror})") from None
+        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are
+            what = "not a JSON object" if is_file else "neither a file nor a JSON object"
+            raise ValueError(f"--config {text[:60]!r}: {what} ({exc})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"--config {text[:60]!r}: must be a JSON object of settings, e.g. "
+                             '\'{"num_blocks": 4096, "max_num_seqs": 64}\'')
+    types = typing.get_type_hints(BatcherConfig) | dict.fromkeys(SIM_FIELDS, int)
+    unknown = set(data) - set(types)
     if unknown:
-        raise SystemExit(f"unknown config fields: {sorted(unknown)}")
-    return (BatcherConfig(**{k: v for k, v in data.items() if k in known}),
-            {k: int(data.get(k, v)) for k, v in SIM_FIELDS.items()})
+        raise ValueError(f"--config: unknown fields {sorted(unknown)}")
+    for name, value in data.items():
+        if not _has_type(value, types[name]):
+            raise ValueError(f"--config {name} {json.dumps(value)}: must be {TYPE_NAMES[types[name]]}")
+        if name in SIM_FIELDS:
+            _, lo, hi = SIM_FIELDS[name]
+            if not lo <= value <= hi:
+                raise ValueError(f"--config {name} {value}: must be from {lo} to {hi:,}")
+    fields = {k: v for k, v in data.items() if k not in SIM_FIELDS}
+    kw = {k: data.get(k, default) for k, (default, _, _) in SIM_FIELDS.items()}
+    try:
+        check_numbers(BatcherConfig, fields)  # a SystemExit naming the server's flag
+        cfg = BatcherConfig(**fields)
+        cfg.validate()
+        Scheduler(cfg, 1, kw["block_size"], kw["max_model_len"])  # its own checks (lanes, slo_admission, ...)
+    except (SystemExit, ValueError, OSError) as exc:
+        raise ValueError(_as_field(str(exc.code if isinstance(exc, SystemExit) else exc), fields)) from None
+    return cfg, kw
+
+
+def _has_type(value, tp: type) -> bool:
+    """A JSON value of the field type tp (a bool is no number; an int is a float)."""
+    if tp is bool or isinstance(value, bool):
+        return tp is bool and isinstance(value, bool)
+    return isinstance(value, (int, float) if tp is float else tp)
+
+
+def _as_field(msg: str, fields: dict) -> str:
+    """A server check's message naming a flag ('--max-num-seqs 0: ...') as one naming --config's field."""
+    flag, _, rest = msg.partition(" ")
+    name = flag.removeprefix("--").replace("-", "_")
+    return f"--config {name} {rest}" if flag.startswith("--") and name in fields else f"--config: {msg}"
 
 
 def check_step_noise(sigma: float) -> None:
     if not 0.0 <= sigma <= 10.0:  # (NaN fails too)
-        raise SystemExit(f"error: --step-noise must be from 0 to 10, got {sigma}")
+        raise ValueError(f"--step-noise {sigma}: must be from 0 to 10")
+
+
+def check_out_file(flag: str, path: str | None) -> None:
+    """A file the run writes at its end: its directory must exist, and it must not be a directory, before the run."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: is a directory")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK) or os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ValueError(f"{flag} {path}: not writable")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,7 +158,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`laneserve simulate` / `python -m batcher.sim`: a bad value or file is one line on stderr and exit status 2."""
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _main(argv)
+    except (ValueError, OSError) as exc:
+        return _fail(str(exc))
+    except SystemExit as exc:  # argparse's own (status 2, said already) pass; a message is an error of ours
+        if isinstance(exc.code, str):
+            return _fail(exc.code)
+        raise
+
+
+def _fail(msg: str) -> int:
+    msg = msg.removeprefix("error: ")
+    print(f"laneserve simulate: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _main(argv: list[str]) -> int:
     if argv and argv[0] == "sweep":
         return sweep_main(argv[1:])
     args = build_parser().parse_args(argv)
@@ -94,16 +184,31 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(bench_step(cfg=_config(args.config)[0]), indent=1))
         return 0
     check_step_noise(args.step_noise)
+    check_out_file("--json", args.json)
     cfg, kw = _config(args.config)
-    reqs = trace_requests(args)
+    cost = _cost_model(args.cost_model, cfg)
+    reqs = trace_requests(args, kw["max_model_len"])
     t0 = time.perf_counter()
-    cost = CostModel.load(args.cost_model or default_cost_model(cfg.lanes))
     res = simulate(reqs, cfg, cost, pipelined=args.pipelined, step_noise=args.step_noise, noise_seed=args.seed, **kw)
     summary = summarize(res) | {"wall_s": round(time.perf_counter() - t0, 2)}
+    if res.errors:
+        why = next(iter(res.errors.values()))
+        if len(res.errors) == len(reqs):
+            raise ValueError(f"every request failed, e.g.: {why} (see --config's num_blocks, block_size, "
+                             "max_model_len)")
+        print(f"note: {len(res.errors)} of {len(reqs)} requests failed (ERROR), e.g.: {why}", file=sys.stderr)
     _print(summary)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
     return 0
+
+
+def _cost_model(path: str | None, cfg: BatcherConfig) -> CostModel:
+    """--cost-model's model, else the shipped one for the config's lanes."""
+    try:
+        return CostModel.load(path or default_cost_model(cfg.lanes))
+    except OSError as exc:
+        raise ValueError(f"--cost-model {path}: cannot read it ({exc.strerror})") from None
 
 
 def _print(s: dict) -> None:
@@ -172,12 +277,16 @@ def sweep_main(argv: list[str]) -> int:
 
     p = build_sweep_parser()
     args = p.parse_args(argv)
-    warmup, runs = plan_sweep(p, args)
     check_step_noise(args.step_noise)
     slo = report.parse_slo(args.slo)
     cfg, kw = _config(args.config)
     cost_path = args.cost_model or str(default_cost_model(cfg.lanes))
-    cost = CostModel.load(cost_path)
+    cost = _cost_model(args.cost_model, cfg)
+    try:
+        os.makedirs(args.out, exist_ok=True)  # now, not after the runs
+    except OSError as exc:
+        raise ValueError(f"--out {args.out}: cannot make the directory ({exc.strerror})") from None
+    warmup, runs = plan_sweep(p, args)
     started = time.time()
     rows = []
     for rate, seed, trace in runs:

@@ -264,6 +264,7 @@ class SimResult:
     # request id -> (arrival, first token or None, final delta, tokens received, finish reason), every finished one
     ends: dict[str, tuple[float, float | None, float, int, int]] = field(default_factory=dict)
     shed: dict[str, float] = field(default_factory=dict)  # request id -> arrival, of those predictive admission shed
+    errors: dict[str, str] = field(default_factory=dict)  # request id -> why, of those that finished ERROR
     first_chunk_cached: dict[str, int] = field(default_factory=dict)
     duration: float = 0.0
     steps: int = 0
@@ -339,6 +340,8 @@ class _Tally:
                 if n:
                     res.output_tokens[rid] = n
                 res.ends[rid] = (p.arrival, p.first_at, now, n, reason)
+                if reason == FinishReason.ERROR:
+                    res.errors[rid] = d.error or "no reason given"
                 if p.first_at is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
                     res.ttft.append(p.first_at - p.arrival)
                     res.e2e.append(now - p.arrival)

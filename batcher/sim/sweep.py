@@ -6,9 +6,10 @@ and per rate and seed its trace, each rag run with documents of its own). Each r
 followed, WARMUP_GAP_S after its last arrival, by the run's trace, on a fresh scheduler with async
 scheduling (`--pipelined`); the run's requests become RequestRecords, so loadtest.report.summarize and
 loadtest.sweep.build compute every figure as they do for a served sweep, and `laneserve loadtest compare`
-sets a measured sweep.json beside a simulated one. Not simulated: ITL (no per-chunk times), the HTTP
-path (the gateway's tokenizing and streaming time), and the load client's --no-ignore-eos, --endpoint chat and
-context clamping (every request here gets exactly its trace's output tokens). Set `num_blocks` in --config to
+sets a measured sweep.json beside a simulated one. Rows longer than --config's max_model_len are shortened to fit
+as the load client shortens them to the server's (`fit_rows`). Not simulated: ITL (no per-chunk times), the HTTP
+path (the gateway's tokenizing and streaming time), and the load client's --no-ignore-eos and --endpoint chat
+(every request here gets exactly its trace's output tokens, or its shortened row's). Set `num_blocks` in --config to
 the server's KV pool (its `cache_config_info` on /metrics): too small a pool makes requests wait for K/V space.
 """
 
@@ -21,17 +22,27 @@ from laneserve.wire.protocol import FinishReason
 WARMUP_GAP_S = 60.0  # from the warm-up's last arrival to the run's first: its requests have finished by then
 
 
-def records(res: SimResult, rows: list, first: int, shift: float) -> list:
-    """The load client's RequestRecords of rows (the run's trace rows, simulated as requests r{first}, ...;
-    their arrivals `shift` later than the trace says)."""
+def fit_rows(rows: list, max_model_len: int) -> tuple[list, int]:
+    """The rows shortened to fit max_model_len as the load client shortens them (loadtest.client.fit_to_context),
+    and how many were."""
+    from loadtest.client import fit_to_context
+
+    fitted = [fit_to_context(r, max_model_len) for r in rows]
+    return [r for r, _ in fitted], sum(c for _, c in fitted)
+
+
+def records(res: SimResult, rows: list, first: int, shift: float, max_model_len: int) -> list:
+    """The load client's RequestRecords of rows (the run's trace rows, simulated as requests r{first}, ... shortened
+    to fit max_model_len as the client would; their arrivals `shift` later than the trace says)."""
     from loadtest.client import RequestRecord
 
     out = []
-    for i, row in enumerate(rows):
+    for i, (row, sent) in enumerate(zip(rows, fit_rows(rows, max_model_len)[0])):
         rid = f"r{first + i}"
-        rec = RequestRecord(index=i, scheduled=row.arrival, input_tokens=row.input_tokens,
-                            max_tokens=max(row.output_tokens, 1), trace_input_tokens=row.input_tokens,
-                            trace_output_tokens=row.output_tokens, sent=row.arrival, prompt_tokens=row.input_tokens)
+        rec = RequestRecord(index=i, scheduled=row.arrival, input_tokens=sent.input_tokens,
+                            max_tokens=max(sent.output_tokens, 1), trace_input_tokens=row.input_tokens,
+                            trace_output_tokens=row.output_tokens, sent=row.arrival, prompt_tokens=sent.input_tokens,
+                            clamped=sent != row)
         if rid in res.shed:
             rec.status, rec.error = 429, "shed by predictive SLO admission"
         else:
@@ -45,14 +56,18 @@ def records(res: SimResult, rows: list, first: int, shift: float) -> list:
     return out
 
 
-def run_one(warmup: list, rows: list, cfg, cost: CostModel, step_noise: float, seed: int, **kw) -> list:
-    """Simulate the warm-up, then rows WARMUP_GAP_S after it; the rows' RequestRecords."""
+def run_one(warmup: list, rows: list, cfg, cost: CostModel, step_noise: float, seed: int, max_model_len: int,
+            **kw) -> list:
+    """Simulate the warm-up, then rows WARMUP_GAP_S after it (both shortened to fit max_model_len: fit_rows); the
+    rows' RequestRecords."""
     shift = warmup[-1].arrival + WARMUP_GAP_S if warmup else 0.0
-    reqs = [TraceSimRequest(r.arrival, r, i) for i, r in enumerate(warmup)]
-    reqs += [TraceSimRequest(r.arrival + shift, r, len(warmup) + i) for i, r in enumerate(rows)]
-    res = simulate(reqs, cfg, cost, pipelined=True, step_noise=step_noise, noise_seed=seed, **kw)
+    reqs = [TraceSimRequest(r.arrival, r, i) for i, r in enumerate(fit_rows(warmup, max_model_len)[0])]
+    reqs += [TraceSimRequest(r.arrival + shift, r, len(warmup) + i)
+             for i, r in enumerate(fit_rows(rows, max_model_len)[0])]
+    res = simulate(reqs, cfg, cost, pipelined=True, step_noise=step_noise, noise_seed=seed,
+                   max_model_len=max_model_len, **kw)
     late = [i for i in range(len(warmup)) if f"r{i}" in res.ends and res.ends[f"r{i}"][2] >= shift]
     if late:
         raise SystemExit(f"error: warm-up request {late[0]} was still running when the run began; the server is "
                          "overloaded at the warm-up's rate")
-    return records(res, rows, len(warmup), shift)
+    return records(res, rows, len(warmup), shift, max_model_len)
