@@ -7,6 +7,7 @@ import glob
 import json
 
 import aiohttp
+import pytest
 import torch
 
 from laneserve.cli import main as cli
@@ -31,11 +32,8 @@ def test_corpus_reading_and_packing(tmp_path):
     assert seqs == [[256, 1, 2, 3], [256, 4, 5, 256]]  # documents packed back to back, RAG-prompt style
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"body": "x"}\n')
-    try:
+    with pytest.raises(ValueError, match="bad.jsonl:1: expected a JSON object"):
         read_corpus([str(bad)])
-        raise AssertionError("expected SystemExit")
-    except SystemExit as exc:
-        assert "bad.jsonl:1" in str(exc)
 
 
 def test_calibrate_absmax_and_percentile_then_serve_from_the_file(tmp_path, capsys):

@@ -7,7 +7,9 @@ One command runs every part and prints one table; JSON goes to --out. Parts:
   hf        transformers.generate on the same shapes and weights (eager, dynamic cache)
   breakdown GPU kernel time of decode and prefill steps by category vs wall time (breakdown.py)
 Timing: CUDA events / synchronised wall clock after warm-up, medians. On CPU it runs the
-tiny model so the code path stays tested; the numbers that matter come from a GPU.
+tiny model's engine part so the code path stays tested (roofline and breakdown need a GPU, hf a
+--model checkpoint); the numbers that matter come from a GPU. A bad flag is argparse's error, before the
+model loads.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from laneserve.modelspec import load_model_config
 from workers.config import WorkerConfig
+from workers.kv_cache import BLOCK_SIZE, KV_CACHE_DTYPES
 from workers.runner import ModelRunner
 from workers.tools.breakdown import breakdown
 from workers.tools.driver import EngineDriver, sync
@@ -39,6 +43,13 @@ MISTRAL_7B = {
 
 
 BREAKDOWN_PREFILL = 2048  # prefill chunk the breakdown profiles (the default --max-num-batched-tokens)
+BREAKDOWN_CHUNKS = 4  # its longest prefill: 4 chunks of BREAKDOWN_PREFILL tokens in one sequence
+PARTS = ("roofline", "engine", "hf", "breakdown")
+# EngineDriver gives each request KV blocks for 64 pages (1,024 tokens) past its prompt; the engine part decodes
+# 2 x --steps + 6 tokens (warm-up, timed and, when the runner overlaps steps, not-overlapped steps)
+MAX_STEPS = 500
+DECODE_HEADROOM = 64  # the driver's pages per request past the prompt
+HF_PROMPT, HF_NEW_TOKENS = 512, 128  # the hf part's shapes
 
 
 def write_dummy_model_dir(path: str, config: dict = MISTRAL_7B) -> str:
@@ -57,6 +68,63 @@ def write_dummy_model_dir(path: str, config: dict = MISTRAL_7B) -> str:
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}, f)
     return path
+
+
+# ---------------------------------------------------------------------------------------------- flags
+# argparse types and checks shared with calibrate.py (a bad value is argparse's one-line error, exit status 2)
+def whole(low: int, high: int | None = None):
+    """argparse type: a whole number >= low (and <= high)."""
+    def whole_number(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{text!r}: must be at least {low}" if high is None else
+                                             f"{text!r}: must be {low} to {high}")
+        return value
+    return whole_number
+
+
+def counts(text: str) -> list[int]:
+    """argparse type: a comma list of whole numbers >= 1 ('1,8,32')."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of whole numbers, e.g. 1,8,32") from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be at least 1")
+    return values
+
+
+def names(choices: tuple[str, ...], what: str, repeat: bool = True):
+    """argparse type: a comma list of names from choices, in order (repeats dropped, or an error if not repeat)."""
+    def name_list(text: str) -> list[str]:
+        got = [x.strip() for x in text.split(",")]
+        bad = [x for x in got if x not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(map(repr, bad))}; choose from "
+                                             f"{', '.join(choices)}")
+        if not repeat and len(set(got)) < len(got):
+            raise argparse.ArgumentTypeError(f"{text!r}: give each {what} once")
+        return list(dict.fromkeys(got))
+    return name_list
+
+
+def unwritable(path: str) -> str:
+    """Why `path` cannot be written as a file ('' if it can): checked before a long run, not after it. A file
+    that did not exist is created to find out, then removed."""
+    if os.path.isdir(path):
+        return f"{path} is a directory"
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        return f"cannot write {path}: {exc.strerror or exc}"
+    if not existed:
+        os.remove(path)
+    return ""
 
 
 @dataclass
@@ -192,7 +260,8 @@ def print_table(rows: list[Row], roofline: dict) -> None:
     for r in rows:
         vs_hf = f"{r.tok_per_s / hf[r.batch].tok_per_s:6.1f}x" if r.part != "hf" and r.batch in hf else ""
         vs_roof = (f"{roofline['roofline_ms'] / r.ms_per_step * 100:10.0f}%" if roofline and r.batch == 1 else "")
-        print(f"{r.part:8} {r.batch:6d} {r.context:8d} {r.ms_per_step:9.2f} {r.tok_per_s:10.0f} {vs_hf:>7} {vs_roof:>12}"
+        print(f"{r.part:8} {r.batch:6d} {r.context:8d} {r.ms_per_step:9.2f} {r.tok_per_s:10.0f} {vs_hf:>7} "
+              f"{vs_roof:>12}"
               + (f"  {r.note}" if r.part == "engine" and r.note else ""))
 
 
@@ -209,43 +278,111 @@ def kv_ratios(rows: list[Row], kv_dtypes: list[str]) -> list[str]:
     return out
 
 
+def skipped_parts(gpu: bool, tiny: bool) -> dict[str, str]:
+    """The parts this machine and model cannot run -> why, in the user's terms."""
+    why = {}
+    if not gpu:
+        why["roofline"] = "needs a GPU (it times device memory copies)"
+        why["breakdown"] = "needs a GPU (it profiles CUDA kernels)"
+    if tiny:
+        why["hf"] = "needs a checkpoint that transformers can build (--model DIR), which tiny is not"
+    return why
+
+
+def check_lengths(ap: argparse.ArgumentParser, args: argparse.Namespace, parts: set[str], limit: int) -> int:
+    """The runner's --max-model-len for the parts, or an error in bench's own flags if the model cannot hold it
+    (`limit`: its max_position_embeddings)."""
+    longest = max(args.contexts)
+    if "engine" in parts and (need := longest + 2 * args.steps + 7) > limit:
+        ap.error(f"--contexts {longest} with --steps {args.steps} needs {need} tokens of context (context + "
+                 f"2 x steps + 7); the model holds {limit} (max_position_embeddings): lower --contexts")
+    if "breakdown" in parts:
+        need = max(BREAKDOWN_CHUNKS * BREAKDOWN_PREFILL + 1, args.contexts[0] + 23)
+        if need > limit:
+            ap.error(f"--parts breakdown needs {need} tokens of context (a {BREAKDOWN_CHUNKS} x {BREAKDOWN_PREFILL}-"
+                     f"token prefill, and decode at --contexts {args.contexts[0]}); the model holds {limit} "
+                     f"(max_position_embeddings): leave breakdown out of --parts or lower --contexts")
+        longest = max(longest, BREAKDOWN_CHUNKS * BREAKDOWN_PREFILL)
+    if "hf" in parts and HF_PROMPT + HF_NEW_TOKENS > limit:
+        ap.error(f"--parts hf generates {HF_NEW_TOKENS} tokens after a {HF_PROMPT}-token prompt; the model holds "
+                 f"{limit} (max_position_embeddings): leave hf out of --parts")
+    return min(limit, longest + 2 * args.steps + 128)
+
+
+def check_kv_pool(ap: argparse.ArgumentParser, args: argparse.Namespace, parts: set[str], runner) -> None:
+    """The KV blocks EngineDriver hands out fit the runner's pool (its size is known only once it is built)."""
+    page = runner.block_size
+
+    def blocks(batch: int, context: int) -> int:
+        return batch * ((context + 1 + page) // page + DECODE_HEADROOM)
+    checks = []
+    if "engine" in parts:
+        checks.append(("--batches", max(args.batches), max(args.contexts)))
+    if "breakdown" in parts:
+        checks.append(("--breakdown-batches", max(args.breakdown_batches), args.contexts[0]))
+    for flag, batch, context in checks:
+        if blocks(batch, context) > runner.num_blocks:
+            ap.error(f"{flag} {batch} at --contexts {context} needs {blocks(batch, context)} KV blocks of {page} "
+                     f"tokens; the pool holds {runner.num_blocks}: lower {flag} or --contexts")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="laneserve bench", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="", help="checkpoint dir; default: a Mistral-7B-shaped dummy on GPU, tiny on CPU")
-    ap.add_argument("--parts", default="roofline,engine,hf", help="comma list of roofline,engine,hf,breakdown")
-    ap.add_argument("--batches", default="1,8,32,64,128,256")
-    ap.add_argument("--hf-batches", default="1,32,64")
-    ap.add_argument("--breakdown-batches", default="1,32,128")
-    ap.add_argument("--contexts", default="1024", help="comma list of context lengths for the engine part")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--kv-cache-dtype", default="auto",
+    ap.add_argument("--model", default="",
+                    help="checkpoint dir; default: a Mistral-7B-shaped dummy on GPU, tiny on CPU")
+    ap.add_argument("--parts", type=names(PARTS, "part"), default="roofline,engine,hf",
+                    help="comma list of roofline,engine,hf,breakdown (roofline and breakdown need a GPU, hf a "
+                         "checkpoint: on CPU without --model only engine runs)")
+    ap.add_argument("--batches", type=counts, default="1,8,32,64,128,256", help="engine concurrencies, comma list")
+    ap.add_argument("--hf-batches", type=counts, default="1,32,64", help="hf concurrencies, comma list")
+    ap.add_argument("--breakdown-batches", type=counts, default="1,32,128", help="breakdown concurrencies, comma list")
+    ap.add_argument("--contexts", type=counts, default="1024",
+                    help="comma list of context lengths for the engine part (the first one for breakdown)")
+    ap.add_argument("--steps", type=whole(1, MAX_STEPS), default=30,
+                    help=f"timed decode steps per engine row, 1 to {MAX_STEPS} (each benchmark request holds KV "
+                         f"for {DECODE_HEADROOM * BLOCK_SIZE} decoded tokens; default 30)")
+    ap.add_argument("--kv-cache-dtype", type=names(KV_CACHE_DTYPES, "KV cache dtype", repeat=False), default="auto",
                     help="auto | int8, or a comma list (auto,int8): the engine part runs once per KV dtype, same "
                          "shapes, and prints each batch's tok/s ratio against the first")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--out", default="", help="write JSON here")
     args = ap.parse_args(argv)
+    if args.out and (problem := unwritable(args.out)):
+        ap.error(f"argument --out: {problem}")
 
     gpu = torch.cuda.is_available()
-    parts = set(args.parts.split(","))
+    tiny = args.model == "tiny" or (not args.model and not gpu)
+    why = skipped_parts(gpu, tiny)
+    if all(p in why for p in args.parts):
+        ap.error("--parts: " + "; ".join(f"{p} {why[p]}" for p in args.parts))
+    for p in args.parts:
+        if p in why:
+            print(f"laneserve bench: note: skipping --parts {p}: it {why[p]}", file=sys.stderr, flush=True)
+    parts = {p for p in args.parts if p not in why}
     model = args.model
     if not model:
         model = write_dummy_model_dir(tempfile.mkdtemp(prefix="bench-model-")) if gpu else "tiny"
+    try:
+        limit = load_model_config(model).max_position_embeddings
+    except (ValueError, OSError) as exc:
+        ap.error(f"argument --model: {exc}")
+    max_model_len = check_lengths(ap, args, parts, limit)
     rows: list[Row] = []
     roofline: dict = {}
-    batches = [int(b) for b in args.batches.split(",")]
-    contexts = [int(c) for c in args.contexts.split(",")]
+    batches, contexts = args.batches, args.contexts
     result: dict = {"argv": sys.argv, "date": time.strftime("%Y-%m-%d"), "device": (
         torch.cuda.get_device_name() if gpu else "cpu"), "torch": torch.__version__}
-    kv_dtypes = args.kv_cache_dtype.split(",")
+    kv_dtypes = args.kv_cache_dtype
     for kv_dtype in kv_dtypes if parts & {"engine", "breakdown"} else kv_dtypes[:1]:
         if not parts & {"engine", "roofline", "breakdown"}:
             break
         cfg = WorkerConfig(model=model, load_format="dummy" if model != "tiny" else "auto",
                            dtype="bfloat16" if gpu else "float32", max_num_seqs=max(batches),
-                           max_model_len=max(contexts + [BREAKDOWN_PREFILL * 4] * ('breakdown' in parts)) + args.steps + 128,
-                           max_num_batched_tokens=8192, kv_cache_dtype=kv_dtype, enforce_eager=args.enforce_eager)
+                           max_model_len=max_model_len, max_num_batched_tokens=8192, kv_cache_dtype=kv_dtype,
+                           enforce_eager=args.enforce_eager)
         t0 = time.perf_counter()
         runner = ModelRunner(cfg)
+        check_kv_pool(ap, args, parts, runner)
         result.setdefault("startup_s", {})[kv_dtype] = time.perf_counter() - t0
         if runner.graphs is not None:
             result.setdefault("graph_capture", {})[kv_dtype] = {
@@ -269,14 +406,14 @@ def main(argv: list[str] | None = None) -> int:
         if "breakdown" in parts and gpu:
             print(f"breakdown: KV cache {kv_dtype}", flush=True)
             vocab = min(runner.model_config.vocab_size, 32000)
-            got = breakdown(runner, [int(b) for b in args.breakdown_batches.split(",")], contexts[0], vocab, BREAKDOWN_PREFILL)
+            got = breakdown(runner, args.breakdown_batches, contexts[0], vocab, BREAKDOWN_PREFILL)
             result.setdefault("breakdown", {})[kv_dtype] = got
         del runner
         gc.collect()  # the runner's CUDA graphs and KV pool must go before the next runner / HF's model
         if gpu:
             torch.cuda.empty_cache()
-    if "hf" in parts and model != "tiny":
-        rows += bench_hf(model, [int(b) for b in args.hf_batches.split(",")], 512, 128,
+    if "hf" in parts:
+        rows += bench_hf(model, args.hf_batches, HF_PROMPT, HF_NEW_TOKENS,
                          "cuda" if gpu else "cpu", torch.bfloat16 if gpu else torch.float32)
     print_table(rows, roofline)
     ratios = kv_ratios(rows, kv_dtypes)

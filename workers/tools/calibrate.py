@@ -30,26 +30,34 @@ from workers.config import WorkerConfig
 from workers.kv_cache import BLOCK_SIZE, bytes_per_block, resolve_kv_dtype
 from workers.loader import resolve_device, resolve_dtype
 from workers.runner import ModelRunner
+from workers.tools.bench import unwritable, whole
 
 METHODS = ("absmax", "percentile")
 
 
 # ------------------------------------------------------------------------------------------ corpus
 def read_corpus(paths: list[str]) -> list[str]:
-    """Documents: a .jsonl file gives one per line ({"text": ...}); any other file is one document."""
+    """Documents: a .jsonl file gives one per line ({"text": ...}); any other file is one document. A file that
+    is not UTF-8 text or a line that is not such an object is a ValueError naming the file (and line)."""
     docs = []
     for path in paths:
         with open(path, encoding="utf-8") as f:
-            if not path.endswith(".jsonl"):
-                docs.append(f.read())
-                continue
-            for n, line in enumerate(f, 1):
-                if not line.strip():
+            try:
+                if not path.endswith(".jsonl"):
+                    docs.append(f.read())
                     continue
-                obj = json.loads(line)
-                if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                    raise SystemExit(f"{path}:{n}: expected a JSON object with a \"text\" string")
-                docs.append(obj["text"])
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        obj = json.loads(line)
+                    except ValueError:
+                        obj = None
+                    if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                        raise ValueError(f"{path}:{n}: expected a JSON object with a \"text\" string")
+                    docs.append(obj["text"])
+            except UnicodeDecodeError:
+                raise ValueError(f"{path}: not UTF-8 text") from None
     return [d for d in docs if d.strip()]
 
 
@@ -192,22 +200,41 @@ def main(argv: list[str] | None = None) -> int:
                                                   "to have workers load it by default)")
     ap.add_argument("--method", choices=METHODS, default="absmax")
     ap.add_argument("--percentile", type=float, default=99.99, help="for --method percentile")
-    ap.add_argument("--seq-len", type=int, default=2048, help="tokens per packed calibration sequence")
-    ap.add_argument("--max-tokens", type=int, default=65536, help="calibrate on at most this many tokens")
-    ap.add_argument("--eval-tokens", type=int, default=0,
-                    help="then decode this many tokens with float vs int8 KV (new scales) and report the difference")
+    ap.add_argument("--seq-len", type=whole(2), default=2048,
+                    help="tokens per packed calibration sequence (at least 2, at most the model's context)")
+    ap.add_argument("--max-tokens", type=whole(2), default=65536, help="calibrate on at most this many tokens")
+    ap.add_argument("--eval-tokens", type=whole(0), default=0,
+                    help="then decode this many tokens with float vs int8 KV (new scales) and report the difference; "
+                         "0 (the default): no evaluation")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--load-format", default="auto")
-    ap.add_argument("--seed", type=int, default=0, help="tiny/dummy weights' seed")
+    ap.add_argument("--seed", type=whole(0, 2**64 - 1), default=0, help="tiny/dummy weights' seed")
     args = ap.parse_args(argv)
     if not 0 < args.percentile <= 100:
-        ap.error("--percentile must be in (0, 100]")
+        ap.error("argument --percentile: must be in (0, 100]")
+    if problem := unwritable(args.out):
+        ap.error(f"argument --out: {problem}")
+    try:
+        limit = load_model_config(args.model).max_position_embeddings
+    except (ValueError, OSError) as exc:
+        ap.error(f"argument --model: {exc}")
+    if args.seq_len > limit:
+        ap.error(f"argument --seq-len: {args.seq_len} exceeds the model's context ({limit} tokens, "
+                 "max_position_embeddings)")
+    if args.eval_tokens >= limit:
+        ap.error(f"argument --eval-tokens: {args.eval_tokens}: at most {limit - 1} (the model's context, {limit} "
+                 "tokens, holds a prompt of at least one token and the evaluated tokens)")
 
     tok = load_tokenizer(args.model)
-    seqs = pack([tok.encode(d) for d in read_corpus(args.data)], args.seq_len, args.max_tokens)
+    try:
+        docs = read_corpus(args.data)
+    except (OSError, ValueError) as exc:
+        ap.error(f"argument --data: {exc}")
+    seqs = pack([tok.encode(d) for d in docs], args.seq_len, args.max_tokens)
     if not seqs:
-        raise SystemExit("calibrate-kv: the corpus has no text")
+        ap.error(f"argument --data: {' '.join(args.data)}: " + ("no text" if not docs else
+                 "fewer than 2 tokens: nothing to calibrate"))
     kw = dict(device=args.device, dtype=args.dtype, load_format=args.load_format, seed=args.seed)
     t0 = time.perf_counter()
     runner = make_runner(args.model, args.seq_len, **kw)

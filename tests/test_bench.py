@@ -1,0 +1,138 @@
+"""`laneserve bench` and `laneserve calibrate-kv` flags: a bad value is argparse's one-line error naming the flag
+(exit status 2), before the model loads; parts this machine cannot run are said, not skipped silently."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from laneserve.cli import main as cli
+from workers.tools.bench import unwritable
+
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="the parts run on a GPU")
+
+
+def _error(capsys, argv: list[str]) -> str:
+    """The tool's error line for argv; asserts exit status 2 and that nothing ran (no model, no table)."""
+    with pytest.raises(SystemExit) as exc:
+        cli(argv)
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and out == "", out
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.fixture
+def a_file(tmp_path):
+    path = tmp_path / "a_file"
+    path.write_text("kept")
+    return path
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--contexts", "0"], "argument --contexts: '0': every value must be at least 1"),
+    (["--contexts", "-64"], "argument --contexts: '-64': every value must be at least 1"),
+    (["--contexts", "1024,,2048"], "argument --contexts: '1024,,2048': expected a comma list of whole numbers"),
+    (["--contexts", "1e3"], "argument --contexts"),
+    (["--steps", "0"], "argument --steps: '0': must be 1 to 500"),
+    (["--steps", "-5"], "argument --steps: '-5': must be 1 to 500"),
+    (["--steps", "nan"], "argument --steps: 'nan': expected a whole number"),
+    (["--steps", "501"], "argument --steps: '501': must be 1 to 500"),
+    (["--batches", "0"], "argument --batches: '0': every value must be at least 1"),
+    (["--batches", "-1"], "argument --batches"),
+    (["--hf-batches", "1,0"], "argument --hf-batches"),
+    (["--breakdown-batches", "inf"], "argument --breakdown-batches"),
+    (["--parts", "bogus"], "argument --parts: unknown part 'bogus'; choose from roofline, engine, hf, breakdown"),
+    (["--parts", "engine,"], "argument --parts: unknown part ''"),
+    (["--kv-cache-dtype", "fp8"], "argument --kv-cache-dtype: unknown KV cache dtype 'fp8'; choose from auto, int8"),
+    (["--kv-cache-dtype", "int8,int8"], "argument --kv-cache-dtype: 'int8,int8': give each KV cache dtype once"),
+    (["--model", "tiny", "--parts", "hf"], "--parts: hf needs a checkpoint that transformers can build"),
+    (["--model", "tiny", "--parts", "engine", "--contexts", "99999999"],
+     "--contexts 99999999 with --steps 30 needs 100000066 tokens of context"),
+    (["--model", "tiny", "--parts", "engine", "--contexts", "8000", "--steps", "100"], "lower --contexts"),
+    (["--model", "/no/such/model"], "argument --model: /no/such/model/config.json: not found"),
+    (["--out", "{dir}"], "argument --out: {dir} is a directory"),
+    (["--out", "{file}/x.json"], "argument --out: cannot write {file}/x.json: Not a directory"),
+])
+def test_bench_rejects_bad_flags_before_loading_the_model(capsys, tmp_path, a_file, flags, says):
+    paths = {"dir": str(tmp_path), "file": str(a_file)}
+    line = _error(capsys, ["bench", *[f.format(**paths) for f in flags]])
+    assert line.startswith("laneserve bench: error: ") and says.format(**paths) in line, line
+    assert a_file.read_text() == "kept"
+
+
+@NO_GPU
+@pytest.mark.parametrize("parts, says", [
+    ("roofline", "roofline needs a GPU"),
+    ("breakdown", "breakdown needs a GPU"),
+    ("roofline,hf,breakdown", "roofline needs a GPU (it times device memory copies); hf needs a checkpoint"),
+])
+def test_bench_parts_a_cpu_cannot_run_are_an_error_not_an_empty_table(capsys, parts, says):
+    line = _error(capsys, ["bench", "--parts", parts])
+    assert line.startswith("laneserve bench: error: --parts: ") and says in line, line
+
+
+def test_bench_notes_the_parts_it_skips_and_runs_the_rest(capsys, tmp_path):
+    out = tmp_path / "bench.json"
+    assert cli(["bench", "--model", "tiny", "--parts", "hf,engine", "--batches", "1,2", "--contexts", "8",
+                "--steps", "1", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "laneserve bench: note: skipping --parts hf: it needs a checkpoint" in err
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["part"], r["batch"], r["context"]) for r in rows] == [("engine", 1, 8), ("engine", 2, 8)]
+
+
+def test_bench_a_batch_the_kv_pool_cannot_hold_is_named(capsys):
+    """The pool's size is known once the runner is built: the check comes before any step runs."""
+    with pytest.raises(SystemExit) as exc:
+        cli(["bench", "--model", "tiny", "--parts", "engine", "--batches", "1,4096", "--contexts", "1024"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exc.value.code == 2 and "Traceback" not in err
+    assert err.startswith("laneserve bench: error: --batches 4096 at --contexts 1024 needs ") and \
+        "lower --batches or --contexts" in err, err
+
+
+def test_out_is_checked_without_leaving_a_file_or_touching_one(tmp_path, a_file):
+    new = tmp_path / "new.json"
+    assert unwritable(str(new)) == "" and not new.exists()
+    assert unwritable(str(a_file)) == "" and a_file.read_text() == "kept"
+    assert "is a directory" in unwritable(str(tmp_path))
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--seq-len", "0"], "argument --seq-len: '0': must be at least 2"),
+    (["--seq-len", "-1"], "argument --seq-len: '-1': must be at least 2"),
+    (["--seq-len", "1"], "argument --seq-len: '1': must be at least 2"),
+    (["--seq-len", "100000"], "argument --seq-len: 100000 exceeds the model's context (8192 tokens"),
+    (["--max-tokens", "0"], "argument --max-tokens: '0': must be at least 2"),
+    (["--max-tokens", "-5"], "argument --max-tokens: '-5': must be at least 2"),
+    (["--eval-tokens", "-1"], "argument --eval-tokens: '-1': must be at least 0"),
+    (["--eval-tokens", "8192"], "argument --eval-tokens: 8192: at most 8191"),
+    (["--method", "percentile", "--percentile", "nan"], "argument --percentile: must be in (0, 100]"),
+    (["--method", "percentile", "--percentile", "0"], "argument --percentile: must be in (0, 100]"),
+    (["--percentile", "inf"], "argument --percentile: must be in (0, 100]"),
+    (["--seed", "-1"], "argument --seed: '-1': must be 0 to 18446744073709551615"),
+    (["--seed", str(2**64)], "argument --seed"),
+    (["--out", "{dir}"], "argument --out: {dir} is a directory"),
+    (["--out", "{file}/x.json"], "argument --out: cannot write {file}/x.json: Not a directory"),
+    (["--model", "/no/such/model"], "argument --model: /no/such/model/config.json: not found"),
+    (["--data", "{dir}/missing.txt"], "argument --data: [Errno 2] No such file or directory"),
+    (["--data", "{dir}/bad.jsonl"], "argument --data: {dir}/bad.jsonl:2: expected a JSON object with a \"text\""),
+    (["--data", "{dir}/binary.txt"], "argument --data: {dir}/binary.txt: not UTF-8 text"),
+    (["--data", "{dir}/blank.txt"], "argument --data: {dir}/blank.txt: no text"),
+    (["--data", "{dir}/one.txt"], "argument --data: {dir}/one.txt: fewer than 2 tokens"),
+])
+def test_calibrate_rejects_bad_flags_before_loading_the_model(capsys, tmp_path, a_file, flags, says):
+    (tmp_path / "text.txt").write_text("Calibration text, long enough to pack. " * 20)
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\nnot json\n')
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00")
+    (tmp_path / "blank.txt").write_text("  \n")
+    (tmp_path / "one.txt").write_text("x")
+    paths = {"dir": str(tmp_path), "file": str(a_file)}
+    argv = ["calibrate-kv", "--device", "cpu", "--data", str(tmp_path / "text.txt"), "--out",
+            str(tmp_path / "scales.json"), *[f.format(**paths) for f in flags]]
+    line = _error(capsys, argv)
+    assert line.startswith("laneserve calibrate-kv: error: ") and says.format(**paths) in line, line
+    assert not (tmp_path / "scales.json").exists() and a_file.read_text() == "kept"
