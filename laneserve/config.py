@@ -52,7 +52,7 @@ SHARED: dict[str, tuple[Any, str]] = {
 # Numbers: every int and float field is finite and at least 0, unless a field name here says otherwise:
 # name -> (lowest, highest, the lowest excluded), None = no bound.
 BOUNDS: dict[str, tuple[float | None, float | None, bool]] = {
-    "seed": (None, None, False),
+    "seed": (0, 2**64 - 1, False),  # torch's generator seeds
     "port": (1, 65535, False),
     "max_num_seqs": (1, None, False),
     "max_num_batched_tokens": (1, None, False),

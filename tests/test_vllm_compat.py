@@ -161,6 +161,7 @@ def test_vllm_flags_parse_to_the_same_config():
     (["serve", "--port", "70000"], "--port 70000: must be >= 1 and <= 65535"),
     (["serve", "--request-timeout", "nan"], "--request-timeout nan: must be a finite number"),
     (["serve", "--max-waiting-requests", "-1"], "--max-waiting-requests -1: must be >= 0"),
+    (["serve", "--seed", "99999999999999999999999"], "--seed 1e+23: must be >= 0 and <= 1.84467e+19"),
     (["serve", "--gpu-memory-utilization", "5"], "must be > 0 and <= 1"),
     (["serve", "--decode-buckets", "a,b"], "--decode-buckets 'a,b': must be comma-separated whole numbers"),
     (["serve", "--warm-prefix", "/nonexistent.json"], "--warm-prefix /nonexistent.json"),
