@@ -2,29 +2,32 @@
 # Capacity under the SLO, policy against policy, in one device call (docs/perf.md, issue 19):
 # for each policy, one server (7B shape, dummy weights) and one `laneserve loadtest sweep` of the
 # bursty RAG replay (a warm-up, then each rate and seed); prints each sweep's table, keeps
-# sweep_NAME.json, the fitted step-cost model cost_NAME.json (with its samples) and the server log.
+# sweep_NAME.json (and its log, a line per run, sweep_NAME.txt), the fitted step-cost model cost_NAME.json (with
+# its samples) and the server log. A device call has 600 s: a replay of N requests at R req/s takes ~N/R s plus its
+# drain, and each server ~1-2 min to start, so keep policies x rates x seeds x N/R well under that.
 # Usage (repo root, on the GPU machine):
 #   OUT=dir RATES=8,12,16,20,24 SEEDS=3 bash workers/tools/slo_bench.sh "default:" \
 #     "slo:--slo-ttft-ms 120 --slo-tpot-ms 30 --max-num-batched-tokens 8192" \
 #     "lead:--slo-ttft-ms 120 --slo-tpot-ms 30 --max-num-batched-tokens 8192 --schedule-lead-ms 3"
-# Each argument is NAME:SERVE_ARGS. LOAD_ARGS overrides the replay's shape; PROMPT_MODE is ids or text.
+# Each argument is NAME:SERVE_ARGS. LOAD_ARGS overrides the replay's shape; PROMPT_MODE is ids or text; MODEL_ARGS
+# the model (a dry run on a CPU: MODEL_ARGS="--model tiny").
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 source "$(dirname "$0")/device_env.sh"
 LOAD_ARGS=${LOAD_ARGS:-$RAG_LOAD_ARGS --num-requests 600}
-MODEL=$(dummy_7b_dir)
+MODEL_ARGS=${MODEL_ARGS:---model $(dummy_7b_dir) --load-format dummy --dtype bfloat16}  # (a CPU dry run: --model tiny)
 mkdir -p /tmp/slo_bench
 for spec in "$@"; do
   name=${spec%%:*}; args=${spec#*:}
-  python3 -m laneserve.cli --log-level WARNING serve --model "$MODEL" --load-format dummy --dtype bfloat16 \
+  python3 -m laneserve.cli --log-level WARNING serve $MODEL_ARGS \
     --port 8011 --cost-model-out "$OUT/cost_$name.json" $args > "$OUT/serve_$name.log" 2>&1 &
   SERVE=$!
   for _ in $(seq 600); do grep -q "laneserve ready" "$OUT/serve_$name.log" && break; kill -0 $SERVE || break; sleep 0.5; done
-  python3 -m laneserve.cli loadtest sweep --url http://127.0.0.1:8011 $LOAD_ARGS --rates ${RATES:-8,12,16,20,24} \
+  COLUMNS=200 python3 -m laneserve.cli loadtest sweep --url http://127.0.0.1:8011 $LOAD_ARGS --rates ${RATES:-8,12,16,20,24} \
     --seeds ${SEEDS:-2} --prompt-mode ${PROMPT_MODE:-ids} --slo ttft=120ms,tpot=30ms --no-progress --no-plots \
-    --out "/tmp/slo_bench/$name" > "/tmp/slo_bench/$name.txt" 2>&1
-  cp "/tmp/slo_bench/$name/sweep.json" "$OUT/sweep_$name.json" && cat "/tmp/slo_bench/$name/sweep.md" \
-    || tail -20 "/tmp/slo_bench/$name.txt"
+    --out "/tmp/slo_bench/$name" 2>&1 | tee "$OUT/sweep_$name.txt" | grep -E "^(rate |warm-up|laneserve|sweep:)"
+  # (each run's line printed as it ends: a call cut by its time limit keeps them)
+  cp "/tmp/slo_bench/$name/sweep.json" "$OUT/sweep_$name.json" && cat "/tmp/slo_bench/$name/sweep.md"
   curl -s http://127.0.0.1:8011/metrics | grep -E "^laneserve:(step_time|eager_step|prefix_cache_hit_rate|num_slo|num_preempt|num_gated|pipeline_bubble)"
   kill -INT $SERVE; wait $SERVE
   grep -i "error\|traceback" "$OUT/serve_$name.log" | head -5
