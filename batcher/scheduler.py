@@ -690,6 +690,13 @@ class Scheduler:
             req = waiting[0]
             if self.num_internal and not req.internal:
                 break  # warm prefixes first (start-up only): users admitted with them would miss the cache
+            if blocks_for(req.compute_target, self.block_size) > bm.num_usable:
+                # It fitted when it came, before warm prefixes were pinned (at start-up, after a fail_all): it
+                # never will now, and at the head of the line it would hold up every request behind it for good.
+                self._finish(waiting.popleft())
+                self.pending.append(TokenDelta(req.request_id, [], FinishReason.ERROR, error=(
+                    f"KV cache too small for {req.compute_target} tokens of context")))
+                continue
             if req.seen_at is None:
                 req.seen_at = now
             if req.arrived_at is None:

@@ -195,6 +195,17 @@ def test_prompts_that_can_never_fit_get_error_deltas_not_a_hang():
     assert d2.finish == {"pool": FinishReason.ERROR, "ok": FinishReason.LENGTH}
 
 
+def test_a_prompt_that_fitted_until_the_warm_prefix_was_pinned_errors_and_does_not_hold_up_the_line():
+    """Found by tests/test_kv_stress.py: it was left at the head of the line, unadmittable, with everyone behind it."""
+    s = Scheduler(cfg(), 10, BS, 8192, warm_prefixes=[list(range(1000, 1040))])  # 2 blocks pinned once prefilled
+    d = Driver(s)
+    add(s, "big", 160, max_tokens=2)  # the whole pool of 10 blocks when it came; then 8 are usable
+    add(s, "small", 5, base=500, max_tokens=2)
+    d.run()
+    assert d.finish == {"big": FinishReason.ERROR, "small": FinishReason.LENGTH} and len(s.bm.pinned) == 2
+    assert d.deltas[0].error == "KV cache too small for 160 tokens of context"
+
+
 def test_max_active_blocks_stops_generation_with_length():
     s = Scheduler(cfg(max_active_blocks=2), 64, BS, 8192)
     d = Driver(s)
