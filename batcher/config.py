@@ -110,6 +110,9 @@ class BatcherConfig:
                              "numbers") from None
         if any(b < 1 for b in buckets):
             raise ValueError(f"--decode-buckets {self.decode_buckets!r}: each bound must be at least 1")
+        if self.warm_prefix and not self.enable_prefix_caching:
+            raise ValueError(f"--warm-prefix {self.warm_prefix}: warm prefixes are prefix-cache entries; without "
+                             "prefix caching (--no-enable-prefix-caching) their blocks would be held for nothing")
         if self.warm_prefix:
             try:
                 load_warm_prefixes(self.warm_prefix)

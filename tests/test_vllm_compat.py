@@ -165,6 +165,7 @@ def test_vllm_flags_parse_to_the_same_config():
     (["serve", "--gpu-memory-utilization", "5"], "must be > 0 and <= 1"),
     (["serve", "--decode-buckets", "a,b"], "--decode-buckets 'a,b': must be comma-separated whole numbers"),
     (["serve", "--warm-prefix", "/nonexistent.json"], "--warm-prefix /nonexistent.json"),
+    (["serve", "--warm-prefix", "w.json", "--no-enable-prefix-caching"], "without prefix caching"),
     (["serve", "--cost-model-out", "/nonexistent/dir/cm.json"], "its directory does not exist"),
     (["--log-level", "FOO", "serve"], "--log-level 'FOO'"),
     (["--log-level=FOO", "simulate", "--help"], "--log-level 'FOO'"),  # before a tool's name too
