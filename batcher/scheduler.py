@@ -694,8 +694,11 @@ class Scheduler:
                 # It fitted when it came, before warm prefixes were pinned (at start-up, after a fail_all): it
                 # never will now, and at the head of the line it would hold up every request behind it for good.
                 self._finish(waiting.popleft())
-                self.pending.append(TokenDelta(req.request_id, [], FinishReason.ERROR, error=(
-                    f"KV cache too small for {req.compute_target} tokens of context")))
+                if req.internal:  # a warm prefix the others crowded out: dropped
+                    self.num_internal -= 1
+                else:
+                    self.pending.append(TokenDelta(req.request_id, [], FinishReason.ERROR, error=(
+                        f"KV cache too small for {req.compute_target} tokens of context")))
                 continue
             if req.seen_at is None:
                 req.seen_at = now

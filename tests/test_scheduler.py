@@ -206,6 +206,14 @@ def test_a_prompt_that_fitted_until_the_warm_prefix_was_pinned_errors_and_does_n
     assert d.deltas[0].error == "KV cache too small for 160 tokens of context"
 
 
+def test_warm_prefixes_that_no_longer_fit_once_others_are_pinned_are_dropped_not_waited_for():
+    s = Scheduler(cfg(), 10, BS, 8192, warm_prefixes=[list(range(k, k + 64)) for k in (1000, 2000, 3000)])
+    d = Driver(s)  # each 4 blocks (at most half the pool): two pinned leave 2 usable, too few for the third
+    add(s, "user", 5, base=500, max_tokens=2)
+    d.run()
+    assert d.finish == {"user": FinishReason.LENGTH} and len(s.bm.pinned) == 8 and s.num_unfinished == 0
+
+
 def test_max_active_blocks_stops_generation_with_length():
     s = Scheduler(cfg(max_active_blocks=2), 64, BS, 8192)
     d = Driver(s)
