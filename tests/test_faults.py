@@ -392,7 +392,8 @@ async def test_requeue_on_one_worker_carries_streams_through_its_kill_and_its_ha
                 usage = (event.get("usage") or {}).get("completion_tokens", usage)
             return ",".join(reasons), usage
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+    # (a hang guard: ~25 s alone; 120 s ran out at a load average of 5 on 2 cores)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
         for fault in (signal.SIGKILL, signal.SIGSTOP):
             worker = _pid_of(st.proc.pid, "worker")
             started = [asyncio.Event() for _ in range(n)]
