@@ -175,6 +175,10 @@ class Scheduler:
         self.new_arrivals = 0
         self.num_internal = 0
         self.num_constrained = 0  # requests held that follow a grammar
+        # lanes whose last step left a running request waiting for held blocks (_make_room): until it has them,
+        # no admissions, which would take them first (two lanes: a prefill step is composed before a decode step)
+        self.awaiting_held: set[int] = set()
+        self.composing = LANE_MIXED  # the lane of the step being composed
         self._queue_warm_prefixes()
 
     @property
@@ -429,9 +433,12 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         flight: list[Scheduled] = []
         self.grown.clear()
+        self.awaiting_held.discard(lane)
+        self.composing = lane
         budget, active, preempted = self._schedule_running(flight, budget, start, lane)
         num_running = len(flight)
-        if self.waiting and not preempted and lane != LANE_DECODE:  # admitting while evicting would just thrash
+        # admitting while evicting, or while a running request waits for blocks, would just thrash
+        if self.waiting and not preempted and not self.awaiting_held and lane != LANE_DECODE:
             # The gate's burst state, asked for only here (scheduling the running ones left the queue as it was).
             self.gate.detector.observe(now, len(self.waiting) - self.num_internal)
             if not self.slo.enabled:
@@ -668,6 +675,7 @@ class Scheduler:
         bm = self.bm
         while not bm.allocate(req, n):
             if bm.num_held and bm.blocks_needed(req, n) <= bm.num_free + bm.num_held:
+                self.awaiting_held.add(self.composing)
                 return False
             victim = prefills.pop()[0] if prefills else decodes.pop()
             if victim is req and not decodes and not prefills:

@@ -115,6 +115,18 @@ def test_a_tiny_pool_preempts_across_lanes_and_loses_nothing(seed):
     assert d.tokens == ref and all(f == FinishReason.LENGTH for f in d.finish.values())
 
 
+def test_a_decode_waiting_for_held_blocks_gets_them_before_a_readmission():
+    """11 blocks: a decode needs one more while another prompt's first chunk is in flight and the pool is full. It
+    preempts that prompt, whose blocks are held until its chunk is done; the next prefill step must not admit the
+    prompt again onto them (it did, then the decode step preempted it again: for ever)."""
+    s = Scheduler(cfg(lanes="streams", max_num_batched_tokens=40), 11, BS, 8192)
+    d = LaneDriver(s, random.Random(0))
+    for i, (n, m) in enumerate([(105, 9), (1, 9), (1, 0), (42, 1)]):
+        add(s, f"r{i}", n, base=100 * i, max_tokens=m)
+    d.run(max_steps=100)
+    assert d.finish == dict.fromkeys(["r0", "r1", "r2", "r3"], FinishReason.LENGTH) and s.preemptions == 1
+
+
 def test_update_takes_each_lanes_oldest_step_in_any_lane_order():
     s = Scheduler(cfg(lanes="streams"), 64, BS, 8192)
     d = LaneDriver(s, random.Random(0))
@@ -225,17 +237,19 @@ def family(request, tmp_path_factory):
     return hf, runner
 
 
-def engine(runner, lanes: str, jobs: dict[str, tuple[list[int], int]], rng: random.Random,
-           cost: CostModel | None = None, params: dict | None = None,
-           **config) -> tuple[dict[str, list[int]], Scheduler]:
+def engine(runner, lanes: str, jobs: dict[str, tuple], rng: random.Random, cost: CostModel | None = None,
+           params: dict | None = None, num_blocks: int | None = None, aborts: dict[str, int] | None = None,
+           deltas: list[P.TokenDelta] | None = None, **config) -> tuple[dict[str, list[int]], Scheduler]:
     """The real Scheduler driving the real ModelRunner in process, steps through the wire format; outputs applied
-    in a random order that keeps each lane's. Returns each request's tokens (greedy unless `params` say otherwise),
-    and the scheduler. The outputs reach the scheduler without their wall-clock times, so its cost model (hence
-    its choices: K, chunking) is `cost`'s and the run is the same on a loaded machine."""
-    s = Scheduler(cfg(lanes=lanes, max_num_batched_tokens=40, **config), runner.num_blocks, runner.block_size,
-                  runner.max_model_len, cost=cost)
-    for rid, (prompt, n) in jobs.items():
-        sp = P.SamplingParams(**({"max_tokens": n, "temperature": 0.0} | (params or {})))
+    in a random order that keeps each lane's. Returns each request's tokens (greedy unless `params` say otherwise;
+    a job (prompt, n, its own params) adds to them), and the scheduler. The outputs reach the scheduler without
+    their wall-clock times, so its cost model (hence its choices: K, chunking) is `cost`'s and the run is the same
+    on a loaded machine. num_blocks: the scheduler's pool (default the runner's); aborts: request id -> the number
+    of outputs applied before it is aborted; deltas: gets every delta."""
+    s = Scheduler(cfg(**{"lanes": lanes, "max_num_batched_tokens": 40} | config), num_blocks or runner.num_blocks,
+                  runner.block_size, runner.max_model_len, cost=cost)
+    for rid, (prompt, n, *own) in jobs.items():
+        sp = P.SamplingParams(**({"max_tokens": n, "temperature": 0.0} | (params or {}) | (own[0] if own else {})))
         s.add_request(P.AddRequest(request_id=rid, prompt_token_ids=prompt, params=sp, arrival_time=0.0), 0.0)
     wire = P.decoder(P.BatcherToWorker)
     outs: list[tuple[int, P.StepOutput]] = []
@@ -243,12 +257,14 @@ def engine(runner, lanes: str, jobs: dict[str, tuple[list[int], int]], rng: rand
     now = 0.0
     runner.reset()
     lane_of = {}
+    aborts = dict(aborts or {})
 
     def take() -> list[tuple[int, P.StepOutput]]:
         return [(lane_of[o.step], msgspec.structs.replace(o, execute_time=0.0, draft_time=0.0, idle_time=0.0,
                                                            launch_time=0.0)) for o in runner.take_outputs()]
 
-    while s.num_unfinished:
+    applied = 0
+    while s.num_unfinished or s.in_flight:  # (an aborted request's blocks may wait for the steps in flight)
         while (st := s.schedule(now)) is not None:
             lane_of[st.step] = st.lane
             runner.submit(wire.decode(P.encode(st)))
@@ -260,9 +276,15 @@ def engine(runner, lanes: str, jobs: dict[str, tuple[list[int], int]], rng: rand
         for i, (lane, _) in enumerate(outs):
             heads.setdefault(lane, i)
         now += 0.01
-        for d in s.update(outs.pop(rng.choice(sorted(heads.values())))[1], now):
-            assert d.finish_reason in (None, FinishReason.LENGTH), d
+        new = s.update(outs.pop(rng.choice(sorted(heads.values())))[1], now)
+        assert all(d.finish_reason in (None, FinishReason.LENGTH, FinishReason.STOP) for d in new), new
+        applied += 1
+        new += s.abort_requests([rid for rid, at in aborts.items() if at <= applied])
+        aborts = {rid: at for rid, at in aborts.items() if at > applied}
+        for d in new:
             tokens.setdefault(d.request_id, []).extend(d.new_token_ids)
+        if deltas is not None:
+            deltas += new
     assert s.bm.num_free == s.num_blocks
     return tokens, s
 
