@@ -166,9 +166,7 @@ class Scheduler:
         self.running: dict[str, Request] = {}  # insertion order = admission order
         self.finished_ids: list[str] = []  # for the next StepInput: the worker drops their state
         self.pending: list[TokenDelta] = []  # deltas made outside update() (rejections), sent with the next
-        # (step number, its requests, its cost-model terms, its predicted ms, its lane, its drafts or None, how it
-        # was scheduled: QUEUED, TURNAROUND or 0), oldest first
-        self.in_flight: deque[InFlight] = deque()
+        self.in_flight: deque[InFlight] = deque()  # oldest first
         self.on_output = False  # a step's output was applied since the last schedule()
         self.late = False  # ... and it came while a late composition was due (wake_at): before its step was sent
         self.busy = [0.0, 0.0, 0.0]  # per lane: when the worker is predicted to be done with its steps in flight
