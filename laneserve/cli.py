@@ -85,12 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         if level is not None:
             _check_log_level(level)
             logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        argv = rest
-        try:
-            return importlib.import_module(TOOLS[argv[0]][0]).main(argv[1:]) or 0
-        except (ValueError, OSError, ZeroDivisionError) as exc:  # a bad value or file: one line, not a traceback
-            print(f"laneserve {argv[0]}: error: {exc}", file=sys.stderr)
-            return 2
+        from loadtest.cli import one_line_errors  # a bad value or file: one line, not a traceback
+
+        def run(args: list[str]) -> int:
+            return importlib.import_module(TOOLS[rest[0]][0]).main(args) or 0
+        return one_line_errors(f"laneserve {rest[0]}", run, rest[1:])
     args = parse_args(argv)
     if args.command == "serve" and any(a == "--api-key" or a.startswith("--api-key=") for a in argv):
         print("laneserve: --api-key on the command line is visible to every user (/proc/PID/cmdline); use "

@@ -500,21 +500,26 @@ def compare_main(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """`laneserve loadtest` and `python -m loadtest`: a bad value or file is one line and exit status 2."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    tool = "laneserve loadtest" + (f" {argv[0]}" if argv[:1] in (["compare"], ["sweep"]) else "")
+    if argv[:1] in (["compare"], ["sweep"]):
+        return one_line_errors(f"laneserve loadtest {argv[0]}", compare_main if argv[0] == "compare" else sweep_main,
+                               argv[1:])
+    return one_line_errors("laneserve loadtest", run_main, argv)
+
+
+def one_line_errors(tool: str, run, argv: list[str]) -> int:
+    """run(argv), a bad value or file (a ValueError, OSError or ZeroDivisionError, or a SystemExit with a message
+    such as trace_from_args' "error: ...") printed as one line, "TOOL: error: ...", and exit status 2; argparse's
+    own exits pass. Every `laneserve` tool (laneserve/cli.py), and `python -m loadtest` / `python -m batcher.sim`."""
     try:
-        if argv and argv[0] == "compare":
-            return compare_main(argv[1:])
-        if argv and argv[0] == "sweep":
-            return sweep_main(argv[1:])
-        return run_main(argv)
-    except (ValueError, OSError, ZeroDivisionError) as exc:  # as laneserve/cli.py's: one line, not a traceback
-        print(f"{tool}: error: {exc}", file=sys.stderr)
-        return 2
-    except SystemExit as exc:  # trace_from_args' "error: ..." (shared with laneserve simulate): status 2 here
+        return run(argv)
+    except (ValueError, OSError, ZeroDivisionError) as exc:
+        msg = str(exc)
+    except SystemExit as exc:
         if not isinstance(exc.code, str):
             raise
-        print(f"{tool}: {exc.code}", file=sys.stderr)
-        return 2
+        msg = exc.code
+    print(f"{tool}: error: {msg.removeprefix('error: ')}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -159,21 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """`laneserve simulate` / `python -m batcher.sim`: a bad value or file is one line on stderr and exit status 2."""
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        return _main(argv)
-    except (ValueError, OSError) as exc:
-        return _fail(str(exc))
-    except SystemExit as exc:  # argparse's own (status 2, said already) pass; a message is an error of ours
-        if isinstance(exc.code, str):
-            return _fail(exc.code)
-        raise
+    from loadtest.cli import one_line_errors
 
-
-def _fail(msg: str) -> int:
-    msg = msg.removeprefix("error: ")
-    print(f"laneserve simulate: error: {msg}", file=sys.stderr)
-    return 2
+    return one_line_errors("laneserve simulate", _main, sys.argv[1:] if argv is None else argv)
 
 
 def _main(argv: list[str]) -> int:
@@ -273,7 +261,7 @@ def sweep_main(argv: list[str]) -> int:
 
     from batcher.sim.sweep import run_one
     from loadtest import report, sweep
-    from loadtest.cli import generator_flags, plan_sweep
+    from loadtest.cli import generator_flags, plan_sweep, writable_dir
 
     p = build_sweep_parser()
     args = p.parse_args(argv)
@@ -282,10 +270,7 @@ def sweep_main(argv: list[str]) -> int:
     cfg, kw = _config(args.config)
     cost_path = args.cost_model or str(default_cost_model(cfg.lanes))
     cost = _cost_model(args.cost_model, cfg)
-    try:
-        os.makedirs(args.out, exist_ok=True)  # now, not after the runs
-    except OSError as exc:
-        raise ValueError(f"--out {args.out}: cannot make the directory ({exc.strerror})") from None
+    writable_dir(args.out, "--out")  # now, not after the runs
     warmup, runs = plan_sweep(p, args)
     started = time.time()
     rows = []

@@ -31,13 +31,13 @@ def fit_rows(rows: list, max_model_len: int) -> tuple[list, int]:
     return [r for r, _ in fitted], sum(c for _, c in fitted)
 
 
-def records(res: SimResult, rows: list, first: int, shift: float, max_model_len: int) -> list:
-    """The load client's RequestRecords of rows (the run's trace rows, simulated as requests r{first}, ... shortened
-    to fit max_model_len as the client would; their arrivals `shift` later than the trace says)."""
+def records(res: SimResult, rows: list, fitted: list, first: int) -> list:
+    """The load client's RequestRecords of rows (the run's trace rows, simulated as requests r{first}, ... as `fitted`:
+    each row shortened to fit max_model_len as the client would, fit_rows)."""
     from loadtest.client import RequestRecord
 
     out = []
-    for i, (row, sent) in enumerate(zip(rows, fit_rows(rows, max_model_len)[0])):
+    for i, (row, sent) in enumerate(zip(rows, fitted)):
         rid = f"r{first + i}"
         rec = RequestRecord(index=i, scheduled=row.arrival, input_tokens=sent.input_tokens,
                             max_tokens=max(sent.output_tokens, 1), trace_input_tokens=row.input_tokens,
@@ -62,12 +62,12 @@ def run_one(warmup: list, rows: list, cfg, cost: CostModel, step_noise: float, s
     rows' RequestRecords."""
     shift = warmup[-1].arrival + WARMUP_GAP_S if warmup else 0.0
     reqs = [TraceSimRequest(r.arrival, r, i) for i, r in enumerate(fit_rows(warmup, max_model_len)[0])]
-    reqs += [TraceSimRequest(r.arrival + shift, r, len(warmup) + i)
-             for i, r in enumerate(fit_rows(rows, max_model_len)[0])]
+    fitted = fit_rows(rows, max_model_len)[0]
+    reqs += [TraceSimRequest(r.arrival + shift, r, len(warmup) + i) for i, r in enumerate(fitted)]
     res = simulate(reqs, cfg, cost, pipelined=True, step_noise=step_noise, noise_seed=seed,
                    max_model_len=max_model_len, **kw)
     late = [i for i in range(len(warmup)) if f"r{i}" in res.ends and res.ends[f"r{i}"][2] >= shift]
     if late:
         raise SystemExit(f"error: warm-up request {late[0]} was still running when the run began; the server is "
                          "overloaded at the warm-up's rate")
-    return records(res, rows, len(warmup), shift, max_model_len)
+    return records(res, rows, fitted, len(warmup))
