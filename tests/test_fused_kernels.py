@@ -206,3 +206,22 @@ def test_rope_write_kv_is_rope_then_write_kv_in_one_launch(dtype, tokens, heads,
     assert torch.equal(a, b), msg
     assert torch.equal(ka, kb) and torch.equal(va, vb), msg
     assert not torch.equal(ka, pools[0]), msg  # (something was written)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k,config", [(1, 96, 160, {}), (3, 40, 300, {"BLOCK_K": 128}),
+                                          (8, 70, 520, {"SPLIT_K": 2, "BLOCK_K": 128, "BLOCK_N": 16}),
+                                          (5, 33, 64, {"SPLIT_K": 4, "BLOCK_K": 128})])
+def test_gemv_is_the_linear_for_small_batches(dtype, m, n, k, config):
+    """Ragged N and K (masks), M padded to 16, split K with atomics (and a split left with no work)."""
+    from workers.kernels.gemv import gemv
+
+    x = randn(m, k, dtype=dtype, salt=1).to(DEVICE)
+    w = randn(n, k, dtype=dtype, salt=2).to(DEVICE)
+    ref = (x.float() @ w.float().T).cpu()
+    got = gemv(x, w, config).float().cpu()
+    assert got.shape == (m, n)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got, ref, rtol=tol, atol=tol * ref.abs().max().item()), f"seed {SEED}"
+    with pytest.raises(ValueError, match="gemv takes"):
+        gemv(torch.zeros(9, k, dtype=dtype, device=DEVICE), w)

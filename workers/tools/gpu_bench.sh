@@ -3,7 +3,7 @@
 #   kernel checks on the GPU, `laneserve bench` (roofline, engine decode, HF generate),
 #   and a bursty RAG replay through the full stack with `laneserve loadtest`.
 # Usage (repo root, on the GPU machine): OUT=dir bash workers/tools/gpu_bench.sh [bench args...]
-# Optional: PERSISTENT=1 (issue 25: persistent decode, fused RoPE + K/V write), DRAFT=1 (issue 22's draft-model step costs); SKIP_*=1 skip.
+# Optional: PERSISTENT=1 (issue 25: persistent decode, fused RoPE + K/V write, small-batch GEMV), DRAFT=1 (issue 22's draft-model step costs); SKIP_*=1 skip.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 source "$(dirname "$0")/device_env.sh"
@@ -17,7 +17,7 @@ if [ "${SKIP_KERNELS:-0}" != 1 ]; then
     tests/test_draft_model.py -k "not stack" 2>&1 | tail -5 | tee -a "$OUT/kernels.txt"
 fi
 if [ "${PERSISTENT:-0}" = 1 ]; then  # issue 25: persistent against partitioned decode attention
-  python3 -m workers.tools.kernel_bench --persistent --rope-kv --out "$OUT/persistent.json" 2>&1 \
+  python3 -m workers.tools.kernel_bench --persistent --rope-kv --gemv --out "$OUT/persistent.json" 2>&1 \
     | tee "$OUT/persistent.txt"
 fi
 if [ "${DRAFT:-0}" = 1 ]; then  # issue 22: draft-and-verify steps with a ~0.33B draft shape

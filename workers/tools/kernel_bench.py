@@ -6,7 +6,8 @@ QK^T and PV work), against SDPA's flash attention on the same chunk (contiguous 
 the baseline. CUDA events around CUDA-graph replays after warm-up, medians. --sweep times each config of the grid below and
 prints the best; workers/kernels/paged_attention.py holds the chosen defaults. --persistent times the persistent
 decode kernel (issue 25) against the partitioned one on skewed and uniform batches (SKEWED below); --rope-kv the
-RoPE + K/V write in one launch against today's two.
+RoPE + K/V write in one launch against today's two; --gemv the small-batch linear (workers/kernels/gemv.py) against
+cuBLAS on the 7B's weight shapes, as bytes of weights read per second against the copy bandwidth.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ PARTS_SHAPES = [(1, 1024), (1, 2048), (4, 2048), (8, 1024), (32, 1024), (64, 102
                 (128, 1024), (128, 2048), (256, 1024)]
 # issue 25's batches: (count, context) groups; the first three skewed, the last two uniform
 SKEWED = [[(1, 32768), (63, 512)], [(8, 16384), (120, 256)], [(1, 8192), (7, 128)], [(32, 1024)], [(128, 2048)]]
+# the Mistral-7B shape's weights [N, K]: merged qkv, o, merged gate/up, down (each x 32 layers), lm_head
+GEMV_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+               "lm_head": (32000, 4096)}
 PREFILL_GRID = {"BLOCK_M": [64, 128], "BLOCK_N": [64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}
 
 
@@ -154,6 +158,52 @@ def bench_rope_kv(tokens: int) -> dict:
             "speedup": two_ms / one_ms, "per_step_saving_us": (two_ms - one_ms) * 1e3 * LAYERS}
 
 
+def copy_tb_s() -> float:
+    """The device's copy bandwidth: a 1 GiB device-to-device copy (bytes read + written per second)."""
+    a = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    return 2 * a.numel() * a.element_size() / time_ms(lambda: b.copy_(a), reps=5, per_graph=2) / 1e9
+
+
+def bench_gemv(copy: float) -> dict:
+    """Per 7B weight shape: the config sweep at batch 1, then cuBLAS against gemv (default and best config) at
+    batch 1 / 4 / 8, and a decode step's weight time (32 layers' four GEMMs + lm_head) from each."""
+    from workers.kernels.gemv import GEMV_CONFIG, GEMV_GRID, gemv
+
+    rows, step = [], {}
+    for name, (n, k) in GEMV_SHAPES.items():
+        w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
+        x1 = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+
+        def run(c: dict) -> dict:
+            us = time_ms(lambda: gemv(x1, w, c)) * 1e3
+            return {"config": c, "us": us, "neg_us": -us}
+
+        best = sweep(run, GEMV_GRID, "neg_us", f"gemv {name}")
+        for m in (1, 4, 8):
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            ref = F.linear(x, w)
+            err = ((gemv(x, w, best["config"]).float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+            us = {"cublas": time_ms(lambda: F.linear(x, w)) * 1e3,
+                  "gemv": time_ms(lambda: gemv(x, w, GEMV_CONFIG)) * 1e3,
+                  "gemv_best": time_ms(lambda: gemv(x, w, best["config"])) * 1e3}
+            row = {"shape": name, "n": n, "k": k, "m": m, "config": best["config"], "rel_err": err,
+                   **{f"{key}_us": v for key, v in us.items()},
+                   **{f"{key}_of_copy": n * k * 2 / (v * 1e-6) / 1e12 / copy for key, v in us.items()}}
+            rows.append(row)
+            times = step.setdefault(m, {key: 0.0 for key in us})
+            for key, v in us.items():
+                times[key] += v * (1 if name == "lm_head" else LAYERS)
+            print(f"  gemv {name:8} {n:5d}x{k:5d} batch {m}: cuBLAS {us['cublas']:7.1f} us "
+                  f"({row['cublas_of_copy']:.0%} of copy), gemv {us['gemv']:7.1f} ({row['gemv_of_copy']:.0%}), "
+                  f"best {us['gemv_best']:7.1f} ({row['gemv_best_of_copy']:.0%}) {best['config']} err {err:.1e}",
+                  flush=True)
+    for m, times in step.items():
+        print(f"  gemv step batch {m}: weights cuBLAS {times['cublas'] / 1e3:.3f} ms, gemv {times['gemv'] / 1e3:.3f}, "
+              f"per-shape best {times['gemv_best'] / 1e3:.3f}", flush=True)
+    return {"copy_tb_s": copy, "rows": rows, "step_us": step}
+
+
 def bench_prefill(num_seqs: int, chunk: int, prefix: int, kv_dtype: torch.dtype, config: dict | None) -> dict:
     ctx = prefix + chunk
     k, v, bt, (ks, vs) = pages(num_seqs, ctx, kv_dtype)
@@ -210,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
                     "one on skewed and uniform batches")
     ap.add_argument("--rope-kv", action="store_true", help="RoPE + K/V write fused in one launch against the two "
                     "launches the model makes (issue 25)")
+    ap.add_argument("--gemv", action="store_true", help="the small-batch linear against cuBLAS on the 7B's weight "
+                    "shapes (issue 25)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -232,6 +284,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  rope+kv {tokens:5d} tokens: two launches {row['rope_then_write_us']:7.2f} us, fused "
                   f"{row['fused_us']:7.2f} us: {row['speedup']:.2f}x, {row['per_step_saving_us']:+.0f} us per "
                   f"{LAYERS}-layer step", flush=True)
+    if args.gemv:
+        copy = copy_tb_s()
+        print(f"  copy bandwidth {copy:.2f} TB/s", flush=True)
+        result["gemv"] = bench_gemv(copy)
     if args.parts:
         for batch, ctx in PARTS_SHAPES:
             rows = [bench_decode(batch, ctx, bf16, None, parts) for parts in (1, 2, 4, 8, 16, 32)]
