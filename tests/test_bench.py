@@ -48,6 +48,8 @@ def a_file(tmp_path):
     (["--parts", "engine,"], "argument --parts: unknown part ''"),
     (["--kv-cache-dtype", "fp8"], "argument --kv-cache-dtype: unknown KV cache dtype 'fp8'; choose from auto, int8"),
     (["--kv-cache-dtype", "int8,int8"], "argument --kv-cache-dtype: 'int8,int8': give each KV cache dtype once"),
+    (["--decode-attention", "grid"], "argument --decode-attention: unknown decode attention 'grid'; choose from "
+     "partitioned, persistent"),
     (["--model", "tiny", "--parts", "hf"], "--parts: hf needs a checkpoint that transformers can build"),
     (["--model", "tiny", "--parts", "engine", "--contexts", "99999999"],
      "--contexts 99999999 with --steps 30 needs 100000066 tokens of context"),
@@ -72,6 +74,12 @@ def test_bench_rejects_bad_flags_before_loading_the_model(capsys, tmp_path, a_fi
 def test_bench_parts_a_cpu_cannot_run_are_an_error_not_an_empty_table(capsys, parts, says):
     line = _error(capsys, ["bench", "--parts", parts])
     assert line.startswith("laneserve bench: error: --parts: ") and says in line, line
+
+
+@NO_GPU
+def test_bench_persistent_decode_attention_needs_a_gpu(capsys):
+    line = _error(capsys, ["bench", "--parts", "engine", "--decode-attention", "partitioned,persistent"])
+    assert line.startswith("laneserve bench: error: argument --decode-attention: persistent is a Triton kernel"), line
 
 
 def test_bench_notes_the_parts_it_skips_and_runs_the_rest(capsys, tmp_path):

@@ -28,6 +28,7 @@ import torch
 
 from laneserve.modelspec import load_model_config
 from workers.config import WorkerConfig
+from workers.attention import DECODE_KERNELS
 from workers.kv_cache import BLOCK_SIZE, KV_CACHE_DTYPES
 from workers.runner import ModelRunner
 from workers.tools.breakdown import breakdown
@@ -265,15 +266,16 @@ def print_table(rows: list[Row], roofline: dict) -> None:
               + (f"  {r.note}" if r.part == "engine" and r.note else ""))
 
 
-def kv_ratios(rows: list[Row], kv_dtypes: list[str]) -> list[str]:
-    """Engine tok/s of each later KV dtype against the first, per (batch, context) (issue 8's comparison)."""
-    engine = {(r.extra.get("kv_cache_dtype"), r.batch, r.context): r for r in rows if r.part == "engine"}
+def variant_ratios(rows: list[Row], labels: list[str]) -> list[str]:
+    """Engine tok/s of each later variant (KV dtype, decode attention) against the first, per (batch, context):
+    issue 8's int8 comparison and issue 25's persistent one."""
+    engine = {(r.extra.get("variant"), r.batch, r.context): r for r in rows if r.part == "engine"}
     out = []
-    for kv_dtype in kv_dtypes[1:]:
-        for (dt, batch, context), r in engine.items():
-            base = engine.get((kv_dtypes[0], batch, context))
-            if dt == kv_dtype and base is not None:
-                out.append(f"KV {kv_dtype} vs {kv_dtypes[0]}: batch {batch}, context {context}: "
+    for label in labels[1:]:
+        for (v, batch, context), r in engine.items():
+            base = engine.get((labels[0], batch, context))
+            if v == label and base is not None:
+                out.append(f"{v} vs {labels[0]}: batch {batch}, context {context}: "
                            f"{r.tok_per_s:.0f} / {base.tok_per_s:.0f} tok/s = {r.tok_per_s / base.tok_per_s:.2f}x")
     return out
 
@@ -344,6 +346,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-dtype", type=names(KV_CACHE_DTYPES, "KV cache dtype", repeat=False), default="auto",
                     help="auto | int8, or a comma list (auto,int8): the engine part runs once per KV dtype, same "
                          "shapes, and prints each batch's tok/s ratio against the first")
+    ap.add_argument("--decode-attention", type=names(DECODE_KERNELS, "decode attention", repeat=False),
+                    default="partitioned", help="partitioned | persistent, or a comma list: the Triton decode kernel "
+                    "(a GPU's); with a list, or with several KV dtypes, the engine part runs once per combination and "
+                    "prints each batch's tok/s ratio against the first")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--out", default="", help="write JSON here")
     args = ap.parse_args(argv)
@@ -351,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"argument --out: {problem}")
 
     gpu = torch.cuda.is_available()
+    if "persistent" in args.decode_attention and not gpu:
+        ap.error("argument --decode-attention: persistent is a Triton kernel of the GPU's attention backend; this "
+                 "machine has no GPU")
     tiny = args.model == "tiny" or (not args.model and not gpu)
     why = skipped_parts(gpu, tiny)
     if all(p in why for p in args.parts):
@@ -372,20 +381,23 @@ def main(argv: list[str] | None = None) -> int:
     batches, contexts = args.batches, args.contexts
     result: dict = {"argv": sys.argv, "date": time.strftime("%Y-%m-%d"), "device": (
         torch.cuda.get_device_name() if gpu else "cpu"), "torch": torch.__version__}
-    kv_dtypes = args.kv_cache_dtype
-    for kv_dtype in kv_dtypes if parts & {"engine", "breakdown"} else kv_dtypes[:1]:
+    variants = {(f"KV {kv}" + (f", {da} decode" if len(args.decode_attention) > 1 else "")): (kv, da)
+                for kv in args.kv_cache_dtype for da in args.decode_attention}  # name -> (KV dtype, decode kernel)
+    labels = list(variants)
+    for name in labels if parts & {"engine", "breakdown"} else labels[:1]:
+        kv_dtype, decode_attention = variants[name]
         if not parts & {"engine", "roofline", "breakdown"}:
             break
         cfg = WorkerConfig(model=model, load_format="dummy" if model != "tiny" else "auto",
                            dtype="bfloat16" if gpu else "float32", max_num_seqs=max(batches),
                            max_model_len=max_model_len, max_num_batched_tokens=8192, kv_cache_dtype=kv_dtype,
-                           enforce_eager=args.enforce_eager)
+                           decode_attention=decode_attention, enforce_eager=args.enforce_eager)
         t0 = time.perf_counter()
         runner = ModelRunner(cfg)
         check_kv_pool(ap, args, parts, runner)
-        result.setdefault("startup_s", {})[kv_dtype] = time.perf_counter() - t0
+        result.setdefault("startup_s", {})[name] = time.perf_counter() - t0
         if runner.graphs is not None:
-            result.setdefault("graph_capture", {})[kv_dtype] = {
+            result.setdefault("graph_capture", {})[name] = {
                 "seconds": runner.graphs.capture_seconds, "mib": runner.graphs.capture_bytes / 2**20,
                 "sizes": runner.graphs.sizes}
             print(f"decode graphs: {len(runner.graphs.sizes)} sizes captured in {runner.graphs.capture_seconds:.1f}s, "
@@ -396,18 +408,18 @@ def main(argv: list[str] | None = None) -> int:
             roofline = {"copy_bw_tb_s": bw / 1e12, "weight_gb": weight_bytes / 1e9,
                         "roofline_ms": weight_bytes / bw * 1e3, "roofline_tok_s": bw / weight_bytes}
         if "engine" in parts:
-            print(f"engine: KV cache {kv_dtype} ({runner.num_blocks} blocks)", flush=True)
+            print(f"engine: {name} ({runner.num_blocks} blocks)", flush=True)
             vocab = min(runner.model_config.vocab_size, 32000)
             got = [r for context in contexts for r in bench_engine(runner, batches, context, args.steps, vocab, 8192)]
             for r in got:
-                r.extra["kv_cache_dtype"] = kv_dtype
-                r.note = f"kv {kv_dtype}" if len(kv_dtypes) > 1 else r.note
+                r.extra["variant"] = name
+                r.note = name if len(variants) > 1 else r.note
             rows += got
         if "breakdown" in parts and gpu:
-            print(f"breakdown: KV cache {kv_dtype}", flush=True)
+            print(f"breakdown: {name}", flush=True)
             vocab = min(runner.model_config.vocab_size, 32000)
             got = breakdown(runner, args.breakdown_batches, contexts[0], vocab, BREAKDOWN_PREFILL)
-            result.setdefault("breakdown", {})[kv_dtype] = got
+            result.setdefault("breakdown", {})[name] = got
         del runner
         gc.collect()  # the runner's CUDA graphs and KV pool must go before the next runner / HF's model
         if gpu:
@@ -416,11 +428,11 @@ def main(argv: list[str] | None = None) -> int:
         rows += bench_hf(model, args.hf_batches, HF_PROMPT, HF_NEW_TOKENS,
                          "cuda" if gpu else "cpu", torch.bfloat16 if gpu else torch.float32)
     print_table(rows, roofline)
-    ratios = kv_ratios(rows, kv_dtypes)
+    ratios = variant_ratios(rows, labels)
     for line in ratios:
         print(line)
-    result["kv_ratios"] = ratios
-    cost = fit_cost_model([r for r in rows if r.extra.get("kv_cache_dtype", kv_dtypes[0]) == kv_dtypes[0]])
+    result["ratios"] = ratios
+    cost = fit_cost_model([r for r in rows if r.extra.get("variant") == labels[0]])
     if cost:
         print("simulator step cost (ms): " + ", ".join(f"{k}={v:.4g}" for k, v in cost.items()))
     result.update(roofline=roofline, rows=[asdict(r) for r in rows], cost_model=cost)
