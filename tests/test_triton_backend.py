@@ -10,14 +10,18 @@ pytest.importorskip("triton")
 
 from tests.helpers_models import DEVICE, Sim, greedy, hf_greedy, make_checkpoint, random_prompt  # noqa: E402
 from workers.config import WorkerConfig  # noqa: E402
+from workers.kernels import fused  # noqa: E402
 from workers.runner import ModelRunner  # noqa: E402
 
 N_NEW = 12
 
 
-@pytest.mark.parametrize("arch,decode", [("mistral", "partitioned"), ("qwen2", "partitioned"),  # sliding window;
-                                         ("mistral", "persistent")])  # qkv bias + GQA group 2; issue 25's kernel
-def test_triton_backend_matches_hf_greedy_in_a_chunked_batch(arch, decode, tmp_path):
+@pytest.mark.parametrize("arch,decode,fused_kernels", [
+    ("mistral", "partitioned", None), ("qwen2", "partitioned", None),  # sliding window; qkv bias + GQA group 2
+    ("mistral", "persistent", None),  # issue 25's kernel
+    ("llama", "partitioned", True)])  # every fused kernel too, RoPE in the K/V write's launch (on CPU: interpreted)
+def test_triton_backend_matches_hf_greedy_in_a_chunked_batch(arch, decode, fused_kernels, tmp_path, monkeypatch):
+    monkeypatch.setattr(fused, "USE_TRITON", fused_kernels)
     hf = make_checkpoint(str(tmp_path), arch, seed=3)
     runner = ModelRunner(WorkerConfig(model=str(tmp_path), device=DEVICE, dtype="float32", kv_cache_memory="2MiB",
                                       max_model_len=512, attention_backend="triton", decode_attention=decode,

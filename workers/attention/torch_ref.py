@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from workers.attention.base import AttentionBackend, AttentionMetadata, allowed, key_slots, prefill_chunks
+from workers.attention.base import AttentionBackend, AttentionMetadata, Rope, allowed, key_slots, prefill_chunks
+from workers.kernels.fused import rope_
 from workers.kv_cache import LayerScales, dequantize, quantize_int8, v_rows
 
 # Most gathered key rows one padded decode call may hold: bounds the transient K/V copy
@@ -76,7 +77,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                kv_scales: LayerScales | None = None) -> torch.Tensor:
+                kv_scales: LayerScales | None = None, rope: Rope | None = None) -> torch.Tensor:
+        if rope is not None:
+            rope_(q, k, *rope)
         plan: _Plan = meta.plan
         rows_k, rows_v = k_cache, v_rows(v_cache)  # [num_blocks, page, Hkv, D]
         if kv_scales is not None:  # int8 pool: quantise on write, dequantise each gathered working set

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.attention.base import AttentionBackend, AttentionMetadata
+from workers.attention.base import AttentionBackend, AttentionMetadata, Rope
+from workers.kernels.fused import rope_, rope_write_kv_, triton_kernels
 from workers.kernels.paged_attention import (MAX_PARTITIONS, PersistentDecodeBuffers, num_partitions, paged_decode,
                                              paged_decode_persistent, paged_prefill, plan_persistent_decode,
                                              target_chunks, write_kv)
@@ -99,13 +100,18 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                kv_scales: LayerScales | None = None) -> torch.Tensor:
+                kv_scales: LayerScales | None = None, rope: Rope | None = None) -> torch.Tensor:
         plan: _Plan = meta.plan
         ks = vs = None
-        if kv_scales is not None:  # int8 pool: the kernels quantise / dequantise with these [Hkv] scales
-            kv_scales.observe(k, v)
-            ks, vs = kv_scales.k, kv_scales.v
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
+        if rope is not None and kv_scales is None and triton_kernels(q):  # RoPE and the K/V write: one launch
+            rope_write_kv_(q, k, v, *rope, k_cache, v_cache, meta.slot_mapping)
+        else:
+            if rope is not None:
+                rope_(q, k, *rope)
+            if kv_scales is not None:  # int8 pool: the kernels quantise / dequantise with these [Hkv] scales
+                kv_scales.observe(k, v)  # (of the rotated K)
+                ks, vs = kv_scales.k, kv_scales.v
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd and self.persistent and nd <= self.max_batch:

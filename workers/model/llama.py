@@ -33,7 +33,7 @@ from torch import nn
 
 from laneserve.modelspec import ModelConfig
 from workers.attention.base import AttentionBackend, AttentionMetadata
-from workers.kernels.fused import add_rms_norm, rms_norm, rope_, silu_mul
+from workers.kernels.fused import add_rms_norm, rms_norm, silu_mul
 from workers.model.layers import ColumnParallelLinear, MergedLinear, RowParallelLinear
 
 
@@ -67,10 +67,6 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(device)
         self.sin = emb.sin().to(device)
-
-    def apply_(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> None:
-        """q [T, Hq, D], k [T, Hkv, D] rotated in place (neox rotate_half, as HF)."""
-        rope_(q, k, positions, self.cos, self.sin)
 
 
 class RMSNorm(nn.Module):
@@ -116,8 +112,8 @@ class Attention(nn.Module):
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        rope.apply_(q, k, positions)
-        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.kv_scales)
+        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.kv_scales,
+                                 rope=(positions, rope.cos, rope.sin))  # RoPE there: with the K/V write, one launch
         return self.o_proj(o.reshape(T, -1))
 
 
