@@ -49,7 +49,9 @@ def a_file(tmp_path):
     (["--kv-cache-dtype", "fp8"], "argument --kv-cache-dtype: unknown KV cache dtype 'fp8'; choose from auto, int8"),
     (["--kv-cache-dtype", "int8,int8"], "argument --kv-cache-dtype: 'int8,int8': give each KV cache dtype once"),
     (["--decode-attention", "grid"], "argument --decode-attention: unknown decode attention 'grid'; choose from "
-     "partitioned, persistent"),
+     "partitioned, persistent, auto"),
+    (["--long-context", "-1"], "argument --long-context: '-1': must be at least 0"),
+    (["--model", "tiny", "--parts", "engine", "--long-context", "99999"], "lower --long-context"),
     (["--model", "tiny", "--parts", "hf"], "--parts: hf needs a checkpoint that transformers can build"),
     (["--model", "tiny", "--parts", "engine", "--contexts", "99999999"],
      "--contexts 99999999 with --steps 30 needs 100000066 tokens of context"),
@@ -90,6 +92,14 @@ def test_bench_notes_the_parts_it_skips_and_runs_the_rest(capsys, tmp_path):
     assert "laneserve bench: note: skipping --parts hf: it needs a checkpoint" in err
     rows = json.loads(out.read_text())["rows"]
     assert [(r["part"], r["batch"], r["context"]) for r in rows] == [("engine", 1, 8), ("engine", 2, 8)]
+
+
+def test_bench_long_context_gives_each_batch_one_long_request(tmp_path):
+    out = tmp_path / "bench.json"
+    assert cli(["bench", "--model", "tiny", "--parts", "engine", "--batches", "3", "--contexts", "8",
+                "--long-context", "100", "--steps", "1", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["batch"], row["context"], row["extra"]["long_context"]) == (3, 8, 100)
 
 
 def test_bench_a_batch_the_kv_pool_cannot_hold_is_named(capsys):

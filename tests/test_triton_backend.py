@@ -40,5 +40,34 @@ def test_triton_backend_matches_hf_greedy_in_a_chunked_batch(arch, decode, fused
 def test_persistent_decode_attention_needs_the_triton_backend():
     with pytest.raises(ValueError, match="needs --attention-backend triton"):
         ModelRunner(WorkerConfig(model="tiny", device="cpu", attention_backend="torch", decode_attention="persistent"))
-    with pytest.raises(ValueError, match="choose partitioned or persistent"):
+    with pytest.raises(ValueError, match="choose partitioned, persistent or auto"):
         ModelRunner(WorkerConfig(model="tiny", device="cpu", decode_attention="grid"))
+
+
+def test_auto_decode_attention_takes_the_persistent_kernel_for_skewed_batches_only(tmp_path, monkeypatch):
+    """--decode-attention auto: the two short prompts decode alone (uniform: partitioned) while the long one's
+    prompt is chunked in, then all three together (skewed: persistent); the tokens stay HF's."""
+    from workers.attention import triton_backend as tb
+
+    assert tb.skewed([8192] + [128] * 7) and tb.skewed([32768] + [512] * 63)
+    assert not tb.skewed([1024] * 32) and not tb.skewed([4000, 100])  # uniform; long but under SKEW_MIN_LEN
+    monkeypatch.setattr(tb, "SKEW_MIN_LEN", 64)
+    monkeypatch.setattr(tb, "SKEW_RATIO", 2.0)  # (three sequences: the longest is at most 3x the mean)
+    calls = {"partitioned": 0, "persistent": 0}
+    for name, fn in (("partitioned", tb.paged_decode), ("persistent", tb.paged_decode_persistent)):
+        def counted(*args, _fn=fn, _name=name, **kwargs):
+            calls[_name] += 1
+            return _fn(*args, **kwargs)
+        monkeypatch.setattr(tb, f"paged_decode{'_persistent' * (name == 'persistent')}", counted)
+    hf = make_checkpoint(str(tmp_path), "mistral", seed=3)
+    runner = ModelRunner(WorkerConfig(model=str(tmp_path), device=DEVICE, dtype="float32", kv_cache_memory="2MiB",
+                                      max_model_len=512, attention_backend="triton", decode_attention="auto",
+                                      max_num_seqs=8))
+    prompts = [random_prompt(n, seed=n) for n in (8, 9, 150)]
+    sim = Sim(runner, budget=32)
+    for i, p in enumerate(prompts):
+        sim.add(f"r{i}", p, greedy(N_NEW))
+    out = sim.run()
+    for i, p in enumerate(prompts):
+        assert out[f"r{i}"] == hf_greedy(hf, p, N_NEW), f"request {i}"
+    assert calls["partitioned"] and calls["persistent"], calls

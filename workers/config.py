@@ -39,7 +39,9 @@ class WorkerConfig:
     decode_attention: str = field(default="partitioned", metadata=flag(
         "the Triton decode-attention kernel: partitioned (a grid of sequence x KV head x partition, the partition "
         "count per step from the batch size) | persistent (a fixed grid taking chunks of one length from a work "
-        "plan built on the device: long and short contexts in one batch are balanced; docs/perf.md)"))
+        "plan built on the device: long and short contexts in one batch are balanced) | auto (persistent for a "
+        "batch whose longest context is >= 4x its mean and >= 4096 tokens, partitioned otherwise; the decode CUDA "
+        "graphs are captured with both; docs/perf.md)"))
     enforce_eager: bool = field(default=False, metadata=flag("CUDA: run decode eagerly instead of CUDA graphs"))
     overlap_steps: str = field(default="auto", metadata=flag(
         "auto (on for CUDA at tensor-parallel size 1) | on | decode | off: launch a step's forward before the "

@@ -6,7 +6,9 @@ whole batch padded to that one size; the padding rows write no K/V (slot -1) and
 logits are dropped. The size list is fixed (1, 2, 4, 8, then every 8 to 64, every 16 to
 128, every 32 after): every batch size up to max_num_seqs maps onto one of few graphs,
 captured once at start. Only n matters: the rows' order and context lengths don't (the
-kernel reads each row's length from the device buffers).
+kernel reads each row's length from the device buffers), except with --decode-attention auto, where each size is
+captured twice, with the partitioned and with the persistent decode kernel, and a step replays the one its
+context lengths call for (the backend's decode_persistent).
 Host inputs go through pinned buffers with non-blocking copies.
 """
 
@@ -53,8 +55,10 @@ class DecodeGraphs:
         self.host_tables = [torch.zeros(n, self.max_blocks, dtype=i32, pin_memory=True) for _ in range(2)]
         self.copied: list[torch.cuda.Event | None] = [None, None]
         self.turn = 0
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.variants = getattr(backend, "graph_variants", (False,))  # persistent decode kernel or not
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (batch size, persistent) -> graph
+        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
+        self.last: tuple[int, bool] | None = None  # the graph the last run() replayed
         self.capture_seconds = 0.0
         self.capture_bytes = 0
 
@@ -70,20 +74,24 @@ class DecodeGraphs:
         window = self.model.sliding_window
         with torch.inference_mode():
             for bs in reversed(self.sizes):  # largest first: later graphs reuse its memory pool
-                meta = self.meta(bs)
-                self.backend.prepare(meta, self.block_size, window)
-                for _ in range(2):  # warm-up: autotuning and lazy init stay out of the graph
-                    self.model.compute_logits(self.model(self.input_ids[:bs], self.positions[:bs], meta))
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    hidden = self.model(self.input_ids[:bs], self.positions[:bs], meta)
-                    self.logits[bs] = self.model.compute_logits(hidden)
-                self.graphs[bs] = graph
+                for variant in self.variants:
+                    meta = self.meta(bs)
+                    if len(self.variants) > 1:
+                        self.backend.prepare(meta, self.block_size, window, persistent=variant)
+                    else:
+                        self.backend.prepare(meta, self.block_size, window)
+                    for _ in range(2):  # warm-up: autotuning and lazy init stay out of the graph
+                        self.model.compute_logits(self.model(self.input_ids[:bs], self.positions[:bs], meta))
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        hidden = self.model(self.input_ids[:bs], self.positions[:bs], meta)
+                        self.logits[bs, variant] = self.model.compute_logits(hidden)
+                    self.graphs[bs, variant] = graph
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t0
         self.capture_bytes = torch.cuda.memory_allocated() - before
-        log.info("captured %d decode graphs (batch 1..%d) in %.1fs, %.0f MiB", len(self.sizes), self.sizes[-1],
+        log.info("captured %d decode graphs (batch 1..%d) in %.1fs, %.0f MiB", len(self.graphs), self.sizes[-1],
                  self.capture_seconds, self.capture_bytes / 2**20)
 
     def can_run(self, n: int) -> bool:
@@ -136,5 +144,7 @@ class DecodeGraphs:
         self.block_tables[:n, :width].copy_(host_tables[:n, :width], non_blocking=True)
         self.copied[turn] = event = self.copied[turn] or torch.cuda.Event()
         event.record()
-        self.graphs[bs].replay()
-        return self.logits[bs][:n]
+        variant = len(self.variants) > 1 and self.backend.decode_persistent(seq_lens[:n])
+        self.last = bs, variant
+        self.graphs[self.last].replay()
+        return self.logits[self.last][:n]

@@ -8,7 +8,7 @@ from workers.attention.base import AttentionBackend, AttentionMetadata
 from workers.attention.torch_ref import TorchAttentionBackend
 
 BACKENDS = ("torch", "triton")
-DECODE_KERNELS = ("partitioned", "persistent")  # the Triton backend's (--decode-attention)
+DECODE_KERNELS = ("partitioned", "persistent", "auto")  # the Triton backend's (--decode-attention)
 
 
 def get_backend(name: str, device: torch.device, num_kv_heads: int, decode: str = "partitioned",
@@ -21,7 +21,7 @@ def get_backend(name: str, device: torch.device, num_kv_heads: int, decode: str 
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(BACKENDS)} or auto")
     if decode not in DECODE_KERNELS:
-        raise ValueError(f"--decode-attention {decode!r}: choose {' or '.join(DECODE_KERNELS)}")
+        raise ValueError(f"--decode-attention {decode!r}: choose {', '.join(DECODE_KERNELS[:-1])} or {DECODE_KERNELS[-1]}")
     if name == "torch" and decode != "partitioned":
         raise ValueError(f"--decode-attention {decode} is a Triton kernel: it needs --attention-backend triton (the "
                          "default on CUDA)")

@@ -20,12 +20,26 @@ from workers.kernels.paged_attention import (MAX_PARTITIONS, PersistentDecodeBuf
                                              target_chunks, write_kv)
 from workers.kv_cache import LayerScales
 
+# --decode-attention auto: the persistent kernel for a decode batch whose longest context is at least SKEW_RATIO x
+# its mean and SKEW_MIN_LEN long, the partitioned one otherwise. On the H200 (docs/perf.md) the persistent kernel
+# was 1.7x faster on 1 x 8k + 7 x 128 (8k against a mean of 1.1k: 7x) and more on the skews beyond; on uniform
+# batches it was 0.5-0.8x as fast. The boundary between those is not measured.
+SKEW_RATIO = 4.0
+SKEW_MIN_LEN = 4096
+
+
+def skewed(lens) -> bool:
+    """Whether a decode batch with these context lengths is skewed in --decode-attention auto's sense."""
+    longest = max(lens)
+    return longest >= SKEW_MIN_LEN and longest * len(lens) >= SKEW_RATIO * sum(lens)
+
 
 @dataclass
 class _Plan:
     num_parts: int  # decode partitions (flash-decoding)
     num_prefills: int  # sequences after the decodes
     max_prefill_len: int  # longest prefill chunk: sizes the prefill grid
+    persistent: bool = False  # the decodes run the persistent kernel
     replan: bool = False  # persistent decode: the next layer builds the work plan (the first of each forward)
 
 
@@ -33,7 +47,8 @@ class TritonAttentionBackend(AttentionBackend):
     """decode: `partitioned`, a grid of (sequence, KV head, partition), the partition count chosen per step from
     the batch size and longest context; or `persistent` (issue 25), a fixed grid over a work plan the device builds
     from the context lengths once per forward (begin()), for batches of at most max_batch decodes (larger eager
-    ones fall back to partitioned)."""
+    ones fall back to partitioned); or `auto`: the persistent kernel for skewed batches (`skewed`), the
+    partitioned one otherwise (the decode CUDA graphs are captured with each, workers/cuda_graphs.py)."""
 
     name = "triton"
 
@@ -41,20 +56,33 @@ class TritonAttentionBackend(AttentionBackend):
         self.num_kv_heads = num_kv_heads
         self.num_sms = num_sms
         self.window: int | None = None
-        self.persistent = decode == "persistent"
+        self.mode = decode
+        self.persistent = decode != "partitioned"  # the persistent kernel may run
+        self.graph_variants = {"partitioned": (False,), "persistent": (True,), "auto": (False, True)}[decode]
         self.max_batch = max_batch
         # per CUDA stream (two lanes' steps may both hold decode rows at once): allocated once, never replaced, as
         # CUDA graphs keep their addresses
         self.buffers: dict[int | None, PersistentDecodeBuffers] = {}
 
-    def prepare(self, meta: AttentionMetadata, block_size: int, sliding_window: int | None) -> None:
+    def prepare(self, meta: AttentionMetadata, block_size: int, sliding_window: int | None,
+                persistent: bool | None = None) -> None:
+        """persistent: the decode kernel to plan for (a CUDA graph's capture); None: decode_persistent() decides."""
         self.window = sliding_window
         nd = meta.num_decodes
         parts = 1
+        use = False
         if nd:
-            parts = num_partitions(nd, self.num_kv_heads, max(meta.seq_lens_cpu[:nd]), self.num_sms)
+            use = self.decode_persistent(meta.seq_lens_cpu[:nd]) if persistent is None else persistent
+            if not use:
+                parts = num_partitions(nd, self.num_kv_heads, max(meta.seq_lens_cpu[:nd]), self.num_sms)
         prefill_lens = meta.query_lens_cpu[nd:]
-        meta.plan = _Plan(parts, len(prefill_lens), max(prefill_lens, default=0))
+        meta.plan = _Plan(parts, len(prefill_lens), max(prefill_lens, default=0), use)
+
+    def decode_persistent(self, lens) -> bool:
+        """Whether decodes with these context lengths run the persistent kernel (else the partitioned one)."""
+        if not self.persistent or len(lens) > self.max_batch:
+            return False
+        return self.mode == "persistent" or skewed(lens)
 
     def begin(self, meta: AttentionMetadata) -> None:
         meta.plan.replan = True
@@ -114,7 +142,7 @@ class TritonAttentionBackend(AttentionBackend):
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        if nd and self.persistent and nd <= self.max_batch:
+        if nd and plan.persistent:
             buffers = self._persistent_buffers(q, k_cache)
             if plan.replan:  # once per forward, in the first layer: every layer reads the same plan
                 plan_persistent_decode(meta.seq_lens[:nd], buffers, self.window)

@@ -162,24 +162,24 @@ def forward_graph_ms(runner, batch: int, reps: int = 20) -> float:
     """GPU time of the decode step's forward alone (its CUDA graph replayed back to back, inputs as
     the last step left them): the step's busy time, against which the wall time shows host gaps."""
     graphs = runner.graphs
-    if graphs is None or not graphs.can_run(batch):
+    if graphs is None or not graphs.can_run(batch) or graphs.last is None:
         return 0.0
-    bs = next(s for s in graphs.sizes if s >= batch)
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graphs.graphs[bs].replay()
+        graphs.graphs[graphs.last].replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
 
 
-def bench_engine(runner, batches: list[int], context: int, steps: int, vocab: int, chunk: int) -> list[Row]:
+def bench_engine(runner, batches: list[int], context: int, steps: int, vocab: int, chunk: int,
+                 long_context: int = 0) -> list[Row]:
     rows = []
     for batch in batches:
-        drv = EngineDriver(runner, context)
+        drv = EngineDriver(runner, context, long_context=long_context)
         drv.prefill(batch, vocab, chunk)
         times = [drv.decode_step() for _ in range(steps + 5)][5:]
         serial_ms = 0.0
@@ -298,6 +298,11 @@ def check_lengths(ap: argparse.ArgumentParser, args: argparse.Namespace, parts: 
     if "engine" in parts and (need := longest + 2 * args.steps + 7) > limit:
         ap.error(f"--contexts {longest} with --steps {args.steps} needs {need} tokens of context (context + "
                  f"2 x steps + 7); the model holds {limit} (max_position_embeddings): lower --contexts")
+    if "engine" in parts and (need := args.long_context + 2 * args.steps + 7) > limit:
+        ap.error(f"--long-context {args.long_context} with --steps {args.steps} needs {need} tokens of context; the "
+                 f"model holds {limit} (max_position_embeddings): lower --long-context")
+    if "engine" in parts:
+        longest = max(longest, args.long_context)
     if "breakdown" in parts:
         need = max(BREAKDOWN_CHUNKS * BREAKDOWN_PREFILL + 1, args.contexts[0] + 23)
         if need > limit:
@@ -315,17 +320,19 @@ def check_kv_pool(ap: argparse.ArgumentParser, args: argparse.Namespace, parts: 
     """The KV blocks EngineDriver hands out fit the runner's pool (its size is known only once it is built)."""
     page = runner.block_size
 
-    def blocks(batch: int, context: int) -> int:
-        return batch * ((context + 1 + page) // page + DECODE_HEADROOM)
+    def blocks(batch: int, context: int, long: int = 0) -> int:
+        return (batch - bool(long)) * ((context + 1 + page) // page + DECODE_HEADROOM) + bool(long) * (
+            (long + 1 + page) // page + DECODE_HEADROOM)
     checks = []
     if "engine" in parts:
-        checks.append(("--batches", max(args.batches), max(args.contexts)))
+        checks.append(("--batches", max(args.batches), max(args.contexts), args.long_context))
     if "breakdown" in parts:
-        checks.append(("--breakdown-batches", max(args.breakdown_batches), args.contexts[0]))
-    for flag, batch, context in checks:
-        if blocks(batch, context) > runner.num_blocks:
-            ap.error(f"{flag} {batch} at --contexts {context} needs {blocks(batch, context)} KV blocks of {page} "
-                     f"tokens; the pool holds {runner.num_blocks}: lower {flag} or --contexts")
+        checks.append(("--breakdown-batches", max(args.breakdown_batches), args.contexts[0], 0))
+    for flag, batch, context, long in checks:
+        if (need := blocks(batch, context, long)) > runner.num_blocks:
+            ap.error(f"{flag} {batch} at --contexts {context}{f' and --long-context {long}' if long else ''} needs "
+                     f"{need} KV blocks of {page} tokens; the pool holds {runner.num_blocks}: lower {flag} or "
+                     "--contexts")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -340,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--breakdown-batches", type=counts, default="1,32,128", help="breakdown concurrencies, comma list")
     ap.add_argument("--contexts", type=counts, default="1024",
                     help="comma list of context lengths for the engine part (the first one for breakdown)")
+    ap.add_argument("--long-context", type=whole(0), default=0,
+                    help="engine part: the first request of each batch has this context instead of --contexts' (a "
+                         "skewed batch, issue 25's 1 x 32k + 63 x 512, say); 0: none (default)")
     ap.add_argument("--steps", type=whole(1, MAX_STEPS), default=30,
                     help=f"timed decode steps per engine row, 1 to {MAX_STEPS} (each benchmark request holds KV "
                          f"for {DECODE_HEADROOM * BLOCK_SIZE} decoded tokens; default 30)")
@@ -410,9 +420,13 @@ def main(argv: list[str] | None = None) -> int:
         if "engine" in parts:
             print(f"engine: {name} ({runner.num_blocks} blocks)", flush=True)
             vocab = min(runner.model_config.vocab_size, 32000)
-            got = [r for context in contexts for r in bench_engine(runner, batches, context, args.steps, vocab, 8192)]
+            got = [r for context in contexts for r in bench_engine(runner, batches, context, args.steps, vocab, 8192,
+                                                                   args.long_context)]
             for r in got:
                 r.extra["variant"] = name
+                if args.long_context:
+                    r.extra["long_context"] = args.long_context
+                    r.note = f"{r.note}, first at {args.long_context}".lstrip(", ")
                 r.note = name if len(variants) > 1 else r.note
             rows += got
         if "breakdown" in parts and gpu:

@@ -23,9 +23,11 @@ class EngineDriver:
     """Drives ModelRunner.submit with StepInputs as the batcher and worker loop would (decode-only steady
     state)."""
 
-    def __init__(self, runner, context: int, seed: int = 0):
+    def __init__(self, runner, context: int, seed: int = 0, long_context: int = 0):
+        """long_context: the first request's context instead of `context` (a skewed batch); 0: none."""
         self.runner = runner
         self.context = context
+        self.long_context = long_context
         self.page = runner.block_size
         self.gen = torch.Generator().manual_seed(seed)
         self.step = 0
@@ -45,12 +47,13 @@ class EngineDriver:
         new = []
         for i in range(batch):
             rid = f"b{i}"
-            prompt = torch.randint(3, vocab, (self.context,), generator=self.gen).tolist()
-            blocks = self._blocks((self.context + 1 + self.page) // self.page + 64)
-            self.reqs[rid] = {"len": self.context}
+            context = self.long_context if i == 0 and self.long_context else self.context
+            prompt = torch.randint(3, vocab, (context,), generator=self.gen).tolist()
+            blocks = self._blocks((context + 1 + self.page) // self.page + 64)
+            self.reqs[rid] = {"len": context}
             new.append(P.NewReq(request_id=rid, prompt_token_ids=prompt, params=params, block_ids=blocks))
         # prefill in token-budget chunks, several requests per step
-        pending = {r.request_id: self.context for r in new}
+        pending = {r.request_id: len(r.prompt_token_ids) for r in new}
         sent_new = False
         while pending:
             budget, sched = chunk, {}
