@@ -21,7 +21,7 @@ def get_backend(name: str, device: torch.device, num_kv_heads: int, decode: str 
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(BACKENDS)} or auto")
     if decode not in DECODE_KERNELS:
-        raise ValueError(f"--decode-attention {decode!r}: choose {', '.join(DECODE_KERNELS[:-1])} or {DECODE_KERNELS[-1]}")
+        raise ValueError(f"--decode-attention {decode!r}: choose partitioned, persistent or auto")
     if name == "torch" and decode != "partitioned":
         raise ValueError(f"--decode-attention {decode} is a Triton kernel: it needs --attention-backend triton (the "
                          "default on CUDA)")

@@ -1,13 +1,15 @@
 """Weight-streaming linear for small batches (issue 25): y = x @ w.T for x [M, K] with M <= 8.
 
 At batch 1-8 a decode step's GEMMs read every weight once and do almost no math, so their time is the weights'
-bytes over the bandwidth the kernel reaches; cuBLAS reached 89% of the copy bandwidth on the H200 (docs/perf.md).
+bytes over the bandwidth the kernel reaches: cuBLAS reads the 7B's weights at 3.2-4.1 TB/s on the H200.
 This kernel gives each program BLOCK_N rows of w (contiguous along K, so each row streams in wide loads) and
 multiplies them with the M input rows padded to 16 on the tensor cores (the math is free here; the padding keeps
 registers for the loads), accumulating in fp32; SPLIT_K > 1 splits K over programs (fp32 atomics into a zeroed
-buffer, then one cast) for shapes with too few row blocks to fill the GPU. Not wired into the model: issue 25 keeps
-a change only if it measures faster (`python -m workers.tools.kernel_bench --gemv`). On CPU tensors it runs under
-Triton's interpreter (tests).
+buffer, then one cast) for shapes with too few row blocks to fill the GPU. Measured on the H200 (2026-12-05,
+`python -m workers.tools.kernel_bench --gemv`, docs/perf.md): with each shape's best config 8% faster than cuBLAS
+over a batch-1 step's weights (3.9-4.2 TB/s), no faster at batch 4-8, slower with one config for all shapes. Not
+wired into the model: a per-shape table tuned on one model would be needed for ~7% at batch 1. On CPU tensors it
+runs under Triton's interpreter (tests).
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ if [ "${PERSISTENT:-0}" = 1 ]; then  # issue 25: persistent against partitioned 
   python3 -m workers.tools.kernel_bench --persistent --rope-kv --gemv --out "$OUT/persistent.json" 2>&1 \
     | tee "$OUT/persistent.txt"
   python3 -m laneserve.cli bench --parts engine --batches 1,32,128 --contexts 1024,4096 \
-    --decode-attention partitioned,persistent,auto --out "$OUT/persistent_engine.json" 2>&1 | tee -a "$OUT/persistent.txt"
+    --decode-attention partitioned,persistent,auto --out "$OUT/persistent_engine.json" 2>&1 \
+    | tee -a "$OUT/persistent.txt"
   for skew in "32000 512 64" "16384 256 8"; do  # skewed batches: one long context among short ones (32k: the limit)
     read -r long short batch <<< "$skew"
     python3 -m laneserve.cli bench --parts engine --batches "$batch" --contexts "$short" --long-context "$long" \
