@@ -82,6 +82,10 @@ class BatcherConfig:
     cost_model_out: str = field(default="", metadata=flag(
         "write worker 0's online-fitted step-cost model here every 10 s and at exit (for `laneserve simulate "
         "--cost-model`); '' = don't"))
+    step_trace: str = field(default="", metadata=flag(
+        "write a JSONL timeline here: each request's arrival and first token, each step's composition and output "
+        "(the worker's device, launch and idle times); `python -m batcher.trace FILE` splits the time to first "
+        "token into queueing, waiting behind other steps and the step itself (batcher/trace.py); '' = don't"))
     # reliability (docs/reliability.md)
     on_worker_loss: str = field(default="fail", metadata=flag(
         "what happens to a lost worker's requests: fail (an ERROR finish, the client sees an error) | requeue "
@@ -118,8 +122,9 @@ class BatcherConfig:
                 load_warm_prefixes(self.warm_prefix)
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"--warm-prefix {self.warm_prefix}: {exc}") from None
-        if self.cost_model_out and not os.path.isdir(os.path.dirname(os.path.abspath(self.cost_model_out))):
-            raise ValueError(f"--cost-model-out {self.cost_model_out}: its directory does not exist")
+        for flag_name, path in (("--cost-model-out", self.cost_model_out), ("--step-trace", self.step_trace)):
+            if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+                raise ValueError(f"{flag_name} {path}: its directory does not exist")
 
 
 def parse_buckets(spec: str) -> list[int]:

@@ -40,6 +40,7 @@ from batcher.router import pick_worker
 from batcher.scheduler import LANES, Scheduler, StepFailed, StepOrderError
 from batcher.slo import SloPolicy
 from batcher.spec import SpecPolicy
+from batcher.trace import StepTrace
 from laneserve.sampling import MAX_PRIORITY, check_sampling, check_slo_target
 from laneserve.wire import protocol as P
 from laneserve.wire import transport
@@ -91,6 +92,10 @@ class Batcher:
                                for lanes in ("mixed", "streams")}
         except (ValueError, OSError) as exc:
             raise SystemExit(f"batcher: {exc}") from None
+        try:
+            self.trace = StepTrace(cfg.step_trace) if cfg.step_trace else None  # --step-trace (batcher/trace.py)
+        except OSError as exc:
+            raise SystemExit(f"batcher: --step-trace {cfg.step_trace}: {exc}") from None
         key = cfg.curve_server_secret_key
         self.auth = self._start_auth()  # before binding: no handshake may slip past the key list
         self.front = transport.bind(self.ctx, zmq.ROUTER, cfg.batcher_address, key)
@@ -180,6 +185,8 @@ class Batcher:
         self.owner[msg.request_id] = (ident, wid)
         if self.requeue:
             self.originals[msg.request_id] = (msg, [])
+        if self.trace is not None:
+            self.trace.added(msg.request_id)
         await self.kick(wid)
 
     async def abort_requests(self, ident: bytes, msg: P.AbortRequests) -> None:
@@ -270,6 +277,10 @@ class Batcher:
             await self.emit(slot.scheduler.fail_all(str(exc)))
             return
         if deltas is not None:  # None: a void step's output, nothing changed
+            if self.trace is not None:
+                self.trace.write("out", worker=msg.worker_id, step=msg.step, execute_ms=msg.execute_time * 1000.0,
+                                 launch_ms=msg.launch_time * 1000.0, idle_ms=msg.idle_time * 1000.0)
+                self.trace.first_tokens(msg.worker_id, msg.step, deltas)
             await self.emit(deltas)
             await self.kick(msg.worker_id)
 
@@ -375,6 +386,10 @@ class Batcher:
                     slot.wake = asyncio.get_running_loop().call_later(
                         max(0.0, slot.scheduler.wake_at - time.monotonic()), self._wake, slot)
                 return
+            if self.trace is not None:
+                entry = slot.scheduler.in_flight[-1]
+                self.trace.write("step", worker=worker_id, step=step.step, lane=step.lane,
+                                 predicted_ms=round(entry.predicted, 3), features=list(entry.features))
             try:  # sends queue in order on the socket, so concurrent kicks keep the step order
                 await self.back.send_multipart([slot.identity, P.encode(step)])
             except zmq.ZMQError as exc:  # the worker's socket is gone (ROUTER_MANDATORY)
@@ -401,6 +416,8 @@ class Batcher:
             by_gateway.setdefault(owner[0], []).append(d)
             if d.finish_reason is not None:
                 del self.owner[d.request_id]
+                if self.trace is not None:
+                    self.trace.waiting_first.discard(d.request_id)
                 if self.requeue:
                     self.originals.pop(d.request_id, None)
                     self.requeued.discard(d.request_id)
@@ -520,6 +537,8 @@ class Batcher:
                 log.warning("could not write --cost-model-out: %s", exc)
 
     def close(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
         if self.auth is not None:
             self.auth.stop()
         self.back.disable_monitor()

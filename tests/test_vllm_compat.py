@@ -167,6 +167,7 @@ def test_vllm_flags_parse_to_the_same_config():
     (["serve", "--warm-prefix", "/nonexistent.json"], "--warm-prefix /nonexistent.json"),
     (["serve", "--warm-prefix", "w.json", "--no-enable-prefix-caching"], "without prefix caching"),
     (["serve", "--cost-model-out", "/nonexistent/dir/cm.json"], "its directory does not exist"),
+    (["serve", "--step-trace", "/nonexistent/dir/t.jsonl"], "--step-trace /nonexistent/dir/t.jsonl: its directory"),
     (["--log-level", "FOO", "serve"], "--log-level 'FOO'"),
     (["--log-level=FOO", "simulate", "--help"], "--log-level 'FOO'"),  # before a tool's name too
 ])

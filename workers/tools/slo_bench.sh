@@ -3,8 +3,9 @@
 # for each policy, one server (7B shape, dummy weights) and one `laneserve loadtest sweep` of the
 # bursty RAG replay (a warm-up, then each rate and seed); prints each sweep's table, keeps
 # sweep_NAME.json (and its log, a line per run, sweep_NAME.txt), the fitted step-cost model cost_NAME.json (with
-# its samples) and the server log. A device call has 600 s: a replay of N requests at R req/s takes ~N/R s plus its
-# drain, and each server ~1-2 min to start, so keep policies x rates x seeds x N/R well under that.
+# its samples), the batcher's --step-trace trace_NAME.jsonl (its TTFT report, over the whole sweep, printed) and the
+# server log. A device call has 600 s: a replay of N requests at R req/s takes ~N/R s plus its drain, and each
+# server ~1-2 min to start, so keep policies x rates x seeds x N/R well under that.
 # Usage (repo root, on the GPU machine):
 #   OUT=dir RATES=8,12,16,20,24 SEEDS=3 bash workers/tools/slo_bench.sh "default:" \
 #     "slo:--slo-ttft-ms 120 --slo-tpot-ms 30 --max-num-batched-tokens 8192" \
@@ -20,7 +21,8 @@ mkdir -p /tmp/slo_bench
 for spec in "$@"; do
   name=${spec%%:*}; args=${spec#*:}
   python3 -m laneserve.cli --log-level WARNING serve $MODEL_ARGS \
-    --port 8011 --cost-model-out "$OUT/cost_$name.json" $args > "$OUT/serve_$name.log" 2>&1 &
+    --port 8011 --cost-model-out "$OUT/cost_$name.json" --step-trace "$OUT/trace_$name.jsonl" $args \
+    > "$OUT/serve_$name.log" 2>&1 &
   SERVE=$!
   for _ in $(seq 600); do grep -q "laneserve ready" "$OUT/serve_$name.log" && break; kill -0 $SERVE || break; sleep 0.5; done
   COLUMNS=200 python3 -m laneserve.cli loadtest sweep --url http://127.0.0.1:8011 $LOAD_ARGS --rates ${RATES:-8,12,16,20,24} \
@@ -31,6 +33,7 @@ for spec in "$@"; do
   curl -s http://127.0.0.1:8011/metrics | grep -E "^laneserve:(step_time|eager_step|prefix_cache_hit_rate|num_slo|num_preempt|num_gated|pipeline_bubble)"
   kill -INT $SERVE; wait $SERVE
   grep -i "error\|traceback" "$OUT/serve_$name.log" | head -5
+  python3 -m batcher.trace "$OUT/trace_$name.jsonl"  # where the batcher's time to first token went
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], 'fitted', {k: d.get(k) for k in 'abcdegh'})" \
     "$OUT/cost_$name.json" "$name"
 done

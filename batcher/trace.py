@@ -1,0 +1,104 @@
+"""`--step-trace FILE`: a JSONL timeline of the batcher's steps and requests, to see where time to first token goes.
+
+Owns the trace's rows and their report; the batcher (batcher/core.py) writes them. Each row has "ev" and "t" (ms
+on the batcher's monotonic clock since the trace began):
+- {"ev": "add", "req"}: a request was added to a worker's queue;
+- {"ev": "step", "worker", "step", "lane", "predicted_ms", "features"}: a step was composed and sent to its
+  worker (features: the cost model's terms, batcher/cost_model.py);
+- {"ev": "out", "worker", "step", "execute_ms", "launch_ms", "idle_ms"}: its output came back (the worker's own
+  figures: the step's device time, its host launch, how long the worker had waited for it);
+- {"ev": "first", "worker", "step", "req"}: that step's output carried the request's first token.
+`python -m batcher.trace FILE` splits each request's time from "add" to "first" into: waiting for the step that
+computes the end of its prompt to be composed; that step behind the steps before it on the worker (its output
+came back minus its device time, from its composition); and the step's own device time. The load tester's TTFT
+adds the gateway and HTTP on top. Pure but for the file it writes (open, append, close).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+class StepTrace:
+    def __init__(self, path: str):
+        self.file = open(path, "w", buffering=1)  # noqa: SIM115 (held open while serving; line-buffered: a run
+        # that dies keeps its rows)
+        self.t0 = time.monotonic()
+        self.waiting_first: set[str] = set()  # requests added whose first token has not come back
+
+    def write(self, ev: str, **fields) -> None:
+        self.file.write(json.dumps({"ev": ev, "t": round((time.monotonic() - self.t0) * 1000.0, 3), **fields})
+                        + "\n")
+
+    def added(self, req: str) -> None:
+        self.waiting_first.add(req)
+        self.write("add", req=req)
+
+    def first_tokens(self, worker: int, step: int, deltas) -> None:
+        """After a step's output: a "first" row for each request whose first token it carried."""
+        for d in deltas:
+            if d.request_id in self.waiting_first and (d.new_token_ids or d.finish_reason is not None):
+                self.waiting_first.discard(d.request_id)
+                if d.new_token_ids:
+                    self.write("first", worker=worker, step=step, req=d.request_id)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def ttft_breakdown(rows: list[dict]) -> dict[str, list[float]]:
+    """Per request that got a first token: ms from "add" to the composition of the step that carried it
+    ("queued"), from then to its output less its device time ("behind"), its device time ("step"), and the sum
+    ("ttft", the batcher's view)."""
+    added, composed, outs = {}, {}, {}
+    out: dict[str, list[float]] = {"queued": [], "behind": [], "step": [], "ttft": []}
+    for r in rows:
+        ev = r["ev"]
+        if ev == "add":
+            added[r["req"]] = r["t"]
+        elif ev == "step":
+            composed[r["worker"], r["step"]] = r["t"]
+        elif ev == "out":
+            outs[r["worker"], r["step"]] = r
+        elif ev == "first" and r["req"] in added and (r["worker"], r["step"]) in composed:
+            key = (r["worker"], r["step"])
+            start, done = composed[key], outs[key]
+            out["queued"].append(start - added[r["req"]])
+            out["step"].append(done["execute_ms"])
+            out["behind"].append(done["t"] - start - done["execute_ms"])
+            out["ttft"].append(r["t"] - added[r["req"]])
+    return out
+
+
+def percentile(values: list[float], p: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(p / 100.0 * len(s)))] if s else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m batcher.trace FILE (a --step-trace file)", file=sys.stderr)
+        return 2
+    try:
+        with open(args[0]) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError) as exc:
+        print(f"batcher.trace: {args[0]}: {exc}", file=sys.stderr)
+        return 2
+    parts = ttft_breakdown(rows)
+    n = len(parts["ttft"])
+    print(f"{n} requests' time to first token at the batcher (ms), from {args[0]}:")
+    for name, what in (("queued", "until the step that computes its prompt's end is composed"),
+                       ("behind", "that step behind the steps before it (output back, less its device time)"),
+                       ("step", "that step's device time"), ("ttft", "in all")):
+        v = parts[name]
+        print(f"  {name:7} p50 {percentile(v, 50):8.1f}  p95 {percentile(v, 95):8.1f}  mean "
+              f"{sum(v) / n if n else float('nan'):8.1f}   {what}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

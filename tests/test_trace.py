@@ -1,0 +1,43 @@
+"""--step-trace (batcher/trace.py): a served run's timeline and its time-to-first-token report."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+
+from batcher.trace import main as report, ttft_breakdown
+
+
+def test_a_served_run_traces_every_request_and_the_report_splits_its_ttft(make_stack, tmp_path, capsys):
+    path = tmp_path / "trace.jsonl"
+    stack = make_stack("--step-trace", str(path), "--max-num-batched-tokens", "64")
+    client = openai.OpenAI(base_url=stack.api, api_key="none", max_retries=0, timeout=120)
+    prompts = [[5 + i] * n for i, n in enumerate((3, 150, 40))]  # 150 tokens: chunked over three steps
+    for p in prompts:
+        assert client.completions.create(model="tiny", prompt=p, max_tokens=4).usage.completion_tokens == 4
+    stack.stop()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    adds = [r["req"] for r in rows if r["ev"] == "add"]
+    firsts = [r for r in rows if r["ev"] == "first"]
+    assert len(adds) == 3 and sorted(r["req"] for r in firsts) == sorted(adds)
+    steps = {(r["worker"], r["step"]): r for r in rows if r["ev"] == "step"}
+    outs = {(r["worker"], r["step"]): r for r in rows if r["ev"] == "out"}
+    assert set(outs) <= set(steps) and len(outs) >= 3 + 4  # each request's prefill steps and decodes
+    for key, out in outs.items():
+        assert out["t"] >= steps[key]["t"] and out["execute_ms"] >= 0, (key, out)  # (0: a step with no tokens)
+    for r in firsts:  # a first token comes with its step's output
+        assert (r["worker"], r["step"]) in outs
+    parts = ttft_breakdown(rows)
+    assert len(parts["ttft"]) == 3
+    for q, b, s, t in zip(parts["queued"], parts["behind"], parts["step"], parts["ttft"]):
+        assert q >= 0 and s > 0 and 0 <= t - (q + b + s) < 50  # (the rest: the batcher applying the output)
+    assert report([str(path)]) == 0
+    assert "3 requests' time to first token" in capsys.readouterr().out
+
+
+def test_the_report_names_a_file_it_cannot_read(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    assert report([str(bad)]) == 2 and str(bad) in capsys.readouterr().err
+    assert report([]) == 2
