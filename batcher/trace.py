@@ -17,6 +17,7 @@ adds the gateway and HTTP on top. Pure but for the file it writes (open, append,
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 
@@ -73,8 +74,13 @@ def ttft_breakdown(rows: list[dict]) -> dict[str, list[float]]:
 
 
 def percentile(values: list[float], p: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(p / 100.0 * len(s)))] if s else float("nan")
+    """The p-th percentile, interpolated between ranks as numpy's default (the simulator's summaries use it too)."""
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    k = (len(v) - 1) * p / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
 def main(argv: list[str] | None = None) -> int:

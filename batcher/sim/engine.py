@@ -35,6 +35,7 @@ from batcher.config import BatcherConfig
 from batcher.cost_model import CostModel
 from batcher.router import pick_worker
 from batcher.scheduler import Scheduled, Scheduler
+from batcher.trace import percentile
 from laneserve.wire.protocol import (LANE_DECODE, LANE_PREFILL, AddRequest, FinishReason, SamplingParams, StepInput,
                                      StepOutput, TokenDelta)
 
@@ -535,15 +536,6 @@ def simulate(requests: Sequence[SimRequest | TraceSimRequest], cfg: BatcherConfi
 
 
 # ---------------------------------------------------------------------- summary
-def percentile(values: list[float], p: float) -> float:
-    if not values:
-        return float("nan")
-    v = sorted(values)
-    k = (len(v) - 1) * p / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
-
-
 def summarize(res: SimResult) -> dict:
     def pcts(xs: list[float]) -> dict:
         return {f"p{p}": round(percentile(xs, p) * 1000, 3) for p in (50, 95, 99)} | {

@@ -25,6 +25,7 @@ from workers.kernels.paged_attention import (DECODE_CONFIG, PREFILL_CONFIG, Pers
                                              paged_decode, paged_decode_persistent, paged_prefill,
                                              plan_persistent_decode, target_chunks)
 from workers.kv_cache import transpose_v_pages
+from workers.tools.bench import measure_copy_bandwidth
 
 HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 16
 LAYERS = 32  # the 7B shape's: the persistent kernel's plan is built once per step for all of them
@@ -158,13 +159,6 @@ def bench_rope_kv(tokens: int) -> dict:
             "speedup": two_ms / one_ms, "per_step_saving_us": (two_ms - one_ms) * 1e3 * LAYERS}
 
 
-def copy_tb_s() -> float:
-    """The device's copy bandwidth: a 1 GiB device-to-device copy (bytes read + written per second)."""
-    a = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
-    b = torch.empty_like(a)
-    return 2 * a.numel() * a.element_size() / time_ms(lambda: b.copy_(a), reps=5, per_graph=2) / 1e9
-
-
 def bench_gemv(copy: float) -> dict:
     """Per 7B weight shape: the config sweep at batch 1, then cuBLAS against gemv (default and best config) at
     batch 1 / 4 / 8, and a decode step's weight time (32 layers' four GEMMs + lm_head) from each."""
@@ -285,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['fused_us']:7.2f} us: {row['speedup']:.2f}x, {row['per_step_saving_us']:+.0f} us per "
                   f"{LAYERS}-layer step", flush=True)
     if args.gemv:
-        copy = copy_tb_s()
+        copy = measure_copy_bandwidth() / 1e12
         print(f"  copy bandwidth {copy:.2f} TB/s", flush=True)
         result["gemv"] = bench_gemv(copy)
     if args.parts:
