@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -12,6 +13,7 @@ from laneserve.modelspec import TINY_CONFIG
 from laneserve.wire import protocol as P
 from tests.helpers_models import DEVICE, Sim, greedy, random_prompt
 from workers.config import WorkerConfig
+from workers.cuda_graphs import PiecewiseGraphs
 from workers.runner import ModelRunner
 
 
@@ -213,6 +215,39 @@ def test_mixed_steps_launched_behind_read_their_decodes_tokens_from_the_right_ro
     assert any(o.prompt_logprobs for o in on) and [o.step for o in on] == list(range(8))
     assert behind == [False] + [True] * 7
     assert behind_decode == [False, True, False, False, False, False, True, True]
+
+
+def test_piecewise_graphs_give_the_eager_tokens():
+    """Steps with prompt chunks through the pieces between attentions (CUDA graphs on a GPU; on a CPU, where nothing
+    is captured, the same pieces and static buffers run eagerly): the eager forward's tokens and logprobs, the
+    steps' rows padded to the captured sizes, launched behind the step in flight."""
+    eager, _, _ = _submit_all(tiny(overlap_steps="on", piecewise_graph_tokens=0), _mixed_behind)
+    r = tiny(overlap_steps="on", max_num_batched_tokens=64)
+    if r.pieces is None:
+        r.pieces = PiecewiseGraphs(r.model, 64, r.device)
+    assert r.pieces.sizes == [16, 32, 48, 64]
+    pieces, _, _ = _submit_all(r, _mixed_behind)
+    # steps 0 and 2-5 (34, 19, 29, 6 + ..., 6 tokens); on a CPU the decode-only steps too (no decode graphs)
+    assert r.pieces.steps == (5 if r.graphs is not None else 8)
+    assert [KEY(o)[:3] for o in pieces] == [KEY(o)[:3] for o in eager]  # the tokens, exactly
+    # the logprobs to within 1e-4: the padded GEMMs may sum in another order
+    assert close(msgspec.to_builtins([KEY(o) for o in pieces]), msgspec.to_builtins([KEY(o) for o in eager]))
+
+
+def close(a, b, tol: float = 1e-4) -> bool:
+    """Nested lists / tuples / dicts equal, floats to within tol."""
+    if isinstance(a, float) or isinstance(b, float):
+        return abs(a - b) <= tol * max(1.0, abs(a), abs(b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(close(a[k], b[k], tol) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(close(x, y, tol) for x, y in zip(a, b))
+    return a == b
+
+
+def test_a_bad_piecewise_graph_size_is_a_clear_error():
+    with pytest.raises(ValueError, match="--piecewise-graph-tokens -1: must be >= 0"):
+        tiny(piecewise_graph_tokens=-1)
 
 
 def test_a_bad_overlap_mode_is_a_clear_error():

@@ -42,7 +42,12 @@ class WorkerConfig:
         "plan built on the device: long and short contexts in one batch are balanced) | auto (persistent for a "
         "batch whose longest context is >= 4x its mean and >= 4096 tokens, partitioned otherwise; the decode CUDA "
         "graphs are captured with both; docs/perf.md)"))
-    enforce_eager: bool = field(default=False, metadata=flag("CUDA: run decode eagerly instead of CUDA graphs"))
+    enforce_eager: bool = field(default=False, metadata=flag(
+        "CUDA: run every step eagerly instead of CUDA graphs (decode graphs and piecewise graphs)"))
+    piecewise_graph_tokens: int = field(default=2048, metadata=flag(
+        "CUDA: steps with a prompt chunk of up to this many tokens (at most --max-num-batched-tokens) replay the "
+        "model's pieces between attentions as CUDA graphs, attention eager between them (docs/architecture.md); "
+        "larger steps run eagerly; 0 = all of them eagerly"))
     overlap_steps: str = field(default="auto", metadata=flag(
         "auto (on for CUDA at tensor-parallel size 1) | on | decode | off: launch a step's forward before the "
         "previous step's sampled tokens reach the host (they are read on the device), so host work hides behind "

@@ -1,7 +1,7 @@
-"""CUDA graphs for decode-only steps: captured once at start, replayed with static inputs.
+"""CUDA graphs: whole decode-only steps, and the pieces between attentions of the other steps (piecewise).
 
-Owns the static input buffers, the capture list of padded batch sizes and the replay.
-A decode step of n sequences replays the graph of the smallest captured size >= n, the
+DecodeGraphs owns the static input buffers, the capture list of padded batch sizes and the replay
+of decode-only steps. A decode step of n sequences replays the graph of the smallest captured size >= n, the
 whole batch padded to that one size; the padding rows write no K/V (slot -1) and their
 logits are dropped. The size list is fixed (1, 2, 4, 8, then every 8 to 64, every 16 to
 128, every 32 after): every batch size up to max_num_seqs maps onto one of few graphs,
@@ -10,6 +10,16 @@ kernel reads each row's length from the device buffers), except with --decode-at
 captured twice, with the partitioned and with the persistent decode kernel, and a step replays the one its
 context lengths call for (the backend's decode_persistent).
 Host inputs go through pinned buffers with non-blocking copies.
+
+PiecewiseGraphs runs the other steps (prompt chunks, with or without decodes; drafts to verify) of up to
+--piecewise-graph-tokens tokens: the forward's pieces between two attentions (the model's head() and tail(i): the
+GEMMs, norms and activations, ~8 launches a layer) are replayed as CUDA graphs captured per padded token count,
+and each layer's attention (RoPE, the K/V write, the decode and prefill kernels, planned per step) runs eagerly
+between them on the step's real rows. What crosses an attention lives in static buffers (the qkv projection,
+the attention output, the residual stream). A step of T tokens replays the pieces of the smallest captured size
+>= T; the padding rows are computed by the pieces and seen by nothing else (attention and the logits read rows
+< T only). This takes the host's launch work of such a step (~20 ms on the H200 for ~330 launches, docs/perf.md)
+down to one replay per piece and the attention launches.
 """
 
 from __future__ import annotations
@@ -148,3 +158,81 @@ class DecodeGraphs:
         self.last = bs, variant
         self.graphs[self.last].replay()
         return self.logits[self.last][:n]
+
+
+def piece_sizes(max_tokens: int) -> list[int]:
+    """Token counts the pieces are captured for: every 16 to 64, every 64 to 512, every 128 after (a GEMM's rows
+    are computed in tiles of 64-128 anyway), up to max_tokens."""
+    sizes = [16, 32, 48, 64] + list(range(128, 512, 64)) + list(range(512, max_tokens + 1, 128))
+    out = [s for s in sizes if s < max_tokens]
+    return out + [max_tokens]
+
+
+class PiecewiseGraphs:
+    """The pieces between attentions of a step of up to max_tokens tokens as CUDA graphs (module docstring).
+    Until capture() (and on a CPU, where nothing is captured) run() calls the pieces eagerly on the same static
+    buffers: the same padding and data flow, for the CPU tests."""
+
+    def __init__(self, model, max_tokens: int, device: torch.device):
+        self.model = model
+        self.sizes = piece_sizes(max_tokens)
+        n = self.sizes[-1]
+        first = model.model.layers[0].self_attn
+        dtype = model.model.embed_tokens.weight.dtype
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.residual = torch.zeros(n, model.config.hidden_size, dtype=dtype, device=device)
+        self.qkv = torch.zeros(n, sum(first.qkv_proj.sizes.values()), dtype=dtype, device=device)
+        self.attn = torch.zeros(n, first.num_heads, first.head_dim, dtype=dtype, device=device)
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # padded size -> [head, tail 0, ..., tail L-1]
+        self.capture_seconds = 0.0
+        self.capture_bytes = 0
+        self.steps = 0  # steps run
+
+    def can_run(self, tokens: int) -> bool:
+        return tokens <= self.sizes[-1]
+
+    def _pieces(self, size: int) -> list:
+        model, o = self.model, self.attn[:size].flatten(1)
+        pieces = [lambda: model.head(self.input_ids[:size], self.residual[:size], self.qkv[:size])]
+        for i in range(len(model.model.layers)):
+            pieces.append(lambda i=i: model.tail(i, o, self.residual[:size], self.qkv[:size]))
+        return pieces
+
+    def capture(self) -> None:
+        t0 = time.perf_counter()
+        before = torch.cuda.memory_allocated()
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for size in reversed(self.sizes):  # largest first: later graphs reuse its memory pool
+                pieces = self._pieces(size)
+                for piece in pieces:  # warm-up: lazy init stays out of the graphs
+                    piece()
+                torch.cuda.synchronize()
+                self.graphs[size] = []
+                for piece in pieces:
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        piece()
+                    self.graphs[size].append(graph)
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - t0
+        self.capture_bytes = torch.cuda.memory_allocated() - before
+        log.info("captured %d piecewise graphs (%d token counts, up to %d) in %.1fs, %.0f MiB",
+                 sum(map(len, self.graphs.values())), len(self.sizes), self.sizes[-1], self.capture_seconds,
+                 self.capture_bytes / 2**20)
+
+    def run(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The model's forward of one step (T = len(token_ids) <= the largest size) -> hidden states [T, hidden],
+        a view of the residual buffer: valid until the next run()."""
+        model, tokens = self.model, token_ids.shape[0]
+        size = next(s for s in self.sizes if s >= tokens)
+        self.input_ids[:tokens].copy_(token_ids)
+        pieces = self.graphs[size] if size in self.graphs else None
+        calls = [g.replay for g in pieces] if pieces is not None else self._pieces(size)
+        self.steps += 1
+        model.backend.begin(meta)
+        calls[0]()
+        for i in range(len(model.model.layers)):
+            model.attend(i, self.qkv[:tokens], positions, meta, out=self.attn[:tokens])
+            calls[i + 1]()
+        return self.residual[:tokens]

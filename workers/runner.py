@@ -51,7 +51,7 @@ from laneserve.wire.protocol import LANE_DECODE, LANE_MIXED, LANE_PREFILL
 from workers.attention import AttentionMetadata, get_backend
 from workers.collectives import broadcast_tokens, min_across_ranks, rank_device
 from workers.config import WorkerConfig
-from workers.cuda_graphs import DecodeGraphs
+from workers.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from workers.draft import Drafter
 from workers.kv_cache import (BLOCK_SIZE, DEFAULT_CPU_KV_BYTES, KVCache, bytes_per_block, gpu_kv_budget, load_kv_scales,
                               parse_bytes, resolve_kv_dtype)
@@ -147,6 +147,8 @@ class ModelRunner:
         """tp_rank: this process's rank when cfg.tensor_parallel_size > 1; the caller has joined
         the process group (workers.tp_group.TPGroup on rank 0, follower_main on the others)."""
         self.cfg = cfg
+        if cfg.piecewise_graph_tokens < 0:
+            raise ValueError(f"--piecewise-graph-tokens {cfg.piecewise_graph_tokens}: must be >= 0 (0: none)")
         if cfg.overlap_steps not in OVERLAP_MODES:
             raise ValueError(f"--overlap-steps {cfg.overlap_steps!r}: choose from {', '.join(OVERLAP_MODES)}")
         self.tp_rank, self.tp_size = tp_rank, cfg.tensor_parallel_size
@@ -197,6 +199,8 @@ class ModelRunner:
                     torch.zeros(1, device=self.device).add_(1)
                 stream.synchronize()
         self.graphs: DecodeGraphs | None = None  # captured below, after the pool exists
+        # steps with a prompt chunk: the pieces between attentions (any lane but the decode lane's: one static set)
+        self.pieces: PiecewiseGraphs | None = None
         self.kv_cache = self._allocate_kv_cache()
         self.num_blocks = self.kv_cache.num_blocks
         if self.drafter is not None:
@@ -210,6 +214,10 @@ class ModelRunner:
                 self.graphs.capture()
             if self.drafter is not None:
                 self.drafter.capture_graphs(cfg.max_num_seqs)
+            tokens = min(cfg.piecewise_graph_tokens, cfg.max_num_batched_tokens)
+            if tokens and self.tp_size == 1:  # (under tensor parallel the pieces would hold all-reduces)
+                self.pieces = PiecewiseGraphs(self.model, tokens, self.device)
+                self.pieces.capture()
         log.info("model %s on %s/%s: %d KV blocks (%.0f MiB, %s KV%s)", cfg.model, self.device,
                  str(self.dtype).split(".")[-1], self.num_blocks, self.kv_cache.nbytes / 2**20,
                  str(self.kv_dtype).split(".")[-1],
@@ -570,7 +578,11 @@ class ModelRunner:
                 src[qsl[i]] = pending.get(rid, -1)
             rows = to_device(torch.from_numpy(src), torch.int64, dev)
             token_ids = torch.where(rows >= 0, prev[rows.clamp(min=0)], token_ids)
-        hidden = self.model(token_ids, to_device(torch.from_numpy(positions), torch.int64, dev), meta)
+        positions = to_device(torch.from_numpy(positions), torch.int64, dev)
+        if self.pieces is not None and lane != LANE_DECODE and self.pieces.can_run(len(ids)):
+            hidden = self.pieces.run(token_ids, positions, meta)  # (valid until the next: used in this submit)
+        else:
+            hidden = self.model(token_ids, positions, meta)
         scores = self._score_prompts(reqs, query_lens, qsl, hidden)
 
         # A request samples when this step's chunk reaches the end of its tokens (+ a pending one), unless it asked

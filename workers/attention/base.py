@@ -95,12 +95,13 @@ class AttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                kv_scales: LayerScales | None = None, rope: Rope | None = None) -> torch.Tensor:
+                kv_scales: LayerScales | None = None, rope: Rope | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] of this step's tokens; k/v_cache [num_blocks, block_size, Hkv, D] of
         this layer. With rope (positions [T], fp32 cos and sin tables) q and k come before RoPE and the backend
         rotates them in place first (fused.rope_; the Triton backend in the launch that writes K/V, for pools that
         are not int8); without it they come rotated. Writes k/v into the cache at meta.slot_mapping, then returns
-        attention output [T, Hq, D].
+        attention output [T, Hq, D] (in out, contiguous [T, Hq, D], when given: a CUDA graph's static buffer).
         int8 caches come with kv_scales (this layer's per-KV-head scales, workers/kv_cache.py):
         the backend calls kv_scales.observe(k, v) before writing (the dynamic fallback sets the
         scales there once), quantises what it writes and dequantises what it reads, inside

@@ -77,7 +77,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                kv_scales: LayerScales | None = None, rope: Rope | None = None) -> torch.Tensor:
+                kv_scales: LayerScales | None = None, rope: Rope | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         if rope is not None:
             rope_(q, k, *rope)
         plan: _Plan = meta.plan
@@ -97,7 +98,7 @@ class TorchAttentionBackend(AttentionBackend):
 
             def read(rows, slots, s):
                 return rows[slots].to(q.dtype)
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         num_kv_heads = rows_k.shape[2]
         group = q.shape[1] // num_kv_heads
         with sdpa_kernel(_SDPA_BACKENDS):

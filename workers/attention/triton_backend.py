@@ -128,7 +128,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                kv_scales: LayerScales | None = None, rope: Rope | None = None) -> torch.Tensor:
+                kv_scales: LayerScales | None = None, rope: Rope | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         plan: _Plan = meta.plan
         ks = vs = None
         if rope is not None and kv_scales is None and triton_kernels(q):  # RoPE and the K/V write: one launch
@@ -140,7 +141,7 @@ class TritonAttentionBackend(AttentionBackend):
                 kv_scales.observe(k, v)  # (of the rotated K)
                 ks, vs = kv_scales.k, kv_scales.v
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         nd = meta.num_decodes
         if nd and plan.persistent:
             buffers = self._persistent_buffers(q, k_cache)

@@ -69,5 +69,10 @@ class MergedLinear(nn.Module):
         biases = [p.bias for p in parts.values()]
         self.bias = None if biases[0] is None else nn.Parameter(torch.cat(biases), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight.T + bias; into out (a static buffer of a CUDA graph) if given: the same GEMM as F.linear's."""
+        if out is None:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is None:
+            return torch.mm(x, self.weight.t(), out=out)
+        return torch.addmm(self.bias, x, self.weight.t(), out=out)

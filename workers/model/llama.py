@@ -104,17 +104,18 @@ class Attention(nn.Module):
         self.qkv_proj = MergedLinear({"q_proj": self.q_proj, "k_proj": self.k_proj, "v_proj": self.v_proj})
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                meta: AttentionMetadata) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(list(self.qkv_proj.sizes.values()), dim=-1)
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, meta: AttentionMetadata,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """This layer's qkv projection [T, q+k+v] -> attention output [T, Hq * D] (into out [T, Hq, D] if given):
+        RoPE, the K/V write and attention, all in the backend (RoPE with the K/V write: one launch)."""
+        q, k, v = qkv.split(list(self.qkv_proj.sizes.values()), dim=-1)
         # views into the qkv output (row stride = all heads): backends take strided q/k/v
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.kv_scales,
-                                 rope=(positions, rope.cos, rope.sin))  # RoPE there: with the K/V write, one launch
-        return self.o_proj(o.reshape(T, -1))
+                                 rope=(positions, rope.cos, rope.sin), out=out)
+        return o.flatten(1)
 
 
 class MLP(nn.Module):
@@ -142,18 +143,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, residual, positions, rope, meta):
-        """The residual stream, vLLM style: this layer's input is residual + x, a sum left to the norm
-        that needs it (residual += x in place, then the norm, one kernel on CUDA; HF's `x + sublayer(x)`,
-        bit for bit). Returns (MLP output, residual) likewise unsummed. The first layer gets residual
-        None and x the embedding."""
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, rope, meta)
-        x = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+    def tail(self, o: torch.Tensor, residual: torch.Tensor, after: DecoderLayer | None,
+             qkv_out: torch.Tensor | None = None) -> torch.Tensor:
+        """The rest of this layer after attention: o_proj, the MLP and the norms, then the next layer's input norm and
+        qkv projection (into qkv_out if given); after the last layer (after None) the hidden states. The residual
+        stream, vLLM style: a layer's input is residual + x, a sum left to the norm that needs it (residual += x in
+        place, then the norm, one kernel on CUDA; HF's `x + sublayer(x)`, bit for bit)."""
+        x = self.post_attention_layernorm(self.self_attn.o_proj(o), residual)
+        x = self.mlp(x)
+        if after is None:
+            return residual.add_(x)  # the last layer's MLP output joins the stream
+        return after.self_attn.qkv_proj(after.input_layernorm(x, residual), out=qkv_out)
 
 
 class LlamaModel(nn.Module):
@@ -205,10 +205,32 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] -> hidden states [T, hidden] before the final norm; the caller
         picks the rows it samples from and hands only those to compute_logits()."""
         self.backend.begin(meta)
-        x, residual = self.model.embed_tokens(input_ids), None
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, positions, self.rope, meta)
-        return residual.add_(x)  # the last layer's MLP output joins the stream
+        x, residual = self.head(input_ids)
+        for i in range(len(self.model.layers)):
+            x = self.tail(i, self.attend(i, x, positions, meta), residual)
+        return x
+
+    # forward() in pieces: the parts between two attentions are what workers/cuda_graphs.py's PiecewiseGraphs
+    # captures; the out arguments keep what crosses an attention in static buffers.
+    def head(self, input_ids: torch.Tensor, residual_out: torch.Tensor | None = None,
+             qkv_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The embedding (the residual stream), layer 0's input norm and qkv projection -> (qkv, residual)."""
+        weight = self.model.embed_tokens.weight
+        residual = (F.embedding(input_ids, weight) if residual_out is None
+                    else torch.index_select(weight, 0, input_ids, out=residual_out))
+        first = self.model.layers[0]
+        return first.self_attn.qkv_proj(first.input_layernorm(residual), out=qkv_out), residual
+
+    def attend(self, i: int, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer i's attention: its qkv projection [T, q+k+v] -> [T, Hq * D] (written to out [T, Hq, D] if given)."""
+        return self.model.layers[i].self_attn.attend(qkv, positions, self.rope, meta, out)
+
+    def tail(self, i: int, o: torch.Tensor, residual: torch.Tensor, qkv_out: torch.Tensor | None = None
+             ) -> torch.Tensor:
+        """Layer i after its attention, to layer i+1's qkv projection (the last layer: to the hidden states)."""
+        layers = self.model.layers
+        return layers[i].tail(o, residual, layers[i + 1] if i + 1 < len(layers) else None, qkv_out)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on the selected rows (the norm is per row, so this is exact)."""
