@@ -44,7 +44,8 @@ def a_file(tmp_path):
     (["--batches", "-1"], "argument --batches"),
     (["--hf-batches", "1,0"], "argument --hf-batches"),
     (["--breakdown-batches", "inf"], "argument --breakdown-batches"),
-    (["--parts", "bogus"], "argument --parts: unknown part 'bogus'; choose from roofline, engine, hf, breakdown"),
+    (["--parts", "bogus"],
+     "argument --parts: unknown part 'bogus'; choose from roofline, engine, mixed, hf, breakdown"),
     (["--parts", "engine,"], "argument --parts: unknown part ''"),
     (["--kv-cache-dtype", "fp8"], "argument --kv-cache-dtype: unknown KV cache dtype 'fp8'; choose from auto, int8"),
     (["--kv-cache-dtype", "int8,int8"], "argument --kv-cache-dtype: 'int8,int8': give each KV cache dtype once"),
@@ -102,6 +103,23 @@ def test_bench_long_context_gives_each_batch_one_long_request(tmp_path):
                 "--long-context", "100", "--steps", "1", "--out", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert (row["batch"], row["context"], row["extra"]["long_context"]) == (3, 8, 100)
+
+
+def test_bench_mixed_part_times_steps_with_a_prompt_chunk(tmp_path):
+    out = tmp_path / "bench.json"
+    assert cli(["bench", "--model", "tiny", "--parts", "mixed", "--batches", "2", "--contexts", "8",
+                "--chunks", "16,40", "--steps", "2", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["part"], r["batch"], r["extra"]["chunk"]) for r in rows] == [("mixed", 2, 16), ("mixed", 2, 40)]
+    assert all(r["ms_per_step"] > 0 and r["extra"]["launch_ms"] > 0 for r in rows)
+
+
+@NO_GPU
+def test_bench_piecewise_graph_variants_need_a_gpu(capsys):
+    line = _error(capsys, ["bench", "--parts", "mixed", "--piecewise-graph-tokens", "0,2048"])
+    assert line.startswith("laneserve bench: error: argument --piecewise-graph-tokens: a list compares"), line
+    line = _error(capsys, ["bench", "--parts", "mixed", "--piecewise-graph-tokens", "-1"])
+    assert line == "laneserve bench: error: argument --piecewise-graph-tokens: '-1': must be at least 0", line
 
 
 def test_bench_a_batch_the_kv_pool_cannot_hold_is_named(capsys):

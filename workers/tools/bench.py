@@ -45,7 +45,7 @@ MISTRAL_7B = {
 
 BREAKDOWN_PREFILL = 2048  # prefill chunk the breakdown profiles (the default --max-num-batched-tokens)
 BREAKDOWN_CHUNKS = 4  # its longest prefill: 4 chunks of BREAKDOWN_PREFILL tokens in one sequence
-PARTS = ("roofline", "engine", "hf", "breakdown")
+PARTS = ("roofline", "engine", "mixed", "hf", "breakdown")
 # EngineDriver gives each request KV blocks for 64 pages (1,024 tokens) past its prompt; the engine part decodes
 # 2 x --steps + 6 tokens (warm-up, timed and, when the runner overlaps steps, not-overlapped steps)
 MAX_STEPS = 500
@@ -95,6 +95,14 @@ def counts(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of whole numbers, e.g. 1,8,32") from None
     if min(values) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: every value must be at least 1")
+    return values
+
+
+def token_counts(text: str) -> list[int]:
+    """A comma list of whole numbers >= 0, no repeats."""
+    values = [whole(0)(t) for t in text.split(",")]
+    if len(set(values)) < len(values):
+        raise argparse.ArgumentTypeError(f"{text!r}: a value repeats")
     return values
 
 
@@ -204,6 +212,26 @@ def bench_engine(runner, batches: list[int], context: int, steps: int, vocab: in
     return rows
 
 
+def bench_mixed(runner, batches: list[int], context: int, chunks: list[int], steps: int, vocab: int) -> list[Row]:
+    """Steps with a prompt chunk (eager, or piecewise CUDA graphs): `batch` decodes beside a new prompt's chunk of
+    each size, nothing in flight before them; the median host launch time and device time (from the GPU's start on
+    the step: a launch slower than the GPU shows there) of `steps` such steps after 3 warm-ups."""
+    rows = []
+    for batch in batches:
+        drv = EngineDriver(runner, context)
+        drv.prefill(batch, vocab, 8192)
+        for chunk in chunks:
+            outs = [drv.mixed_step(chunk, vocab) for _ in range(steps + 3)][3:]
+            launch = statistics.median(o.launch_time for o in outs) * 1e3
+            ms = statistics.median(o.execute_time for o in outs) * 1e3
+            rows.append(Row("mixed", batch, context, ms, (batch + chunk) / ms * 1e3, note=f"chunk {chunk}",
+                            extra={"chunk": chunk, "launch_ms": launch}))
+            print(f"  mixed   batch {batch:4d} + chunk {chunk:5d}  {ms:8.2f} ms/step (device)  launch {launch:6.2f} ms",
+                  flush=True)
+        drv.finish()
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------- HF baseline
 def bench_hf(model_dir: str, batches: list[int], prompt_len: int, new_tokens: int, device: str, dtype) -> list[Row]:
     import transformers
@@ -260,23 +288,32 @@ def print_table(rows: list[Row], roofline: dict) -> None:
     print(f"{'part':8} {'batch':>6} {'context':>8} {'ms/step':>9} {'tok/s':>10} {'vs HF':>7} {'vs roofline':>12}")
     for r in rows:
         vs_hf = f"{r.tok_per_s / hf[r.batch].tok_per_s:6.1f}x" if r.part != "hf" and r.batch in hf else ""
-        vs_roof = (f"{roofline['roofline_ms'] / r.ms_per_step * 100:10.0f}%" if roofline and r.batch == 1 else "")
+        vs_roof = (f"{roofline['roofline_ms'] / r.ms_per_step * 100:10.0f}%"
+                   if roofline and r.batch == 1 and r.part == "engine" else "")
         print(f"{r.part:8} {r.batch:6d} {r.context:8d} {r.ms_per_step:9.2f} {r.tok_per_s:10.0f} {vs_hf:>7} "
               f"{vs_roof:>12}"
-              + (f"  {r.note}" if r.part == "engine" and r.note else ""))
+              + (f"  {r.note}" if r.part in ("engine", "mixed") and r.note else ""))
 
 
 def variant_ratios(rows: list[Row], labels: list[str]) -> list[str]:
-    """Engine tok/s of each later variant (KV dtype, decode attention) against the first, per (batch, context):
-    issue 8's int8 comparison and issue 25's persistent one."""
-    engine = {(r.extra.get("variant"), r.batch, r.context): r for r in rows if r.part == "engine"}
+    """Engine tok/s and mixed-step speed of each later variant (KV dtype, decode attention, piecewise graphs)
+    against the first, per (batch, context, chunk): issue 8's int8 comparison, issue 25's persistent one."""
+    keyed = {(r.part, r.extra.get("variant"), r.batch, r.context, r.extra.get("chunk")): r for r in rows
+             if r.part in ("engine", "mixed")}
     out = []
     for label in labels[1:]:
-        for (v, batch, context), r in engine.items():
-            base = engine.get((labels[0], batch, context))
-            if v == label and base is not None:
+        for (part, v, batch, context, chunk), r in keyed.items():
+            base = keyed.get((part, labels[0], batch, context, chunk))
+            if v != label or base is None:
+                continue
+            if part == "engine":
                 out.append(f"{v} vs {labels[0]}: batch {batch}, context {context}: "
                            f"{r.tok_per_s:.0f} / {base.tok_per_s:.0f} tok/s = {r.tok_per_s / base.tok_per_s:.2f}x")
+            else:
+                speed = base.ms_per_step / r.ms_per_step
+                out.append(f"{v} vs {labels[0]}: mixed step, batch {batch} + chunk {chunk}: device "
+                           f"{r.ms_per_step:.2f} / {base.ms_per_step:.2f} ms = {speed:.2f}x, "
+                           f"launch {r.extra['launch_ms']:.2f} / {base.extra['launch_ms']:.2f} ms")
     return out
 
 
@@ -340,8 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="",
                     help="checkpoint dir; default: a Mistral-7B-shaped dummy on GPU, tiny on CPU")
     ap.add_argument("--parts", type=names(PARTS, "part"), default="roofline,engine,hf",
-                    help="comma list of roofline,engine,hf,breakdown (roofline and breakdown need a GPU, hf a "
-                         "checkpoint: on CPU without --model only engine runs)")
+                    help="comma list of roofline,engine,mixed,hf,breakdown (mixed: steps with a prompt chunk; "
+                         "roofline and breakdown need a GPU, hf a checkpoint: on CPU without --model only engine and "
+                         "mixed run)")
     ap.add_argument("--batches", type=counts, default="1,8,32,64,128,256", help="engine concurrencies, comma list")
     ap.add_argument("--hf-batches", type=counts, default="1,32,64", help="hf concurrencies, comma list")
     ap.add_argument("--breakdown-batches", type=counts, default="1,32,128", help="breakdown concurrencies, comma list")
@@ -360,6 +398,12 @@ def main(argv: list[str] | None = None) -> int:
                     default="partitioned", help="partitioned | persistent | auto, or a comma list: the Triton decode "
                     "kernel (a GPU's; --decode-attention of laneserve serve); with a list, or with several KV dtypes, "
                     "the engine part runs once per combination and prints each batch's tok/s ratio against the first")
+    ap.add_argument("--chunks", type=counts, default="256,1024,2048",
+                    help="mixed part: prompt-chunk sizes, each beside every --batches' decodes, comma list")
+    ap.add_argument("--piecewise-graph-tokens", type=token_counts, default="2048",
+                    help="laneserve serve's --piecewise-graph-tokens (CUDA graphs for steps with a prompt chunk; 0: "
+                         "eager), or a comma list (0,2048): the engine and mixed parts run once per value and print "
+                         "the ratios against the first")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--out", default="", help="write JSON here")
     args = ap.parse_args(argv)
@@ -367,6 +411,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"argument --out: {problem}")
 
     gpu = torch.cuda.is_available()
+    if len(args.piecewise_graph_tokens) > 1 and not gpu:
+        ap.error("argument --piecewise-graph-tokens: a list compares CUDA graphs with eager steps; this machine has "
+                 "no GPU")
     if (triton_only := [d for d in args.decode_attention if d != "partitioned"]) and not gpu:
         ap.error(f"argument --decode-attention: {triton_only[0]} picks among the GPU attention backend's Triton "
                  "kernels; this machine has no GPU")
@@ -391,17 +438,20 @@ def main(argv: list[str] | None = None) -> int:
     batches, contexts = args.batches, args.contexts
     result: dict = {"argv": sys.argv, "date": time.strftime("%Y-%m-%d"), "device": (
         torch.cuda.get_device_name() if gpu else "cpu"), "torch": torch.__version__}
-    variants = {(f"KV {kv}" + (f", {da} decode" if len(args.decode_attention) > 1 else "")): (kv, da)
-                for kv in args.kv_cache_dtype for da in args.decode_attention}  # name -> (KV dtype, decode kernel)
-    labels = list(variants)
-    for name in labels if parts & {"engine", "breakdown"} else labels[:1]:
-        kv_dtype, decode_attention = variants[name]
-        if not parts & {"engine", "roofline", "breakdown"}:
+    pieces = args.piecewise_graph_tokens
+    variants = {(f"KV {kv}" + (f", {da} decode" if len(args.decode_attention) > 1 else "")
+                 + (f", pieces {pw}" if len(pieces) > 1 else "")): (kv, da, pw)
+                for kv in args.kv_cache_dtype for da in args.decode_attention for pw in pieces}
+    labels = list(variants)  # name -> (KV dtype, decode kernel, piecewise graph tokens)
+    for name in labels if parts & {"engine", "mixed", "breakdown"} else labels[:1]:
+        kv_dtype, decode_attention, piecewise = variants[name]
+        if not parts & {"engine", "mixed", "roofline", "breakdown"}:
             break
         cfg = WorkerConfig(model=model, load_format="dummy" if model != "tiny" else "auto",
                            dtype="bfloat16" if gpu else "float32", max_num_seqs=max(batches),
                            max_model_len=max_model_len, max_num_batched_tokens=8192, kv_cache_dtype=kv_dtype,
-                           decode_attention=decode_attention, enforce_eager=args.enforce_eager)
+                           decode_attention=decode_attention, enforce_eager=args.enforce_eager,
+                           piecewise_graph_tokens=piecewise)
         t0 = time.perf_counter()
         runner = ModelRunner(cfg)
         check_kv_pool(ap, args, parts, runner)
@@ -428,6 +478,14 @@ def main(argv: list[str] | None = None) -> int:
                     r.extra["long_context"] = args.long_context
                     r.note = f"{r.note}, first at {args.long_context}".lstrip(", ")
                 r.note = name if len(variants) > 1 else r.note
+            rows += got
+        if "mixed" in parts:
+            print(f"mixed: {name}", flush=True)
+            vocab = min(runner.model_config.vocab_size, 32000)
+            got = bench_mixed(runner, batches, contexts[0], args.chunks, args.steps, vocab)
+            for r in got:
+                r.extra["variant"] = name
+                r.note = f"{r.note}, {name}" if len(variants) > 1 else r.note
             rows += got
         if "breakdown" in parts and gpu:
             print(f"breakdown: {name}", flush=True)

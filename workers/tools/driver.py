@@ -87,6 +87,27 @@ class EngineDriver:
         self.step += 1
         return time.perf_counter() - t0
 
+    def mixed_step(self, chunk: int, vocab: int) -> P.StepOutput:
+        """Every request's decode beside a new prompt's first chunk of `chunk` tokens (its prompt is one longer:
+        it samples nothing), with no step in flight before it, run to its end -> its output (launch_time: the
+        host's time to build and launch it; execute_time: from the GPU's start on it to its end). The prompt is
+        finished after."""
+        rid = f"m{self.step}"
+        prompt = torch.randint(3, vocab, (chunk + 1,), generator=self.gen).tolist()
+        params = P.SamplingParams(max_tokens=1, temperature=0.0)
+        new = P.NewReq(request_id=rid, prompt_token_ids=prompt, params=params,
+                       block_ids=self._blocks(chunk // self.page + 2))
+        for r in self.reqs.values():
+            r["len"] += 1
+        self.runner.submit(P.StepInput(step=self.step, new_reqs=[new],
+                                       num_scheduled_tokens={**dict.fromkeys(self.reqs, 1), rid: chunk}))
+        self.runner.flush()
+        outs = self.runner.take_outputs()
+        self.check(outs)
+        self.step += 1
+        self._run(P.StepInput(step=self.step, finished_req_ids=[rid]))
+        return outs[-1]
+
     @staticmethod
     def check(outputs: list[P.StepOutput]) -> None:
         for out in outputs:
