@@ -462,6 +462,12 @@ def main(argv: list[str] | None = None) -> int:
                 "sizes": runner.graphs.sizes}
             print(f"decode graphs: {len(runner.graphs.sizes)} sizes captured in {runner.graphs.capture_seconds:.1f}s, "
                   f"{runner.graphs.capture_bytes / 2**20:.0f} MiB", flush=True)
+        if runner.pieces is not None:
+            pw = runner.pieces
+            result.setdefault("piecewise_capture", {})[name] = {
+                "seconds": pw.capture_seconds, "mib": pw.capture_bytes / 2**20, "sizes": pw.sizes}
+            print(f"piecewise graphs: {len(pw.sizes)} token counts up to {pw.sizes[-1]} captured in "
+                  f"{pw.capture_seconds:.1f}s, {pw.capture_bytes / 2**20:.0f} MiB", flush=True)
         weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
         if "roofline" in parts and gpu and not roofline:
             bw = measure_copy_bandwidth()
