@@ -225,7 +225,7 @@ def test_piecewise_graphs_give_the_eager_tokens():
     r = tiny(overlap_steps="on", max_num_batched_tokens=64)
     if r.pieces is None:
         r.pieces = PiecewiseGraphs(r.model, 64, r.device)
-    assert r.pieces.sizes == [16, 32, 48, 64]
+    assert r.pieces.sizes == [16, 32, 48, 64]  # every 16 up to 256
     pieces, _, _ = _submit_all(r, _mixed_behind)
     # steps 0 and 2-5 (34, 19, 29, 6 + ..., 6 tokens); on a CPU the decode-only steps too (no decode graphs)
     assert r.pieces.steps == (5 if r.graphs is not None else 8)

@@ -9,9 +9,10 @@ Built with HF's parameter names, so a checkpoint's tensors load by name; then th
 fuse_projections(), which merges q/k/v into one `qkv_proj` and gate/up into one `gate_up_proj`
 (one GEMM each; the parts' rows concatenated, `MergedLinear`), freeing the parts. The small ops
 go through workers/kernels/fused.py: on CUDA one Triton kernel each for residual add + RMSNorm
-(the residual stream is carried beside the hidden state, vLLM style: layer(x, residual) ->
-(x, residual)), RoPE in place on q/k (views into the qkv output) and SiLU * up; elsewhere the
-same torch math as HF, op for op.
+(the residual stream is carried beside the hidden state, vLLM style, summed by the next norm),
+RoPE in place on q/k (views into the qkv output) and SiLU * up; elsewhere the same torch math
+as HF, op for op. forward() runs in pieces, head(), then attend(i) and tail(i) per layer, so
+that workers/cuda_graphs.py can capture the pieces between attentions as CUDA graphs.
 
 Tensor parallelism (tp_size > 1, docs/tensor_parallel.md), Megatron-style, with the parallel linear
 layers of workers/model/layers.py: q/k/v and gate/up are column-parallel (each rank holds
