@@ -81,10 +81,10 @@ def test_bench_parts_a_cpu_cannot_run_are_an_error_not_an_empty_table(capsys, pa
 
 @NO_GPU
 def test_bench_persistent_decode_attention_needs_a_gpu(capsys):
-    line = _error(capsys, ["bench", "--parts", "engine", "--decode-attention", "partitioned,persistent"])
+    line = _error(capsys, ["bench", "--parts", "engine", "--decode-attention", "partitioned,auto"])
+    assert line.startswith("laneserve bench: error: argument --decode-attention: partitioned,auto picks among"), line
+    line = _error(capsys, ["bench", "--parts", "engine", "--decode-attention", "persistent"])
     assert line.startswith("laneserve bench: error: argument --decode-attention: persistent picks among"), line
-    line = _error(capsys, ["bench", "--parts", "engine", "--decode-attention", "auto"])
-    assert line.startswith("laneserve bench: error: argument --decode-attention: auto picks among"), line
 
 
 def test_bench_notes_the_parts_it_skips_and_runs_the_rest(capsys, tmp_path):

@@ -38,6 +38,8 @@ def test_triton_backend_matches_hf_greedy_in_a_chunked_batch(arch, decode, fused
 
 
 def test_persistent_decode_attention_needs_the_triton_backend():
+    """auto, the default, picks among the Triton backend's kernels: with the torch backend (a CPU's) there are none."""
+    assert ModelRunner(WorkerConfig(model="tiny", device="cpu", decode_attention="auto")).backend.name == "torch"
     with pytest.raises(ValueError, match="needs --attention-backend triton"):
         ModelRunner(WorkerConfig(model="tiny", device="cpu", attention_backend="torch", decode_attention="persistent"))
     with pytest.raises(ValueError, match="choose partitioned, persistent or auto"):

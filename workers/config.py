@@ -36,12 +36,13 @@ class WorkerConfig:
     attention_backend: str = field(default="auto", metadata=flag(
         "auto (triton on CUDA, torch elsewhere) | torch (reference: gather + SDPA) | triton (paged decode/prefill "
         "kernels)"))
-    decode_attention: str = field(default="partitioned", metadata=flag(
-        "the Triton decode-attention kernel: partitioned (a grid of sequence x KV head x partition, the partition "
-        "count per step from the batch size) | persistent (a fixed grid taking chunks of one length from a work "
-        "plan built on the device: long and short contexts in one batch are balanced) | auto (persistent for a "
-        "batch whose longest context is >= 4x its mean and >= 4096 tokens, partitioned otherwise; the decode CUDA "
-        "graphs are captured with both; docs/perf.md)"))
+    decode_attention: str = field(default="auto", metadata=flag(
+        "the Triton decode-attention kernel: auto (persistent for a batch whose longest context is >= 4x its mean "
+        "and >= 4096 tokens, partitioned otherwise; the decode CUDA graphs are captured with both; docs/perf.md) | "
+        "partitioned (a grid of sequence x KV head x partition, the partition count per step from the batch size) | "
+        "persistent (a fixed grid taking chunks of one length from a work plan built on the device: long and short "
+        "contexts in one batch are balanced; needs the Triton backend). The torch backend (the CPU default) has "
+        "neither: auto and partitioned mean its own"))
     enforce_eager: bool = field(default=False, metadata=flag(
         "CUDA: run every step eagerly instead of CUDA graphs (decode graphs and piecewise graphs)"))
     piecewise_graph_tokens: int = field(default=2048, metadata=flag(

@@ -11,7 +11,7 @@ BACKENDS = ("torch", "triton")
 DECODE_KERNELS = ("partitioned", "persistent", "auto")  # the Triton backend's (--decode-attention)
 
 
-def get_backend(name: str, device: torch.device, num_kv_heads: int, decode: str = "partitioned",
+def get_backend(name: str, device: torch.device, num_kv_heads: int, decode: str = "auto",
                 max_batch: int = 256) -> AttentionBackend:
     """`auto`: Triton (paged decode kernel, CUDA-graph safe) on CUDA, the torch reference elsewhere.
     `triton` on CPU runs the same kernels under Triton's interpreter (tests only: slow). decode: the Triton
@@ -22,7 +22,7 @@ def get_backend(name: str, device: torch.device, num_kv_heads: int, decode: str 
         raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(BACKENDS)} or auto")
     if decode not in DECODE_KERNELS:
         raise ValueError(f"--decode-attention {decode!r}: choose partitioned, persistent or auto")
-    if name == "torch" and decode != "partitioned":
+    if name == "torch" and decode == "persistent":  # (auto, the default, picks among Triton kernels: none here)
         raise ValueError(f"--decode-attention {decode} is a Triton kernel: it needs --attention-backend triton (the "
                          "default on CUDA)")
     if name == "torch":

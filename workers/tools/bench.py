@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="auto | int8, or a comma list (auto,int8): the engine part runs once per KV dtype, same "
                          "shapes, and prints each batch's tok/s ratio against the first")
     ap.add_argument("--decode-attention", type=names(DECODE_KERNELS, "decode attention", repeat=False),
-                    default="partitioned", help="partitioned | persistent | auto, or a comma list: the Triton decode "
+                    default="auto", help="auto | partitioned | persistent, or a comma list: the Triton decode "
                     "kernel (a GPU's; --decode-attention of laneserve serve); with a list, or with several KV dtypes, "
                     "the engine part runs once per combination and prints each batch's tok/s ratio against the first")
     ap.add_argument("--chunks", type=counts, default="256,1024,2048",
@@ -414,9 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(args.piecewise_graph_tokens) > 1 and not gpu:
         ap.error("argument --piecewise-graph-tokens: a list compares CUDA graphs with eager steps; this machine has "
                  "no GPU")
-    if (triton_only := [d for d in args.decode_attention if d != "partitioned"]) and not gpu:
-        ap.error(f"argument --decode-attention: {triton_only[0]} picks among the GPU attention backend's Triton "
-                 "kernels; this machine has no GPU")
+    if (len(args.decode_attention) > 1 or "persistent" in args.decode_attention) and not gpu:
+        ap.error(f"argument --decode-attention: {','.join(args.decode_attention)} picks among the GPU attention "
+                 "backend's Triton kernels; this machine has no GPU")
     tiny = args.model == "tiny" or (not args.model and not gpu)
     why = skipped_parts(gpu, tiny)
     if all(p in why for p in args.parts):
