@@ -224,10 +224,12 @@ def bench_mixed(runner, batches: list[int], context: int, chunks: list[int], ste
             outs = [drv.mixed_step(chunk, vocab) for _ in range(steps + 3)][3:]
             launch = statistics.median(o.launch_time for o in outs) * 1e3
             ms = statistics.median(o.execute_time for o in outs) * 1e3
-            rows.append(Row("mixed", batch, context, ms, (batch + chunk) / ms * 1e3, note=f"chunk {chunk}",
-                            extra={"chunk": chunk, "launch_ms": launch}))
-            print(f"  mixed   batch {batch:4d} + chunk {chunk:5d}  {ms:8.2f} ms/step (device)  launch {launch:6.2f} ms",
-                  flush=True)
+            piecewise = runner.pieces is not None and runner.pieces.can_run(batch + chunk)
+            how = "piecewise graphs" if piecewise else "eager"
+            rows.append(Row("mixed", batch, context, ms, (batch + chunk) / ms * 1e3, note=f"chunk {chunk}, {how}",
+                            extra={"chunk": chunk, "launch_ms": launch, "piecewise": piecewise}))
+            print(f"  mixed   batch {batch:4d} + chunk {chunk:5d}  {ms:8.2f} ms/step (device)  launch {launch:6.2f} ms"
+                  f"  ({how})", flush=True)
         drv.finish()
     return rows
 
@@ -398,8 +400,9 @@ def main(argv: list[str] | None = None) -> int:
                     default="auto", help="auto | partitioned | persistent, or a comma list: the Triton decode "
                     "kernel (a GPU's; --decode-attention of laneserve serve); with a list, or with several KV dtypes, "
                     "the engine part runs once per combination and prints each batch's tok/s ratio against the first")
-    ap.add_argument("--chunks", type=counts, default="256,1024,2048",
-                    help="mixed part: prompt-chunk sizes, each beside every --batches' decodes, comma list")
+    ap.add_argument("--chunks", type=counts, default="256,1024,1920",
+                    help="mixed part: prompt-chunk sizes, each beside every --batches' decodes, comma list (a step of "
+                         "more than --piecewise-graph-tokens tokens runs eagerly: its row says so)")
     ap.add_argument("--piecewise-graph-tokens", type=token_counts, default="2048",
                     help="laneserve serve's --piecewise-graph-tokens (CUDA graphs for steps with a prompt chunk; 0: "
                          "eager), or a comma list (0,2048): the engine and mixed parts run once per value and print "
