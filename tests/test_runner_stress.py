@@ -4,9 +4,9 @@ Random requests (prompts of 1-120 tokens, some sharing prefixes; 0-40 tokens; gr
 prompt logprobs, min_tokens, stop tokens, a repetition penalty) through the real scheduler and the real runner on
 the tiny model (tests/test_lanes.py engine) in a random configuration: steps launched behind the one in flight
 (--overlap-steps on / decode / off), both lanes layouts, async scheduling, small prefill chunks, a tight pool
-(preemptions), prefix-cache hits, speculative decoding (ngram, the model as its own draft) and aborts of other
-requests. Every request's tokens, logprobs and prompt logprobs must be those of the reference run: no overlap,
-mixed lanes, one step at a time, no speculation, a large pool.
+(preemptions), prefix-cache hits, speculative decoding (ngram, the model as its own draft), piecewise graphs (even
+seeds) and aborts of other requests. Every request's tokens, logprobs and prompt logprobs must be those of the
+reference run: no overlap, mixed lanes, one step at a time, no speculation, a large pool.
 """
 
 from __future__ import annotations
@@ -21,18 +21,23 @@ from tests.helpers_models import DEVICE, random_prompt
 from tests.test_lanes import engine
 from tests.test_speculative import CHEAP_VERIFY
 from workers.config import WorkerConfig
+from workers.cuda_graphs import PiecewiseGraphs
 from workers.runner import ModelRunner
 
-_RUNNERS: dict[tuple[str, bool], ModelRunner] = {}
+_RUNNERS: dict[tuple[str, bool, bool], ModelRunner] = {}
 
 
-def runner(overlap: str, draft: bool = False) -> ModelRunner:
-    """The tiny model with --overlap-steps `overlap` (and itself as its draft model), built once."""
-    if (overlap, draft) not in _RUNNERS:
+def runner(overlap: str, draft: bool = False, pieces: bool = False) -> ModelRunner:
+    """The tiny model with --overlap-steps `overlap` (and itself as its draft model), built once. pieces: steps with
+    a prompt chunk of up to 48 tokens through PiecewiseGraphs (captured on a GPU; on a CPU the same pieces, eager)."""
+    if (overlap, draft, pieces) not in _RUNNERS:
         cfg = WorkerConfig(device=DEVICE, dtype="float32", kv_cache_memory="8MiB", max_model_len=512,
-                           overlap_steps=overlap, draft_model="tiny" if draft else "")
-        _RUNNERS[overlap, draft] = ModelRunner(cfg)
-    return _RUNNERS[overlap, draft]
+                           overlap_steps=overlap, draft_model="tiny" if draft else "",
+                           piecewise_graph_tokens=48 if pieces else 0)
+        r = _RUNNERS[overlap, draft, pieces] = ModelRunner(cfg)
+        if pieces and r.pieces is None:
+            r.pieces = PiecewiseGraphs(r.model, 48, r.device)
+    return _RUNNERS[overlap, draft, pieces]
 
 
 def random_jobs(rng: random.Random) -> dict[str, tuple[list[int], int, dict]]:
@@ -134,14 +139,17 @@ def stress(seed: int) -> dict:
     overlap, draft, config = random_config(rng)
     aborts = {rid: rng.randrange(1, 30) for rid in rng.sample(sorted(jobs), rng.choice([0, 0, 1, 2]))}
     deltas: list = []
-    _, s = engine(runner(overlap, draft), jobs=jobs, rng=rng, cost=CHEAP_VERIFY, aborts=aborts, deltas=deltas,
-                  **config)
+    pieces = seed % 2 == 0  # (not drawn from rng: the seeds keep the configurations they were chosen for)
+    r = runner(overlap, draft, pieces)
+    steps = r.pieces.steps if pieces else 0
+    _, s = engine(r, jobs=jobs, rng=rng, cost=CHEAP_VERIFY, aborts=aborts, deltas=deltas, **config)
+    assert not pieces or r.pieces.steps > steps
     got = results(deltas)
     assert got.keys() == want.keys() == jobs.keys()
     for rid in jobs:
         check(rid, got[rid], want[rid], jobs[rid][2])
     st = s.stats()
-    return dict(overlap=overlap, draft=draft, **config, aborts=len(aborts), preemptions=s.preemptions,
+    return dict(overlap=overlap, draft=draft, pieces=pieces, **config, aborts=len(aborts), preemptions=s.preemptions,
                 spec_accepted=st.spec_accepted, prefix_hits=st.prefix_hits,
                 stops=sum(r[1][0] == FinishReason.STOP for r in want.values()))
 
