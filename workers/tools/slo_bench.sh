@@ -11,7 +11,8 @@
 #     "slo:--slo-ttft-ms 120 --slo-tpot-ms 30 --max-num-batched-tokens 8192" \
 #     "lead:--slo-ttft-ms 120 --slo-tpot-ms 30 --max-num-batched-tokens 8192 --schedule-lead-ms 3"
 # Each argument is NAME:SERVE_ARGS. LOAD_ARGS overrides the replay's shape; PROMPT_MODE is ids or text; MODEL_ARGS
-# the model (a dry run on a CPU: MODEL_ARGS="--model tiny").
+# the model (a dry run on a CPU: MODEL_ARGS="--model tiny"). At the end every file is packed into OUT/slo_bench.tgz
+# (a device call returns a few files only: two servers' five files each were too many, and the traces were lost).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 source "$(dirname "$0")/device_env.sh"
@@ -37,3 +38,4 @@ for spec in "$@"; do
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], 'fitted', {k: d.get(k) for k in 'abcdegh'})" \
     "$OUT/cost_$name.json" "$name"
 done
+(cd "$OUT" && files=$(ls | grep -v '^slo_bench.tgz$') && tar czf slo_bench.tgz $files && rm -f $files)
