@@ -3,7 +3,8 @@
 #   kernel checks on the GPU, `laneserve bench` (roofline, engine decode, HF generate),
 #   and a bursty RAG replay through the full stack with `laneserve loadtest`.
 # Usage (repo root, on the GPU machine): OUT=dir bash workers/tools/gpu_bench.sh [bench args...]
-# Optional: PERSISTENT=1 (issue 25: persistent decode, fused RoPE + K/V write, small-batch GEMV), DRAFT=1 (issue 22's draft-model step costs); SKIP_*=1 skip.
+# Optional: PERSISTENT=1 (issue 25: persistent decode, fused RoPE + K/V write, small-batch GEMV), DRAFT=1 (issue 22's
+# draft-model step costs), MIXED=1 (steps with a prompt chunk, piecewise CUDA graphs against eager); SKIP_*=1 skip.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 source "$(dirname "$0")/device_env.sh"
@@ -12,9 +13,10 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 
 if [ "${SKIP_KERNELS:-0}" != 1 ]; then
   python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 | tail -5 | tee "$OUT/kernels.txt"
-  # the worker paths on the device (fp32): Triton backend (both decode kernels) and the draft model's graph passes
+  # the worker paths on the device (fp32): Triton backend (both decode kernels), the draft model's graph passes, the
+  # runner's (piecewise graphs against eager among them)
   WORKER_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_triton_backend.py \
-    tests/test_draft_model.py -k "not stack" 2>&1 | tail -5 | tee -a "$OUT/kernels.txt"
+    tests/test_draft_model.py tests/test_runner.py -k "not stack" 2>&1 | tail -5 | tee -a "$OUT/kernels.txt"
 fi
 if [ "${PERSISTENT:-0}" = 1 ]; then  # issue 25: persistent against partitioned decode attention
   python3 -m workers.tools.kernel_bench --persistent --rope-kv --gemv --out "$OUT/persistent.json" 2>&1 \
@@ -27,6 +29,10 @@ if [ "${PERSISTENT:-0}" = 1 ]; then  # issue 25: persistent against partitioned 
     python3 -m laneserve.cli bench --parts engine --batches "$batch" --contexts "$short" --long-context "$long" \
       --decode-attention partitioned,auto 2>&1 | tail -3 | tee -a "$OUT/persistent.txt"
   done
+fi
+if [ "${MIXED:-0}" = 1 ]; then  # issue 19's worker lever: the host launch and device time of steps with a prompt chunk
+  python3 -m laneserve.cli bench --parts mixed --batches 1,64 --contexts 1024 --chunks 256,1024,1920 --steps 10 \
+    --piecewise-graph-tokens 0,2048 --out "$OUT/mixed.json" 2>&1 | tail -16 | tee "$OUT/mixed.txt"
 fi
 if [ "${DRAFT:-0}" = 1 ]; then  # issue 22: draft-and-verify steps with a ~0.33B draft shape
   python3 -m workers.tools.spec_bench --draft-model dummy --batches 1,8,32 --alpha-batches 0 \
