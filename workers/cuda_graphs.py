@@ -228,8 +228,8 @@ class PiecewiseGraphs:
         model, tokens = self.model, token_ids.shape[0]
         size = next(s for s in self.sizes if s >= tokens)
         self.input_ids[:tokens].copy_(token_ids)
-        pieces = self.graphs[size] if size in self.graphs else None
-        calls = [g.replay for g in pieces] if pieces is not None else self._pieces(size)
+        graphs = self.graphs.get(size)
+        calls = [g.replay for g in graphs] if graphs else self._pieces(size)
         self.steps += 1
         model.backend.begin(meta)
         calls[0]()

@@ -71,6 +71,16 @@ def _load_kv(k_ptr, v_ptr, bt_row_ptr, n0, end, kvh, s_kb, s_kt, s_kh, s_vb, s_v
 
 
 @triton.jit
+def _dot(a, b):
+    """tl.dot, in IEEE fp32 for fp32 operands (an fp32 model: Triton's default for fp32 is TF32 on the GPU)."""
+    if a.dtype == tl.float32:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
 def _decode_tile(q, q_scale, m_i, l_i, acc, n0, lo, end, k_ptr, v_ptr, bt_row_ptr, kvh, s_kb, s_kt, s_kh, s_vb,
                  s_vh, s_vd, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
                  INT8_QK: tl.constexpr, INT8_PV: tl.constexpr, MASK: tl.constexpr, WINDOW: tl.constexpr,
@@ -83,10 +93,8 @@ def _decode_tile(q, q_scale, m_i, l_i, acc, n0, lo, end, k_ptr, v_ptr, bt_row_pt
                     QUANT)
     if INT8_QK:
         s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
-    elif q.dtype == tl.float32:  # an fp32 model: IEEE dots (Triton's default for fp32 is TF32 on the GPU)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
     else:
-        s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        s = _dot(q, tl.trans(k.to(q.dtype)))
     if MASK:
         offs_n = n0 + tl.arange(0, BLOCK_N)
         ok = offs_n < end
@@ -106,10 +114,8 @@ def _decode_tile(q, q_scale, m_i, l_i, acc, n0, lo, end, k_ptr, v_ptr, bt_row_pt
         p_lo = (u - t * 254).to(tl.int8)
         pv = tl.dot(p_hi, v, out_dtype=tl.int32) * 254 + tl.dot(p_lo, v, out_dtype=tl.int32)
         acc = acc * alpha[:, None] + pv.to(tl.float32)
-    elif DT == tl.float32:
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(DT), input_precision="ieee")
     else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(DT), v.to(DT))
+        acc = acc * alpha[:, None] + _dot(p.to(DT), v.to(DT))
     return m_new, l_i, acc
 
 
@@ -455,10 +461,7 @@ def _prefill_tile(q, m_i, l_i, acc, n0, hi, q_pos, qk_scale, k_ptr, v_ptr, bt_ro
     mask_n = offs_n < hi
     k, v = _load_kv(k_ptr, v_ptr, bt_row_ptr, n0, hi, kvh, s_kb, s_kt, s_kh, s_vb, s_vh, s_vd, D, PAGE, BLOCK_N, QUANT)
     k, v = k.to(q.dtype), v.to(q.dtype)
-    if q.dtype == tl.float32:  # an fp32 model: IEEE dots (Triton's default for fp32 is TF32 on the GPU)
-        qk = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-    else:
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
+    qk = _dot(q, tl.trans(k)) * qk_scale
     if MASK:
         ok = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
         if WINDOW > 0:
@@ -470,10 +473,7 @@ def _prefill_tile(q, m_i, l_i, acc, n0, hi, q_pos, qk_scale, k_ptr, v_ptr, bt_ro
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if q.dtype == tl.float32:
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v)
     return m_new, l_i, acc
 
 

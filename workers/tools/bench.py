@@ -471,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
                 "seconds": pw.capture_seconds, "mib": pw.capture_bytes / 2**20, "sizes": pw.sizes}
             print(f"piecewise graphs: {len(pw.sizes)} token counts up to {pw.sizes[-1]} captured in "
                   f"{pw.capture_seconds:.1f}s, {pw.capture_bytes / 2**20:.0f} MiB", flush=True)
+        vocab = min(runner.model_config.vocab_size, 32000)
         weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
         if "roofline" in parts and gpu and not roofline:
             bw = measure_copy_bandwidth()
@@ -478,7 +479,6 @@ def main(argv: list[str] | None = None) -> int:
                         "roofline_ms": weight_bytes / bw * 1e3, "roofline_tok_s": bw / weight_bytes}
         if "engine" in parts:
             print(f"engine: {name} ({runner.num_blocks} blocks)", flush=True)
-            vocab = min(runner.model_config.vocab_size, 32000)
             got = [r for context in contexts for r in bench_engine(runner, batches, context, args.steps, vocab, 8192,
                                                                    args.long_context)]
             for r in got:
@@ -490,7 +490,6 @@ def main(argv: list[str] | None = None) -> int:
             rows += got
         if "mixed" in parts:
             print(f"mixed: {name}", flush=True)
-            vocab = min(runner.model_config.vocab_size, 32000)
             got = bench_mixed(runner, batches, contexts[0], args.chunks, args.steps, vocab)
             for r in got:
                 r.extra["variant"] = name
@@ -498,7 +497,6 @@ def main(argv: list[str] | None = None) -> int:
             rows += got
         if "breakdown" in parts and gpu:
             print(f"breakdown: {name}", flush=True)
-            vocab = min(runner.model_config.vocab_size, 32000)
             got = breakdown(runner, args.breakdown_batches, contexts[0], vocab, BREAKDOWN_PREFILL)
             result.setdefault("breakdown", {})[name] = got
         del runner
