@@ -293,16 +293,19 @@ class EagerGraphs:
         for i, t in enumerate(tables):
             table[i, :len(t)] = t
         lens = [int(x) for x in lens]
-        meta = AttentionMetadata(query_start_loc=torch.arange(n + 1, dtype=torch.int32),
-                                 seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=torch.from_numpy(table),
-                                 slot_mapping=torch.tensor(np.asarray(slots), dtype=torch.int64), num_decodes=n,
+        dev = next(self.model.parameters()).device  # (WORKER_TEST_DEVICE=cuda: the model's, like DecodeGraphs')
+        i32, i64 = torch.int32, torch.int64
+        meta = AttentionMetadata(query_start_loc=torch.arange(n + 1, dtype=i32, device=dev),
+                                 seq_lens=torch.tensor(lens, dtype=i32, device=dev),
+                                 block_tables=torch.from_numpy(table).to(dev),
+                                 slot_mapping=torch.tensor(np.asarray(slots), dtype=i64, device=dev), num_decodes=n,
                                  query_lens_cpu=[1] * n, seq_lens_cpu=lens)
         self.backend.prepare(meta, BS, self.window)
-        tokens = torch.tensor(np.asarray(ids), dtype=torch.int64)
+        tokens = torch.tensor(np.asarray(ids), dtype=i64, device=dev)
         if src is not None:
-            rows = torch.tensor(src)
+            rows = torch.tensor(src, device=dev)
             tokens = torch.where(rows >= 0, prev[rows.clamp(min=0)], tokens)
-        hidden = self.model(tokens, torch.tensor(np.asarray(pos), dtype=torch.int64), meta)
+        hidden = self.model(tokens, torch.tensor(np.asarray(pos), dtype=i64, device=dev), meta)
         return self.model.compute_logits(hidden)
 
 

@@ -73,3 +73,16 @@ def test_auto_decode_attention_takes_the_persistent_kernel_for_skewed_batches_on
     for i, p in enumerate(prompts):
         assert out[f"r{i}"] == hf_greedy(hf, p, N_NEW), f"request {i}"
     assert all(calls.values()), calls
+
+
+@pytest.mark.parametrize("decode", ["partitioned", "persistent", "auto"])
+def test_the_decode_graphs_replay_a_variant_they_captured(decode):
+    """workers/cuda_graphs.py captures one decode graph per (batch size, variant in graph_variants) and replays
+    the one graph_variant picks: with `persistent` alone that is the persistent one (it once asked for the
+    partitioned graph, never captured: a KeyError on the GPU)."""
+    from workers.attention.triton_backend import TritonAttentionBackend
+    from workers.cuda_graphs import graph_variant
+
+    backend = TritonAttentionBackend(8, 4, decode=decode)
+    picked = {graph_variant(backend.graph_variants, backend, lens) for lens in ([1024] * 32, [32768] + [512] * 63)}
+    assert picked == set(backend.graph_variants)  # auto: each batch its own kernel's graph

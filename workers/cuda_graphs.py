@@ -35,6 +35,12 @@ from workers.attention.base import AttentionMetadata
 log = logging.getLogger("laneserve.worker")
 
 
+def graph_variant(variants: tuple[bool, ...], backend, lens) -> bool:
+    """Which of the captured variants (persistent decode attention or not) a batch with these context lengths
+    replays: the only one, or the backend's choice when both were captured (`--decode-attention auto`)."""
+    return variants[0] if len(variants) == 1 else backend.decode_persistent(lens)
+
+
 def capture_sizes(max_num_seqs: int) -> list[int]:
     sizes = [1, 2, 4] + list(range(8, 64, 8)) + list(range(64, 128, 16)) + list(range(128, 1025, 32))
     out = [s for s in sizes if s < max_num_seqs]
@@ -154,8 +160,7 @@ class DecodeGraphs:
         self.block_tables[:n, :width].copy_(host_tables[:n, :width], non_blocking=True)
         self.copied[turn] = event = self.copied[turn] or torch.cuda.Event()
         event.record()
-        variant = len(self.variants) > 1 and self.backend.decode_persistent(seq_lens[:n])
-        self.last = bs, variant
+        self.last = bs, graph_variant(self.variants, self.backend, seq_lens[:n])
         self.graphs[self.last].replay()
         return self.logits[self.last][:n]
 
