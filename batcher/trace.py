@@ -7,11 +7,12 @@ on the batcher's monotonic clock since the trace began):
   worker (features: the cost model's terms, batcher/cost_model.py);
 - {"ev": "out", "worker", "step", "execute_ms", "launch_ms", "idle_ms"}: its output came back (the worker's own
   figures: the step's device time, its host launch, how long the worker had waited for it);
-- {"ev": "first", "worker", "step", "req"}: that step's output carried the request's first token.
+- {"ev": "first", "worker", "step", "req"}: that step's output carried the request's first token;
+- {"ev": "done", "req"}: the request finished (its last delta went to the gateway).
 `python -m batcher.trace FILE` splits each request's time from "add" to "first" into: waiting for the step that
 computes the end of its prompt to be composed; that step behind the steps before it on the worker (its output
 came back minus its device time, from its composition); and the step's own device time. The load tester's TTFT
-adds the gateway and HTTP on top. Pure but for the file it writes (open, append, close).
+adds the gateway and HTTP on top. `--runs` also reports each replay of a sweep apart. Pure but for the file it writes (open, append, close).
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ class StepTrace:
                 if d.new_token_ids:
                     self.write("first", worker=worker, step=step, req=d.request_id)
 
+    def finished(self, req: str) -> None:
+        self.waiting_first.discard(req)
+        self.write("done", req=req)
+
     def close(self) -> None:
         self.file.close()
 
@@ -73,6 +78,24 @@ def ttft_breakdown(rows: list[dict]) -> dict[str, list[float]]:
     return out
 
 
+def split_runs(rows: list[dict]) -> list[list[dict]]:
+    """The rows of each run in a trace of several replays against one server (`laneserve loadtest sweep`, which
+    drains each replay before the next): a new run begins at an "add" while no request is open (added, not "done").
+    Each run keeps its requests' rows and every step's."""
+    runs: list[set[str]] = []
+    open_: set[str] = set()
+    for r in rows:
+        if r["ev"] == "add":
+            if not open_:
+                runs.append(set())
+            runs[-1].add(r["req"])
+            open_.add(r["req"])
+        elif r["ev"] == "done":
+            open_.discard(r["req"])
+    steps = [r for r in rows if r["ev"] in ("step", "out")]
+    return [steps + [r for r in rows if r.get("req") in ids] for ids in runs]
+
+
 def percentile(values: list[float], p: float) -> float:
     """The p-th percentile, interpolated between ranks as numpy's default (the simulator's summaries use it too)."""
     if not values:
@@ -85,8 +108,11 @@ def percentile(values: list[float], p: float) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    runs = "--runs" in args
+    args = [a for a in args if a != "--runs"]
     if len(args) != 1:
-        print("usage: python -m batcher.trace FILE (a --step-trace file)", file=sys.stderr)
+        print("usage: python -m batcher.trace FILE [--runs] (a --step-trace file; --runs: a line per replay too)",
+              file=sys.stderr)
         return 2
     try:
         with open(args[0]) as f:
@@ -103,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
         v = parts[name]
         print(f"  {name:7} p50 {percentile(v, 50):8.1f}  p95 {percentile(v, 95):8.1f}  mean "
               f"{sum(v) / n if n else float('nan'):8.1f}   {what}")
+    if runs:  # each replay apart, to set beside the load tester's per-run TTFT p95
+        print("per run (a run begins with a request added while none is open), p95 ms:")
+        for i, run in enumerate(split_runs(rows)):
+            p = ttft_breakdown(run)
+            print(f"  run {i}: {len(p['ttft'])} requests  " + "  ".join(
+                f"{k} {percentile(p[k], 95):.1f}" for k in ("queued", "behind", "step", "ttft")))
     return 0
 
 

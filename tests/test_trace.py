@@ -6,7 +6,7 @@ import json
 
 import openai
 
-from batcher.trace import main as report, ttft_breakdown
+from batcher.trace import main as report, split_runs, ttft_breakdown
 
 
 def test_a_served_run_traces_every_request_and_the_report_splits_its_ttft(make_stack, tmp_path, capsys):
@@ -32,8 +32,12 @@ def test_a_served_run_traces_every_request_and_the_report_splits_its_ttft(make_s
     assert len(parts["ttft"]) == 3
     for q, b, s, t in zip(parts["queued"], parts["behind"], parts["step"], parts["ttft"]):
         assert q >= 0 and s > 0 and 0 <= t - (q + b + s) < 50  # (the rest: the batcher applying the output)
-    assert report([str(path)]) == 0
-    assert "3 requests' time to first token" in capsys.readouterr().out
+    assert sorted(r["req"] for r in rows if r["ev"] == "done") == sorted(adds)
+    # one request at a time, each done before the next is added: three runs of one request each
+    assert [len(ttft_breakdown(run)["ttft"]) for run in split_runs(rows)] == [1, 1, 1]
+    assert report([str(path), "--runs"]) == 0
+    out = capsys.readouterr().out
+    assert "3 requests' time to first token" in out and "run 2: 1 requests" in out and "run 3" not in out
 
 
 def test_the_report_names_a_file_it_cannot_read(tmp_path, capsys):

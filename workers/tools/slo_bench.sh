@@ -34,7 +34,7 @@ for spec in "$@"; do
   curl -s http://127.0.0.1:8011/metrics | grep -E "^laneserve:(step_time|eager_step|prefix_cache_hit_rate|num_slo|num_preempt|num_gated|pipeline_bubble)"
   kill -INT $SERVE; wait $SERVE
   grep -i "error\|traceback" "$OUT/serve_$name.log" | head -5
-  python3 -m batcher.trace "$OUT/trace_$name.jsonl"  # where the batcher's time to first token went
+  python3 -m batcher.trace "$OUT/trace_$name.jsonl" --runs  # where the batcher's time to first token went, each replay apart
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], 'fitted', {k: d.get(k) for k in 'abcdegh'})" \
     "$OUT/cost_$name.json" "$name"
 done
