@@ -417,7 +417,7 @@ class Batcher:
             if d.finish_reason is not None:
                 del self.owner[d.request_id]
                 if self.trace is not None:
-                    self.trace.finished(d.request_id)
+                    self.trace.waiting_first.discard(d.request_id)
                 if self.requeue:
                     self.originals.pop(d.request_id, None)
                     self.requeued.discard(d.request_id)

@@ -7,12 +7,12 @@ on the batcher's monotonic clock since the trace began):
   worker (features: the cost model's terms, batcher/cost_model.py);
 - {"ev": "out", "worker", "step", "execute_ms", "launch_ms", "idle_ms"}: its output came back (the worker's own
   figures: the step's device time, its host launch, how long the worker had waited for it);
-- {"ev": "first", "worker", "step", "req"}: that step's output carried the request's first token;
-- {"ev": "done", "req"}: the request finished (its last delta went to the gateway).
+- {"ev": "first", "worker", "step", "req"}: that step's output carried the request's first token.
 `python -m batcher.trace FILE` splits each request's time from "add" to "first" into: waiting for the step that
 computes the end of its prompt to be composed; that step behind the steps before it on the worker (its output
 came back minus its device time, from its composition); and the step's own device time. The load tester's TTFT
-adds the gateway and HTTP on top. `--runs` also reports each replay of a sweep apart. Pure but for the file it writes (open, append, close).
+adds the gateway and HTTP on top: `--client RECORDS...` (its records.jsonl files) splits that off request by
+request. Pure but for the file it writes (open, append, close).
 """
 
 from __future__ import annotations
@@ -46,10 +46,6 @@ class StepTrace:
                 if d.new_token_ids:
                     self.write("first", worker=worker, step=step, req=d.request_id)
 
-    def finished(self, req: str) -> None:
-        self.waiting_first.discard(req)
-        self.write("done", req=req)
-
     def close(self) -> None:
         self.file.close()
 
@@ -78,24 +74,6 @@ def ttft_breakdown(rows: list[dict]) -> dict[str, list[float]]:
     return out
 
 
-def split_runs(rows: list[dict]) -> list[list[dict]]:
-    """The rows of each run in a trace of several replays against one server (`laneserve loadtest sweep`, which
-    drains each replay before the next): a new run begins at an "add" while no request is open (added, not "done").
-    Each run keeps its requests' rows and every step's."""
-    runs: list[set[str]] = []
-    open_: set[str] = set()
-    for r in rows:
-        if r["ev"] == "add":
-            if not open_:
-                runs.append(set())
-            runs[-1].add(r["req"])
-            open_.add(r["req"])
-        elif r["ev"] == "done":
-            open_.discard(r["req"])
-    steps = [r for r in rows if r["ev"] in ("step", "out")]
-    return [steps + [r for r in rows if r.get("req") in ids] for ids in runs]
-
-
 def percentile(values: list[float], p: float) -> float:
     """The p-th percentile, interpolated between ranks as numpy's default (the simulator's summaries use it too)."""
     if not values:
@@ -106,36 +84,74 @@ def percentile(values: list[float], p: float) -> float:
     return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
+def client_gap(rows: list[dict], records: list[dict]) -> tuple[list[float], list[float], list[float]]:
+    """The load tester's records (its records.jsonl rows) joined to the trace on the stream's id (the batcher's request
+    id is "<id>-0" for the first choice): for each match, the client's TTFT, the batcher's ("add" to "first") and
+    the difference, the time outside the batcher (the HTTP path, the gateway, the client), all in ms."""
+    added = {r["req"]: r["t"] for r in rows if r["ev"] == "add"}
+    first = {r["req"]: r["t"] for r in rows if r["ev"] == "first"}
+    client, batcher, gap = [], [], []
+    for rec in records:
+        req = f"{rec.get('response_id')}-0"
+        if rec.get("ttft") is not None and req in added and req in first:
+            client.append(rec["ttft"] * 1000.0)
+            batcher.append(first[req] - added[req])
+            gap.append(client[-1] - batcher[-1])
+    return client, batcher, gap
+
+
+def _line(name: str, v: list[float], what: str = "") -> str:
+    n = len(v)
+    return (f"  {name:7} p50 {percentile(v, 50):8.1f}  p95 {percentile(v, 95):8.1f}  mean "
+            f"{sum(v) / n if n else float('nan'):8.1f}   {what}").rstrip()
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    runs = "--runs" in args
-    args = [a for a in args if a != "--runs"]
-    if len(args) != 1:
-        print("usage: python -m batcher.trace FILE [--runs] (a --step-trace file; --runs: a line per replay too)",
-              file=sys.stderr)
-        return 2
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m batcher.trace",
+                                 description="where a --step-trace file's time to first token went")
+    ap.add_argument("file", help="a --step-trace file")
+    ap.add_argument("--client", nargs="+", default=[], metavar="RECORDS",
+                    help="the load tester's records.jsonl of runs against the traced server (a sweep's runs/*/): "
+                         "for each, the TTFT p95 at the client and at the batcher, and the time outside the batcher")
     try:
-        with open(args[0]) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+        args = ap.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    try:
+        rows = _read(args.file)
+        runs = [(path, _read(path)) for path in args.client]
     except (OSError, ValueError) as exc:
-        print(f"batcher.trace: {args[0]}: {exc}", file=sys.stderr)
+        print(f"batcher.trace: {exc}", file=sys.stderr)
         return 2
     parts = ttft_breakdown(rows)
-    n = len(parts["ttft"])
-    print(f"{n} requests' time to first token at the batcher (ms), from {args[0]}:")
+    print(f"{len(parts['ttft'])} requests' time to first token at the batcher (ms), from {args.file}:")
     for name, what in (("queued", "until the step that computes its prompt's end is composed"),
                        ("behind", "that step behind the steps before it (output back, less its device time)"),
                        ("step", "that step's device time"), ("ttft", "in all")):
-        v = parts[name]
-        print(f"  {name:7} p50 {percentile(v, 50):8.1f}  p95 {percentile(v, 95):8.1f}  mean "
-              f"{sum(v) / n if n else float('nan'):8.1f}   {what}")
-    if runs:  # each replay apart, to set beside the load tester's per-run TTFT p95
-        print("per run (a run begins with a request added while none is open), p95 ms:")
-        for i, run in enumerate(split_runs(rows)):
-            p = ttft_breakdown(run)
-            print(f"  run {i}: {len(p['ttft'])} requests  " + "  ".join(
-                f"{k} {percentile(p[k], 95):.1f}" for k in ("queued", "behind", "step", "ttft")))
+        print(_line(name, parts[name], what))
+    if runs:
+        print("per load-tester run, ms (outside: its TTFT less the batcher's, request by request):")
+        gaps = []
+        for path, records in runs:
+            client, batcher, gap = client_gap(rows, records)
+            gaps += gap
+            print(f"  {path}: {len(gap)} of {len(records)} matched; TTFT p95 {percentile(client, 95):.1f} at the "
+                  f"client, {percentile(batcher, 95):.1f} at the batcher; outside p50 {percentile(gap, 50):.1f} "
+                  f"p95 {percentile(gap, 95):.1f}")
+        print(_line("outside", gaps, "every run: the HTTP path, the gateway, the client"))
     return 0
+
+
+def _read(path: str) -> list[dict]:
+    try:
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    except OSError as exc:
+        raise OSError(f"{path}: {exc.strerror or exc}") from None
 
 
 if __name__ == "__main__":

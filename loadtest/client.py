@@ -77,6 +77,7 @@ class RequestRecord:
     itl: list[float] = field(default_factory=list)  # gaps between successive streamed chunks
     output_tokens: int = 0  # usage.completion_tokens, else the number of chunks
     prompt_tokens: int | None = None  # usage.prompt_tokens
+    response_id: str | None = None  # the stream's "id" (laneserve: its batcher request ids are "<id>-<choice>")
 
     @property
     def ok(self) -> bool:
@@ -258,6 +259,7 @@ class LoadRunner:
             try:
                 obj = json.loads(data)
                 err, usage, choices = obj.get("error"), obj.get("usage"), list(obj.get("choices") or ())
+                rec.response_id = rec.response_id or obj.get("id")
                 if err:
                     rec.error = (err.get("message") if isinstance(err, dict) else str(err)) or "stream error"
                     return

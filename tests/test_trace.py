@@ -6,7 +6,7 @@ import json
 
 import openai
 
-from batcher.trace import main as report, split_runs, ttft_breakdown
+from batcher.trace import client_gap, main as report, ttft_breakdown
 
 
 def test_a_served_run_traces_every_request_and_the_report_splits_its_ttft(make_stack, tmp_path, capsys):
@@ -32,12 +32,8 @@ def test_a_served_run_traces_every_request_and_the_report_splits_its_ttft(make_s
     assert len(parts["ttft"]) == 3
     for q, b, s, t in zip(parts["queued"], parts["behind"], parts["step"], parts["ttft"]):
         assert q >= 0 and s > 0 and 0 <= t - (q + b + s) < 50  # (the rest: the batcher applying the output)
-    assert sorted(r["req"] for r in rows if r["ev"] == "done") == sorted(adds)
-    # one request at a time, each done before the next is added: three runs of one request each
-    assert [len(ttft_breakdown(run)["ttft"]) for run in split_runs(rows)] == [1, 1, 1]
-    assert report([str(path), "--runs"]) == 0
-    out = capsys.readouterr().out
-    assert "3 requests' time to first token" in out and "run 2: 1 requests" in out and "run 3" not in out
+    assert report([str(path)]) == 0
+    assert "3 requests' time to first token" in capsys.readouterr().out
 
 
 def test_the_report_names_a_file_it_cannot_read(tmp_path, capsys):
@@ -45,3 +41,24 @@ def test_the_report_names_a_file_it_cannot_read(tmp_path, capsys):
     bad.write_text("{not json\n")
     assert report([str(bad)]) == 2 and str(bad) in capsys.readouterr().err
     assert report([]) == 2
+
+
+def test_the_report_joins_the_load_testers_records(make_stack, tmp_path, capsys):
+    """--client: the load tester's records.jsonl joined to the trace on the stream's id: each request's TTFT outside
+    the batcher (the HTTP path, the gateway, the client) is positive, since the client's TTFT spans the batcher's."""
+    from loadtest import cli
+
+    path, run = tmp_path / "trace.jsonl", tmp_path / "run"
+    stack = make_stack("--step-trace", str(path))
+    assert cli.main(["--url", stack.base_url, "--trace", "synthetic", "--num-requests", "6", "--rate", "20",
+                     "--input-tokens", "8:16", "--output-tokens", "3:3", "--no-progress", "--no-plots",
+                     "--out", str(run)]) == 0
+    stack.stop()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
+    assert len(records) == 6 and all(r["response_id"].startswith("cmpl-") for r in records)
+    client, batcher, gap = client_gap(rows, records)
+    assert len(gap) == 6 and min(gap) > 0 and all(c > b > 0 for c, b in zip(client, batcher))
+    capsys.readouterr()
+    assert report([str(path), "--client", str(run / "records.jsonl")]) == 0
+    assert "6 of 6 matched" in capsys.readouterr().out

@@ -3,7 +3,8 @@
 # for each policy, one server (7B shape, dummy weights) and one `laneserve loadtest sweep` of the
 # bursty RAG replay (a warm-up, then each rate and seed); prints each sweep's table, keeps
 # sweep_NAME.json (and its log, a line per run, sweep_NAME.txt), the fitted step-cost model cost_NAME.json (with
-# its samples), the batcher's --step-trace trace_NAME.jsonl (its TTFT report, over the whole sweep, printed) and the
+# its samples), the batcher's --step-trace trace_NAME.jsonl, the load tester's records runs_NAME/*/records.jsonl
+# (the trace's TTFT report printed: the whole sweep, then each run's TTFT at the client and at the batcher) and the
 # server log. A device call has 600 s: a replay of N requests at R req/s takes ~N/R s plus its drain, and each
 # server ~1-2 min to start, so keep policies x rates x seeds x N/R well under that.
 # Usage (repo root, on the GPU machine):
@@ -34,8 +35,10 @@ for spec in "$@"; do
   curl -s http://127.0.0.1:8011/metrics | grep -E "^laneserve:(step_time|eager_step|prefix_cache_hit_rate|num_slo|num_preempt|num_gated|pipeline_bubble)"
   kill -INT $SERVE; wait $SERVE
   grep -i "error\|traceback" "$OUT/serve_$name.log" | head -5
-  python3 -m batcher.trace "$OUT/trace_$name.jsonl" --runs  # where the batcher's time to first token went, each replay apart
+  cp -r "/tmp/slo_bench/$name/runs" "$OUT/runs_$name"
+  # where the batcher's time to first token went, and each run's TTFT outside the batcher
+  python3 -m batcher.trace "$OUT/trace_$name.jsonl" --client "$OUT"/runs_"$name"/*/records.jsonl
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], 'fitted', {k: d.get(k) for k in 'abcdegh'})" \
     "$OUT/cost_$name.json" "$name"
 done
-(cd "$OUT" && files=$(ls | grep -v '^slo_bench.tgz$') && tar czf slo_bench.tgz $files && rm -f $files)
+(cd "$OUT" && files=$(ls | grep -v '^slo_bench.tgz$') && tar czf slo_bench.tgz $files && rm -rf $files)
