@@ -32,7 +32,7 @@ for spec in "$@"; do
     --out "/tmp/slo_bench/$name" 2>&1 | tee "$OUT/sweep_$name.txt" | grep -E "^(rate |warm-up|laneserve|sweep:)"
   # (each run's line printed as it ends: a call cut by its time limit keeps them)
   cp "/tmp/slo_bench/$name/sweep.json" "$OUT/sweep_$name.json" && cat "/tmp/slo_bench/$name/sweep.md"
-  curl -s http://127.0.0.1:8011/metrics | grep -E "^laneserve:(step_time|eager_step|prefix_cache_hit_rate|num_slo|num_preempt|num_gated|pipeline_bubble)"
+  curl -s http://127.0.0.1:8011/metrics | grep -E "^laneserve:(step_time|eager_step|prefix_cache_hit_rate|num_slo|num_preempt|num_gated|pipeline_bubble|spec_decode|engine_steps)"
   kill -INT $SERVE; wait $SERVE
   grep -i "error\|traceback" "$OUT/serve_$name.log" | head -5
   cp -r "/tmp/slo_bench/$name/runs" "$OUT/runs_$name"
