@@ -16,8 +16,10 @@ the drafts), what its work costs. Pure: no I/O, no torch.
   speculation) when a plain decode step gives more tokens per ms. a is the measured rate (drafted
   tokens accepted), smoothed over steps, starting from PRIOR_ACCEPTANCE; until MIN_DRAFTS draft tokens
   were verified it counts as at least OPTIMISTIC_ACCEPTANCE (else a server whose prior says "does not
-  pay" would never measure it), and one decision in PROBE_EVERY that comes out 0 verifies max K anyway
-  (it holds until a step verifies drafts), so a rate measured low is measured again. Only requests that
+  pay" would never measure it), and a decision that comes out 0 verifies max K anyway once PROBE_EVERY such
+  decisions have passed (it holds until a step verifies drafts), so a rate measured low is measured again; each
+  probe that changes nothing doubles that interval, up to PROBE_MAX, and a decision that speculates resets it
+  (a model whose drafts never pay stops paying for probes: each runs a step alone in flight with max K). Only requests that
   may draft now count as drafting (no penalties, ..., and prompt lookup finds a match in their known tokens):
   with none, K is 0 and async scheduling keeps two steps in flight.
 - Draft model: the worker's draft model proposes the drafts (protocol DraftJob), for every request that may
@@ -41,7 +43,8 @@ PRIOR_ACCEPTANCE = 0.5  # the acceptance rate assumed before any draft was verif
 SMOOTHING = 0.05  # weight of one step's acceptance rate in the running estimate
 MIN_DRAFTS = 256  # draft tokens verified before the measured rate alone decides
 OPTIMISTIC_ACCEPTANCE = 0.8
-PROBE_EVERY = 64  # decisions: one in this many that come out 0 speculates anyway
+PROBE_EVERY = 64  # decisions that come out 0 before one speculates anyway (doubling after each probe ...)
+PROBE_MAX = 1024  # ... up to this many)
 INDEX_WINDOW = 4096  # the proposer looks up the latest tokens only (building an index costs ~0.3 us per n-gram)
 INDEX_BUDGET = 1024  # token positions indexed per step, all requests together (~5 ms at most); a request whose
 # index is not complete yet does not draft
@@ -118,6 +121,8 @@ class SpecPolicy:
         self.steps = self.sequences = self.drafted = self.accepted = 0
         self.decisions = 0
         self.probing = False  # a probe was decided: K stays up until a step verifies drafts
+        self.probe_every = PROBE_EVERY  # 0-decisions between probes now
+        self.until_probe = PROBE_EVERY
 
     def index(self) -> NgramIndex:
         return NgramIndex(self.min_n, self.max_n)
@@ -145,10 +150,15 @@ class SpecPolicy:
             if rate > best:
                 best_k, best = k, rate
         self.decisions += 1
-        if not best_k and self.decisions % PROBE_EVERY == 0:
+        if best_k:
+            self.probe_every = self.until_probe = PROBE_EVERY
+            return best_k
+        self.until_probe -= 1
+        if self.until_probe <= 0:
             self.probing = True
-            best_k = top
-        return best_k
+            self.until_probe = self.probe_every = min(2 * self.probe_every, PROBE_MAX)
+            return top
+        return 0
 
     @staticmethod
     def draft_work_ms(jobs: Iterable[DraftJob], cost: CostModel) -> float:

@@ -16,7 +16,7 @@ import pytest
 from batcher.config import BatcherConfig
 from batcher.cost_model import CostModel
 from batcher.scheduler import Scheduler
-from batcher.spec import MIN_DRAFTS, PROBE_EVERY, NgramIndex, SpecPolicy, expected_tokens
+from batcher.spec import MIN_DRAFTS, PROBE_EVERY, PROBE_MAX, NgramIndex, SpecPolicy, expected_tokens
 from laneserve.wire.protocol import AddRequest, FinishReason, SamplingParams
 from tests.test_async_scheduling import AsyncDriver
 from tests.test_lanes import LaneDriver, engine, family  # noqa: F401  (family: the per-architecture fixture)
@@ -66,11 +66,22 @@ def test_a_rate_measured_low_is_probed_again_and_a_new_server_starts_optimistic(
         spec.observe(8, MIN_DRAFTS, 0)
     assert spec.alpha < 0.01 and spec.steps == 100 and spec.sequences == 800
     picks = [spec.choose_k(32, 64000, cost, 256) for _ in range(PROBE_EVERY + 3)]
-    # the probe comes at the PROBE_EVERY-th decision and holds (pipelined, the next calls may compose no step)
+    # the probe comes at the PROBE_EVERY-th decision that came out 0 and holds (pipelined, the next calls may
+    # compose no step)
     first = picks.index(4)
     assert first < PROBE_EVERY and set(picks[:first]) == {0} and set(picks[first:]) == {4}
     spec.observe(32, 128, 0)  # a step verified drafts: the probe is done
-    assert spec.choose_k(32, 64000, cost, 256) == 0
+    # a probe that found nothing: the next one waits twice as long (the n-th decision after it), up to PROBE_MAX
+    gaps = []
+    for _ in range(6):
+        n = 1
+        while spec.choose_k(32, 64000, cost, 256) == 0:
+            n += 1
+        gaps.append(n)
+        spec.observe(32, 128, 0)
+    assert gaps == [min(PROBE_EVERY * 2 ** i, PROBE_MAX) for i in range(1, 7)]
+    spec.alpha = 0.9  # drafts pay again: the first decision that speculates resets the interval
+    assert spec.choose_k(32, 64000, cost, 256) > 0 and spec.until_probe == spec.probe_every == PROBE_EVERY
 
 
 @pytest.mark.parametrize("kw, error", [({"speculative": "eagle"}, "speculative must be"),

@@ -24,8 +24,9 @@ import zmq
 from laneserve.wire import protocol as P
 
 
-def instant_batcher(address: str, ready) -> None:
-    """Every loop: one token for each running request, in one TokenBatch; Pong at once."""
+def instant_batcher(address: str, ready, step_s: float = 0.0) -> None:
+    """Every loop: one token for each running request, in one TokenBatch; Pong at once. step_s > 0: a step at
+    most every step_s seconds (as a GPU's steps come), new requests' first tokens last in it (as a step's)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.SNDHWM, 0)
@@ -35,8 +36,9 @@ def instant_batcher(address: str, ready) -> None:
     running: dict[str, list] = {}  # id -> [gateway identity, tokens left, token id]
     ready.set()
     step = 0
+    next_step = time.monotonic()
     while True:
-        timeout = 0 if running else 1000
+        timeout = (max(0, int((next_step - time.monotonic()) * 1000)) if step_s else 0) if running else 1000
         while sock.poll(timeout):
             ident, frame = sock.recv_multipart()
             msg = dec.decode(frame)
@@ -50,8 +52,9 @@ def instant_batcher(address: str, ready) -> None:
             elif isinstance(msg, P.Ping):
                 sock.send_multipart([ident, P.encode(P.Pong(nonce=msg.nonce, workers_alive=1))])
             timeout = 0
-        if not running:
+        if not running or time.monotonic() < next_step:
             continue
+        next_step = time.monotonic() + step_s
         step += 1
         by_gateway: dict[bytes, list] = {}
         for rid, st in list(running.items()):
@@ -82,6 +85,17 @@ def direct_ttft(address: str, n: int) -> list[float]:
     sock.close()
     ctx.term()
     return sorted(out)
+
+
+def _background(base: str, streams: int) -> None:
+    """A process holding `streams` endless SSE streams open and reading them (the load behind loaded TTFT)."""
+    import aiohttp
+
+    async def main() -> None:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            await asyncio.gather(*(_stream(session, base + "/v1/completions", 8000) for _ in range(streams)))
+
+    asyncio.run(main())
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -123,6 +137,48 @@ async def _wait_healthy(session, base: str) -> None:
     raise SystemExit("gateway did not become healthy")
 
 
+async def _loaded_ttft(base: str, address: str, n: int, load_streams: int, here: bool) -> dict:
+    """TTFT of n sequential 1-token requests, through the gateway and straight to the batcher, while load_streams
+    streams run (read by another process, or with `here` by this one, as a load tester's loop does)."""
+    import aiohttp
+
+    url = base + "/v1/completions"
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        await _wait_healthy(session, base)
+        if here:
+            load = [asyncio.create_task(_stream(session, url, 8000)) for _ in range(load_streams)]
+        else:
+            proc = mp.get_context("spawn").Process(target=_background, args=(base, load_streams), daemon=True)
+            proc.start()
+        deadline = time.monotonic() + 60
+        while _in_flight(await (await session.get(base + "/metrics")).text()) < load_streams:
+            if time.monotonic() > deadline:
+                raise SystemExit("the background streams did not start")
+            await asyncio.sleep(0.05)  # polling the gateway's gauge until the load runs
+        ttfts = sorted([(await _stream(session, url, 1))[0] for _ in range(n)])
+        direct = sorted(await asyncio.to_thread(direct_ttft, address, n))
+        if here:
+            for t in load:
+                t.cancel()
+            await asyncio.gather(*load, return_exceptions=True)
+        else:
+            proc.terminate()
+            proc.join(10)
+    out = {"load_streams": load_streams, "load_read_here": here}
+    for q, name in ((0.5, "p50"), (0.95, "p95"), (0.99, "p99")):
+        out[f"loaded_ttft_ms_{name}"] = _pct(ttfts, q)
+        out[f"loaded_direct_ms_{name}"] = _pct(direct, q)
+        out[f"loaded_added_ms_{name}"] = round(_pct(ttfts, q) - _pct(direct, q), 3)
+    return out
+
+
+def _in_flight(metrics: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith("laneserve:gateway_requests_in_flight"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 async def _drive(base: str, streams: int, tokens: int, ttft_requests: int) -> dict:
     import aiohttp
 
@@ -147,6 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=256, help="tokens per stream")
     ap.add_argument("--ttft-requests", type=int, default=200, help="sequential 1-token requests for TTFT")
     ap.add_argument("--port", type=int, default=0, help="gateway port (0 = a free one)")
+    ap.add_argument("--load-streams", type=int, default=0,
+                    help="also TTFT under load: --ttft-requests sequential requests while this many streams run, "
+                         "the batcher stepping every --step-ms, through the gateway and straight to the batcher")
+    ap.add_argument("--step-ms", type=float, default=20.0, help="with --load-streams: ms between the batcher's steps")
+    ap.add_argument("--load-here", action="store_true",
+                    help="with --load-streams: read the load's streams in the measuring client's own event loop "
+                         "(as a load tester does), not in another process")
     args = ap.parse_args(argv)
     port = args.port
     if not port:
@@ -159,14 +222,20 @@ def main(argv: list[str] | None = None) -> int:
     address = f"ipc://{run_dir}/batcher.sock"
     spawn = mp.get_context("spawn")
     ready = spawn.Event()
-    procs = [spawn.Process(target=instant_batcher, args=(address, ready), daemon=True)]
+    step_s = args.step_ms / 1000.0 if args.load_streams else 0.0
+    procs = [spawn.Process(target=instant_batcher, args=(address, ready, step_s), daemon=True)]
     procs[0].start()
     ready.wait(30)
     procs.append(spawn.Process(target=gateway_process, args=(address, port), daemon=True))
     procs[1].start()
     try:
+        base = f"http://127.0.0.1:{port}"
+        if args.load_streams:  # (a paced batcher: the unloaded figures below would measure its pace)
+            print(json.dumps(asyncio.run(_loaded_ttft(base, address, args.ttft_requests, args.load_streams,
+                                                      args.load_here))))
+            return 0
         direct = direct_ttft(address, args.ttft_requests)
-        result = asyncio.run(_drive(f"http://127.0.0.1:{port}", args.streams, args.tokens, args.ttft_requests))
+        result = asyncio.run(_drive(base, args.streams, args.tokens, args.ttft_requests))
     finally:
         for p in procs:
             p.terminate()
