@@ -19,12 +19,12 @@ the drafts), what its work costs. Pure: no I/O, no torch.
   pay" would never measure it), and a decision that comes out 0 verifies max K anyway once PROBE_EVERY such
   decisions have passed (it holds until a step verifies drafts), so a rate measured low is measured again; each
   probe that changes nothing doubles that interval, up to PROBE_MAX, and a decision that speculates resets it
-  (a model whose drafts never pay stops paying for probes: each runs a step alone in flight with max K). Only requests that
-  may draft now count as drafting (no penalties, ..., and prompt lookup finds a match in their known tokens):
-  with none, K is 0 and async scheduling keeps two steps in flight.
+  (a model whose drafts never pay stops paying for probes: each runs a step alone in flight with max K). Only
+  requests that may draft now count as drafting (no penalties, ..., and prompt lookup finds a match in their known
+  tokens): with none, K is 0 and async scheduling keeps two steps in flight.
 - Draft model: the worker's draft model proposes the drafts (protocol DraftJob), for every request that may
-  draft and whose draft K/V catches up in the step (below). Its K passes cost r * (a plain decode step of those requests) each, r the draft's cost over the model's:
-  first its parameter share (WorkerReady.draft_size), then learned from the draft time the worker reports
+  draft and whose draft K/V catches up in the step (below). Its K passes cost r * (a plain decode step of those
+  requests) each, r the draft's cost over the model's: first its parameter share (WorkerReady.draft_size), then learned from the draft time the worker reports
   against the same work priced with the model's cost model (`draft_work_ms`). A request's draft K/V is computed
   lazily: a speculating step first computes the positions its draft has not seen (a prompt, a prefix-cache hit,
   tokens decoded without speculation), at most DRAFT_CATCHUP tokens per step for all requests together, least
@@ -119,7 +119,6 @@ class SpecPolicy:
         self.max_k, self.min_n, self.max_n = max_k, min_n, max_n
         self.alpha = PRIOR_ACCEPTANCE
         self.steps = self.sequences = self.drafted = self.accepted = 0
-        self.decisions = 0
         self.probing = False  # a probe was decided: K stays up until a step verifies drafts
         self.probe_every = PROBE_EVERY  # 0-decisions between probes now
         self.until_probe = PROBE_EVERY
@@ -149,7 +148,6 @@ class SpecPolicy:
                                                                    + k * draft_pass)
             if rate > best:
                 best_k, best = k, rate
-        self.decisions += 1
         if best_k:
             self.probe_every = self.until_probe = PROBE_EVERY
             return best_k
