@@ -24,8 +24,9 @@ the drafts), what its work costs. Pure: no I/O, no torch.
   tokens): with none, K is 0 and async scheduling keeps two steps in flight.
 - Draft model: the worker's draft model proposes the drafts (protocol DraftJob), for every request that may
   draft and whose draft K/V catches up in the step (below). Its K passes cost r * (a plain decode step of those
-  requests) each, r the draft's cost over the model's: first its parameter share (WorkerReady.draft_size), then learned from the draft time the worker reports
-  against the same work priced with the model's cost model (`draft_work_ms`). A request's draft K/V is computed
+  requests) each, r the draft's cost over the model's: first its parameter share (WorkerReady.draft_size), then
+  learned from the draft time the worker reports against the same work priced with the model's cost model
+  (`draft_work_ms`). A request's draft K/V is computed
   lazily: a speculating step first computes the positions its draft has not seen (a prompt, a prefix-cache hit,
   tokens decoded without speculation), at most DRAFT_CATCHUP tokens per step for all requests together, least
   lag first (Scheduler._draft_catchup); the first that does not fit decodes plainly and catches up by what is
