@@ -1,8 +1,9 @@
-"""python -m gateway.tools.bench: the gateway's SSE throughput and the TTFT it adds, idle and under streaming load
-(its own processes: a real gateway and a protocol-speaking instant batcher)."""
+"""The latency the gateway adds: `python -m gateway.tools.bench` (SSE throughput and TTFT, idle and under streaming
+load: a real gateway and a protocol-speaking instant batcher), and first tokens routed ahead of other deltas."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -30,3 +31,36 @@ def test_the_gateway_bench_times_ttft_under_streaming_load():
         # a paced batcher: each first token waits for a step, through the gateway and without it
         assert r["loaded_direct_ms_p50"] > 0 and r["loaded_ttft_ms_p50"] > 0
         assert r["loaded_added_ms_p95"] == round(r["loaded_ttft_ms_p95"] - r["loaded_direct_ms_p95"], 3)
+
+
+async def test_a_first_token_is_routed_before_the_running_streams_deltas(tmp_path):
+    """gateway/client.py: a step's output lists its decodes first and the prompts it completed last; the handlers
+    of requests still waiting for their first token wake first, and each request's deltas keep their order."""
+    from gateway.client import BatcherClient, DeltaQueue
+    from gateway.config import GatewayConfig
+    from laneserve.wire import protocol as P
+
+    client = BatcherClient(GatewayConfig(batcher_address=f"ipc://{tmp_path}/none.sock"))  # not started: this loop
+    try:
+        queues = {rid: DeltaQueue() for rid in ("r0", "r1", "r2", "new")}
+        for rid in ("r0", "r1", "r2"):
+            queues[rid].waiting = False  # streaming already
+        client.queues.update(queues)
+        woke: list[tuple[str, list[int]]] = []
+
+        async def handler(rid: str, n: int, ready: asyncio.Event) -> None:
+            ready.set()
+            for _ in range(n):
+                woke.append((rid, (await queues[rid].get()).new_token_ids))
+
+        readies = {rid: asyncio.Event() for rid in queues}
+        tasks = [asyncio.create_task(handler(rid, 2 if rid == "new" else 1, readies[rid])) for rid in queues]
+        await asyncio.gather(*(e.wait() for e in readies.values()))  # every handler waits on its queue
+        client._on_batch(P.TokenBatch(step=1, timestamp=0.0, deltas=[
+            P.TokenDelta("r0", [5]), P.TokenDelta("new", [], queued_ms=3.0), P.TokenDelta("r1", [6]),
+            P.TokenDelta("new", [9]), P.TokenDelta("r2", [7])]))
+        await asyncio.gather(*tasks)
+        assert woke[:2] == [("new", []), ("new", [9])]  # both of its deltas, in order, ahead of the others
+        assert [w[0] for w in woke[2:]] == ["r0", "r1", "r2"] and not queues["new"].waiting
+    finally:
+        await client.close()

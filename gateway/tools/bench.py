@@ -16,6 +16,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import random
 import tempfile
 import time
 
@@ -68,14 +69,18 @@ def instant_batcher(address: str, ready, step_s: float = 0.0) -> None:
             sock.send_multipart([ident, P.encode(P.TokenBatch(step=step, deltas=deltas, timestamp=time.time()))])
 
 
-def direct_ttft(address: str, n: int) -> list[float]:
-    """Baseline: AddRequest -> first delta straight over ZeroMQ, no gateway."""
+def direct_ttft(address: str, n: int, phase_s: float = 0.0) -> list[float]:
+    """Baseline: AddRequest -> first delta straight over ZeroMQ, no gateway (its own socket: its delta comes
+    apart from the gateway's batch); phase_s: each request after a random pause of up to this long."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.connect(address)
     dec = P.decoder(P.BatcherToGateway)
+    rng = random.Random(1)
     out = []
     for i in range(n):
+        if phase_s:
+            time.sleep(rng.random() * phase_s)
         t0 = time.perf_counter()
         sock.send(P.encode(P.AddRequest(request_id=f"direct-{i}", prompt_token_ids=list(b"bench"),
                                         params=P.SamplingParams(max_tokens=1), arrival_time=time.time())))
@@ -137,7 +142,7 @@ async def _wait_healthy(session, base: str) -> None:
     raise SystemExit("gateway did not become healthy")
 
 
-async def _loaded_ttft(base: str, address: str, n: int, load_streams: int, here: bool) -> dict:
+async def _loaded_ttft(base: str, address: str, n: int, load_streams: int, here: bool, step_s: float) -> dict:
     """TTFT of n sequential 1-token requests, through the gateway and straight to the batcher, while load_streams
     streams run (read by another process, or with `here` by this one, as a load tester's loop does)."""
     import aiohttp
@@ -155,8 +160,14 @@ async def _loaded_ttft(base: str, address: str, n: int, load_streams: int, here:
             if time.monotonic() > deadline:
                 raise SystemExit("the background streams did not start")
             await asyncio.sleep(0.05)  # polling the gateway's gauge until the load runs
-        ttfts = sorted([(await _stream(session, url, 1))[0] for _ in range(n)])
-        direct = sorted(await asyncio.to_thread(direct_ttft, address, n))
+        rng = random.Random(0)
+        ttfts = []
+        for _ in range(n):  # each at a random phase of the batcher's step (sent right after the last one, every
+            # request would arrive just after a step and wait the same time for the next)
+            await asyncio.sleep(rng.random() * step_s)
+            ttfts.append((await _stream(session, url, 1))[0])
+        ttfts.sort()
+        direct = await asyncio.to_thread(direct_ttft, address, n, step_s)
         if here:
             for t in load:
                 t.cancel()
@@ -164,7 +175,8 @@ async def _loaded_ttft(base: str, address: str, n: int, load_streams: int, here:
         else:
             proc.terminate()
             proc.join(10)
-    out = {"load_streams": load_streams, "load_read_here": here}
+    out = {"load_streams": load_streams, "load_read_here": here,
+           "loaded_added_ms_mean": round(1e3 * (sum(ttfts) - sum(direct)) / n, 3)}
     for q, name in ((0.5, "p50"), (0.95, "p95"), (0.99, "p99")):
         out[f"loaded_ttft_ms_{name}"] = _pct(ttfts, q)
         out[f"loaded_direct_ms_{name}"] = _pct(direct, q)
@@ -232,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         base = f"http://127.0.0.1:{port}"
         if args.load_streams:  # (a paced batcher: the unloaded figures below would measure its pace)
             print(json.dumps(asyncio.run(_loaded_ttft(base, address, args.ttft_requests, args.load_streams,
-                                                      args.load_here))))
+                                                      args.load_here, step_s))))
             return 0
         direct = direct_ttft(address, args.ttft_requests)
         result = asyncio.run(_drive(base, args.streams, args.tokens, args.ttft_requests))
