@@ -5,7 +5,9 @@ trace rows into requests (token-id prompts from `synth_token_ids`, or text throu
 sending each at its scaled arrival time whatever the completions do, streaming the answer and
 recording per-request timings (`RequestRecord`). Bounded: the trace is finite, the connection
 pool has a size, and a wall-clock limit cancels what is still running (recorded as errors), so
-the run always stops by itself and every sent request ends up finished or errored.
+the run always stops by itself and every sent request ends up finished or errored. With `client_procs` > 1 the
+trace is dealt round-robin to that many processes, each with its own event loop, started together: one Python loop
+reading hundreds of streams delays the chunks it reads (TTFT measured late), several share the work.
 Must not import gateway/, batcher/, workers/: it talks HTTP only (vLLM's server works unchanged).
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing as mp
 import resource
 import time
 from dataclasses import dataclass, field, replace
@@ -49,6 +52,7 @@ class LoadConfig:
     salt: int = 0  # told apart from other runs' prompts (their unique parts), e.g. the run's index in a sweep
     vocab_size: int = 256  # fallback alphabet range(vocab_size) when /tokenize is unavailable or degenerate
     api_key: str | None = None
+    client_procs: int = 1  # processes sending and reading the requests (round-robin shares of the trace)
 
 
 @dataclass
@@ -184,8 +188,13 @@ class LoadRunner:
     """One run: dispatcher task + one task per sent request, all on one event loop."""
 
     def __init__(self, trace: list[TraceRequest], cfg: LoadConfig,
-                 on_progress: Callable[[int, int, int], None] | None = None):
+                 on_progress: Callable[[int, int, int], None] | None = None, indices: list[int] | None = None,
+                 start_gate: Callable[[], float] | None = None):
+        """indices: each row's index in the whole trace (a share of it: its prompts and records keep those);
+        start_gate: called (in a thread) once the server is probed, returns the wall-clock time to start at."""
         self.trace, self.cfg, self.on_progress = trace, cfg, on_progress
+        self.indices = indices if indices is not None else range(len(trace))
+        self.start_gate = start_gate
         self.records: list[RequestRecord] = []
         self.info: ServerInfo | None = None
         self.meta: dict = {}
@@ -300,6 +309,8 @@ class LoadRunner:
         async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
             self.info = await probe(session, cfg)
             loop = asyncio.get_running_loop()
+            if self.start_gate is not None:
+                await asyncio.sleep(max(0.0, await asyncio.to_thread(self.start_gate) - time.time()))
             t0 = loop.time()
             deadline = t0 + limit
             self.meta = {"url": cfg.url, "model": self.info.model, "endpoint": cfg.endpoint, "speedup": cfg.speedup,
@@ -316,8 +327,8 @@ class LoadRunner:
                 if when > loop.time():
                     await asyncio.sleep(when - loop.time())
                 fitted, clamped = fit_to_context(tr, self.info.max_model_len)
-                rec = RequestRecord(i, when - t0, fitted.input_tokens, fitted.output_tokens, tr.input_tokens,
-                                    tr.output_tokens, clamped)
+                rec = RequestRecord(self.indices[i], when - t0, fitted.input_tokens, fitted.output_tokens,
+                                    tr.input_tokens, tr.output_tokens, clamped)
                 self.records.append(rec)
                 self.sent += 1
                 tasks.append(asyncio.create_task(self._one(session, rec, fitted, t0)))
@@ -341,6 +352,9 @@ def _raise_fd_limit(connections: int, spare: int = 64) -> None:
 
 def run_load(trace: list[TraceRequest], cfg: LoadConfig,
              on_progress: Callable[[int, int, int], None] | None = None) -> tuple[list[RequestRecord], dict]:
+    procs = min(cfg.client_procs, len(trace))
+    if procs > 1:
+        return _run_shared(trace, cfg, procs, on_progress)
     runner = LoadRunner(trace, cfg, on_progress)
     try:
         meta = asyncio.run(runner.run())
@@ -349,3 +363,76 @@ def run_load(trace: list[TraceRequest], cfg: LoadConfig,
             raise
         meta = {**runner.meta, "interrupted": True}
     return runner.records, meta
+
+
+def _run_shared(trace: list[TraceRequest], cfg: LoadConfig, procs: int,
+                on_progress: Callable[[int, int, int], None] | None) -> tuple[list[RequestRecord], dict]:
+    """run_load over `procs` processes: process k sends rows k, k + procs, ...; all start at one wall-clock time,
+    set once each has probed the server. Records come back in the trace's order; progress is reported at the end."""
+    ctx = mp.get_context("spawn")
+    share = replace(cfg, client_procs=1, max_connections=max(1, cfg.max_connections // procs))
+    conns, workers = [], []
+    for k in range(procs):
+        mine, theirs = ctx.Pipe()
+        idx = list(range(k, len(trace), procs))
+        workers.append(ctx.Process(target=_share_main, args=([trace[i] for i in idx], idx, share, theirs),
+                                   daemon=True))
+        workers[-1].start()
+        theirs.close()
+        conns.append(mine)
+    interrupted = False
+
+    def recv(conn):
+        nonlocal interrupted
+        while True:
+            try:
+                return conn.recv()
+            except KeyboardInterrupt:  # (Ctrl-C reaches the processes too: they stop and send what they measured)
+                interrupted = True
+            except EOFError:
+                return ("error", "a load-tester process died")
+
+    done: list = []
+    try:
+        ready = [recv(c) for c in conns]
+        failed = next((r[1] for r in ready if r[0] == "error"), None)
+        if failed is not None:  # (the others wait for a start that will not come)
+            raise RuntimeError(failed)
+        start = time.time() + 0.2
+        for c in conns:
+            c.send(start)
+        done = [recv(c) for c in conns]
+    finally:
+        for w in workers:
+            w.join(10 if done else 0)  # (each has sent its records and is exiting)
+            if w.is_alive():
+                w.kill()
+    failed = next((r[1] for r in done if r[0] == "error"), None)
+    if failed is not None:
+        raise RuntimeError(failed)
+    records = sorted((rec for _, recs, _ in done for rec in recs), key=lambda r: r.index)
+    metas = [meta for _, _, meta in done]
+    meta = {**metas[0], "planned": len(trace), "client_procs": procs,
+            "wall_s": max((m["wall_s"] or 0.0) for m in metas) if all(m["wall_s"] for m in metas) else None,
+            "interrupted": interrupted or any(m["interrupted"] for m in metas)}
+    if on_progress:
+        on_progress(len(records), sum(r.ok for r in records), sum(not r.ok for r in records))
+    return records, meta
+
+
+def _share_main(trace: list[TraceRequest], indices: list[int], cfg: LoadConfig, conn) -> None:
+    """One process of _run_shared: probe, say ready, start when told, send back ("done", records, meta) or
+    ("error", message)."""
+    def gate() -> float:
+        conn.send(("ready",))
+        return conn.recv()
+
+    runner = LoadRunner(trace, cfg, indices=indices, start_gate=gate)
+    try:
+        meta = asyncio.run(runner.run())
+    except KeyboardInterrupt:
+        meta = {**runner.meta, "interrupted": True} if runner.meta else None
+    except Exception as exc:  # (RuntimeError from the probe: one line for the user)
+        conn.send(("error", str(exc) or type(exc).__name__))
+        return
+    conn.send(("done", runner.records, meta) if meta else ("error", "interrupted before the run began"))

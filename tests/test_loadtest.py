@@ -259,12 +259,32 @@ def test_replay_against_the_stack(stack, tmp_path):
     assert (out / "timeline.png").stat().st_size > 0 and (out / "cdf.png").stat().st_size > 0
 
 
+def test_a_replay_shared_by_client_processes_sends_the_same_requests(stack, tmp_path):
+    """--client-procs 3: the trace dealt round-robin to three processes started together; every request once, with
+    the prompt and the send time it has in a one-process run (the prompts: the server counts the same tokens)."""
+    runs = {}
+    for procs in (1, 3):
+        out = tmp_path / f"p{procs}"
+        assert cli.main(["--url", stack.base_url, "--trace", "rag", "--rate", "40", "--num-requests", "10",
+                         "--num-docs", "2", "--doc-tokens", "64", "--question-tokens", "4:12", "--output-tokens", "3",
+                         "--client-procs", str(procs), "--time-limit", "120", "--no-progress", "--no-plots",
+                         "--out", str(out)]) == 0
+        runs[procs] = (report.load_records(out / "records.jsonl"), json.loads((out / "report.json").read_text()))
+    (one, _), (three, rep) = runs[1], runs[3]
+    assert [r.index for r in three] == list(range(10)) and all(r.ok for r in three)
+    assert [r.prompt_tokens for r in three] == [r.prompt_tokens for r in one]
+    assert [r.scheduled for r in three] == [r.scheduled for r in one]  # the trace's arrivals, from one start
+    assert max(r.sent - r.scheduled for r in three) < 5.0  # (each process started on time: within seconds)
+    assert rep["meta"]["client_procs"] == 3 and rep["meta"]["planned"] == 10 and rep["summary"]["finished"] == 10
+
+
 def test_cli_fails_cleanly_without_a_server(tmp_path, capsys):
     from tests.stack import free_port
 
-    rc = cli.main(["--url", f"http://127.0.0.1:{free_port()}", "--num-requests", "3", "--no-progress",
-                   "--out", str(tmp_path / "x")])
-    assert rc == 2 and "failed before the run" in capsys.readouterr().err
+    for procs in ("1", "2"):  # (with two processes each finds no server; the run ends at once all the same)
+        rc = cli.main(["--url", f"http://127.0.0.1:{free_port()}", "--num-requests", "3", "--no-progress",
+                       "--client-procs", procs, "--out", str(tmp_path / "x")])
+        assert rc == 2 and "failed before the run" in capsys.readouterr().err
 
 
 def test_429_and_other_http_errors_are_rejections_and_goodput_misses():
@@ -284,7 +304,8 @@ FILE = "<a file>"  # stands for a regular file in tmp_path
     (["--slo=ttft=abc"], "--slo: bad term"), (["--slo=ttft=1.2.3ms"], "--slo: bad term"),
     (["--slo=ttft=1ms,ttft=2ms"], "ttft is given twice"), (["--slo=ttft=0"], "finite time > 0"),
     (["--slo=ttft=" + "9" * 400 + "s"], "finite time > 0"),
-    (["--max-connections", "0"], "--max-connections"), (["--input-tokens", "0:0"], "--input-tokens"),
+    (["--max-connections", "0"], "--max-connections"), (["--client-procs", "0"], "--client-procs"),
+    (["--client-procs", "65"], "at most 64"), (["--input-tokens", "0:0"], "--input-tokens"),
     (["--output-tokens", "5:3"], "LO <= HI"), (["--max-input-tokens", "0"], "--max-input-tokens"),
     (["--max-requests", "-1"], "--max-requests"), (["--duration", "nan"], "--duration"), (["--start", "-5"], "--start"),
     (["--start", "1e9"], "selects no request"), (["--request-timeout", "0"], "--request-timeout"),
