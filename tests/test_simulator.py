@@ -245,6 +245,7 @@ def test_step_noise_is_seeded_and_changes_timing_only():
 BAD_FLAGS = [  # flags -> the start of the one-line error
     (["--step-noise", "-0.1"], "--step-noise -0.1: must be from 0 to 10"),
     (["--step-noise", "nan"], "--step-noise nan: must be"),
+    (["--frontend-ms", "-1"], "--frontend-ms -1.0: must be from 0 to 10000"),
     (["--input-tokens", "1000000000"], "--input-tokens 1000000000: must be N or LO:HI"),
     (["--trace", "rag", "--doc-tokens", "1000000000"], "--doc-tokens 1000000000: must be"),
     (["--limit", "6"], "--limit 6 is more than the 5 requests"),
@@ -348,6 +349,13 @@ def test_simulated_sweep_is_a_loadtest_sweep(tmp_path):
     assert [r["metrics"]["ttft_p95_ms"] for r in b["runs"]] == [r["metrics"]["ttft_p95_ms"] for r in a["runs"]]
     assert loadtest_main(["compare", str(tmp_path / "a" / "sweep.json"), str(tmp_path / "b" / "sweep.json"),
                           "--plot", str(tmp_path / "ab.png")]) == 0
+    # --frontend-ms: the time outside the batcher, on every TTFT of the same runs; TPOT unchanged
+    assert main([*SWEEP_FLAGS, "--slo", "ttft=10s,tpot=10s", "--frontend-ms", "7", "--out", str(tmp_path / "c")]) == 0
+    c = json.loads((tmp_path / "c" / "sweep.json").read_text())
+    assert c["meta"]["frontend_ms"] == 7.0
+    for ra, rc in zip(a["runs"], c["runs"]):
+        assert rc["metrics"]["ttft_p95_ms"] == pytest.approx(ra["metrics"]["ttft_p95_ms"] + 7.0)
+        assert rc["metrics"]["tpot_p95_ms"] == pytest.approx(ra["metrics"]["tpot_p95_ms"])
 
 
 def test_simulated_sweep_counts_shed_requests_as_misses(tmp_path):

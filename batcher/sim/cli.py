@@ -120,6 +120,17 @@ def check_step_noise(sigma: float) -> None:
         raise ValueError(f"--step-noise {sigma}: must be from 0 to 10")
 
 
+def check_frontend_ms(ms: float) -> None:
+    if not 0.0 <= ms <= 10000.0:  # (NaN fails too)
+        raise ValueError(f"--frontend-ms {ms}: must be from 0 to 10000")
+
+
+FRONTEND_HELP = ("ms each request spends outside the batcher before its first token (the HTTP path, the gateway, the "
+                 "client), which the simulator does not model: added to every TTFT and end-to-end latency. "
+                 "`python -m batcher.trace TRACE --client RECORDS...` measures it on a live run (its 'outside' "
+                 "p50); default 0")
+
+
 def check_out_file(flag: str, path: str | None) -> None:
     """A file the run writes at its end: its directory must exist, and it must not be a directory, before the run."""
     if path is None:
@@ -152,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--step-noise", type=float, default=0.0, metavar="SIGMA",
                     help="each step takes the cost model's time x (1 + N(0, SIGMA)), seeded by --seed, while the "
                          "scheduler predicts with the model (what its prediction errors cost); default 0")
+    ap.add_argument("--frontend-ms", type=float, default=0.0, metavar="MS", help=FRONTEND_HELP)
     ap.add_argument("--bench-step", action="store_true",
                     help="time one schedule()+update() with 256 running (with --config's settings, e.g. SLO targets)")
     return ap
@@ -172,12 +184,16 @@ def _main(argv: list[str]) -> int:
         print(json.dumps(bench_step(cfg=_config(args.config)[0]), indent=1))
         return 0
     check_step_noise(args.step_noise)
+    check_frontend_ms(args.frontend_ms)
     check_out_file("--json", args.json)
     cfg, kw = _config(args.config)
     cost = _cost_model(args.cost_model, cfg)
     reqs = trace_requests(args, kw["max_model_len"])
     t0 = time.perf_counter()
     res = simulate(reqs, cfg, cost, pipelined=args.pipelined, step_noise=args.step_noise, noise_seed=args.seed, **kw)
+    if args.frontend_ms:
+        res.ttft[:] = [t + args.frontend_ms / 1000.0 for t in res.ttft]
+        res.e2e[:] = [t + args.frontend_ms / 1000.0 for t in res.e2e]
     summary = summarize(res) | {"wall_s": round(time.perf_counter() - t0, 2)}
     if res.errors:
         why = next(iter(res.errors.values()))
@@ -252,6 +268,7 @@ def build_sweep_parser() -> argparse.ArgumentParser:
                    "set num_blocks to the server's KV pool")
     p.add_argument("--cost-model", help="as laneserve simulate's (a server's --cost-model-out file, say)")
     p.add_argument("--step-noise", type=float, default=0.0, metavar="SIGMA", help="as laneserve simulate's")
+    p.add_argument("--frontend-ms", type=float, default=0.0, metavar="MS", help=FRONTEND_HELP)
     p.add_argument("--out", required=True, help="directory for sweep.json and sweep.md")
     return p
 
@@ -266,6 +283,7 @@ def sweep_main(argv: list[str]) -> int:
     p = build_sweep_parser()
     args = p.parse_args(argv)
     check_step_noise(args.step_noise)
+    check_frontend_ms(args.frontend_ms)
     slo = report.parse_slo(args.slo)
     cfg, kw = _config(args.config)
     cost_path = args.cost_model or str(default_cost_model(cfg.lanes))
@@ -275,14 +293,15 @@ def sweep_main(argv: list[str]) -> int:
     started = time.time()
     rows = []
     for rate, seed, trace in runs:
-        summary = report.summarize(run_one(warmup, trace, cfg, cost, args.step_noise, seed, **kw), slo)
+        summary = report.summarize(run_one(warmup, trace, cfg, cost, args.step_noise, seed,
+                                           frontend_s=args.frontend_ms / 1000.0, **kw), slo)
         rows.append({"rate": rate, "seed": seed, "metrics": sweep.run_metrics(summary)})
     gen = {k: v for k, v in generator_flags(args).items() if k not in ("rate", "seed")}
     meta = {"url": "simulated", "model": f"cost model {cost_path}", "trace": args.trace, "generator": gen,
             "rates": sorted(args.rates), "seeds": [args.seed + i for i in range(args.seeds)],
             "prompt_seed": args.seed, "warmup_requests": len(warmup), "slo": args.slo,
             "config": {**dataclasses.asdict(cfg), **kw}, "cost_model": dataclasses.asdict(cost),
-            "step_noise": args.step_noise, "started_at": started, "wall_s": round(time.time() - started, 3),
+            "step_noise": args.step_noise, "frontend_ms": args.frontend_ms, "started_at": started, "wall_s": round(time.time() - started, 3),
             "interrupted": False}
     result = sweep.build(meta, rows, {k: v * 1e3 for k, v in slo.items()})
     json_path, md_path = sweep.write(args.out, result)

@@ -31,9 +31,10 @@ def fit_rows(rows: list, max_model_len: int) -> tuple[list, int]:
     return [r for r, _ in fitted], sum(c for _, c in fitted)
 
 
-def records(res: SimResult, rows: list, fitted: list, first: int) -> list:
+def records(res: SimResult, rows: list, fitted: list, first: int, frontend_s: float = 0.0) -> list:
     """The load client's RequestRecords of rows (the run's trace rows, simulated as requests r{first}, ... as `fitted`:
-    each row shortened to fit max_model_len as the client would, fit_rows)."""
+    each row shortened to fit max_model_len as the client would, fit_rows); frontend_s (--frontend-ms) added to each
+    TTFT and end-to-end latency."""
     from loadtest.client import RequestRecord
 
     out = []
@@ -48,8 +49,8 @@ def records(res: SimResult, rows: list, fitted: list, first: int) -> list:
         else:
             arrival, first_at, end, n, reason = res.ends[rid]
             rec.status = 200
-            rec.e2e, rec.output_tokens = end - arrival, n
-            rec.ttft = None if first_at is None else first_at - arrival
+            rec.e2e, rec.output_tokens = end - arrival + frontend_s, n
+            rec.ttft = None if first_at is None else first_at - arrival + frontend_s
             if reason not in (FinishReason.STOP, FinishReason.LENGTH):
                 rec.error = FinishReason(reason).name
         out.append(rec)
@@ -57,7 +58,7 @@ def records(res: SimResult, rows: list, fitted: list, first: int) -> list:
 
 
 def run_one(warmup: list, rows: list, cfg, cost: CostModel, step_noise: float, seed: int, max_model_len: int,
-            **kw) -> list:
+            frontend_s: float = 0.0, **kw) -> list:
     """Simulate the warm-up, then rows WARMUP_GAP_S after it (both shortened to fit max_model_len: fit_rows); the
     rows' RequestRecords."""
     shift = warmup[-1].arrival + WARMUP_GAP_S if warmup else 0.0
@@ -70,4 +71,4 @@ def run_one(warmup: list, rows: list, cfg, cost: CostModel, step_noise: float, s
     if late:
         raise SystemExit(f"error: warm-up request {late[0]} was still running when the run began; the server is "
                          "overloaded at the warm-up's rate")
-    return records(res, rows, fitted, len(warmup))
+    return records(res, rows, fitted, len(warmup), frontend_s)
