@@ -301,8 +301,8 @@ def sweep_main(argv: list[str]) -> int:
             "rates": sorted(args.rates), "seeds": [args.seed + i for i in range(args.seeds)],
             "prompt_seed": args.seed, "warmup_requests": len(warmup), "slo": args.slo,
             "config": {**dataclasses.asdict(cfg), **kw}, "cost_model": dataclasses.asdict(cost),
-            "step_noise": args.step_noise, "frontend_ms": args.frontend_ms, "started_at": started, "wall_s": round(time.time() - started, 3),
-            "interrupted": False}
+            "step_noise": args.step_noise, "frontend_ms": args.frontend_ms, "started_at": started,
+            "wall_s": round(time.time() - started, 3), "interrupted": False}
     result = sweep.build(meta, rows, {k: v * 1e3 for k, v in slo.items()})
     json_path, md_path = sweep.write(args.out, result)
     sweep.print_sweeps([result], [""], Console())
