@@ -72,14 +72,6 @@ def count(text: str) -> int:
     return value
 
 
-def client_procs(text: str) -> int:
-    """argparse type: --client-procs, 1 to 64."""
-    value = count(text)
-    if value > 64:
-        raise argparse.ArgumentTypeError(f"{text!r}: at most 64 processes")
-    return value
-
-
 def whole(text: str) -> int:
     """argparse type: a whole number >= 0."""
     value = int(text)
@@ -88,11 +80,14 @@ def whole(text: str) -> int:
     return value
 
 
-def _seeds(text: str) -> int:
-    value = count(text)
-    if value > MAX_SEEDS:
-        raise argparse.ArgumentTypeError(f"{text!r}: at most {MAX_SEEDS}")
-    return value
+def count_up_to(limit: int, unit: str = ""):
+    """argparse type: a whole number from 1 to limit."""
+    def bounded(text: str) -> int:
+        value = count(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"{text!r}: at most {limit}{unit}")
+        return value
+    return bounded
 
 
 def _length(text: str) -> int | tuple[int, int]:
@@ -239,7 +234,7 @@ def _add_limits(w) -> None:
     w.add_argument("--max-connections", type=count, default=4096,
                    help="completions in flight at once (HTTP connections); one above it waits, and the wait counts "
                         "in its TTFT (reported: pool_wait_ms)")
-    w.add_argument("--client-procs", type=client_procs, default=1,
+    w.add_argument("--client-procs", type=count_up_to(64, " processes"), default=1,
                    help="processes that send and read the requests, each a round-robin share of the trace with its "
                         "own event loop (one loop reading hundreds of streams reads each chunk late: TTFT and ITL "
                         "measured high); the connections are split between them")
@@ -361,8 +356,8 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     """A sweep's rates, seeds and warm-up, and the trace flags: `laneserve loadtest sweep` and `laneserve simulate
     sweep` (which replays the same traces: plan_sweep)."""
     p.add_argument("--rates", type=_rates, required=True, help="requests/s, comma-separated, e.g. 24,30,36")
-    p.add_argument("--seeds", type=_seeds, default=3, help=f"seeds per rate: --seed, --seed + 1, ... (at most "
-                                                           f"{MAX_SEEDS})")
+    p.add_argument("--seeds", type=count_up_to(MAX_SEEDS), default=3,
+                   help=f"seeds per rate: --seed, --seed + 1, ... (at most {MAX_SEEDS})")
     p.add_argument("--warmup-requests", type=whole, default=None,
                    help="requests of the warm-up replay, at most --num-requests (0: none; default: 32, or --num-docs "
                         "if more, for rag)")

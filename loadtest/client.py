@@ -413,7 +413,7 @@ def _run_shared(trace: list[TraceRequest], cfg: LoadConfig, procs: int,
     records = sorted((rec for _, recs, _ in done for rec in recs), key=lambda r: r.index)
     metas = [meta for _, _, meta in done]
     meta = {**metas[0], "planned": len(trace), "client_procs": procs,
-            "wall_s": max((m["wall_s"] or 0.0) for m in metas) if all(m["wall_s"] for m in metas) else None,
+            "wall_s": max(m["wall_s"] for m in metas) if all(m["wall_s"] for m in metas) else None,
             "interrupted": interrupted or any(m["interrupted"] for m in metas)}
     if on_progress:
         on_progress(len(records), sum(r.ok for r in records), sum(not r.ok for r in records))

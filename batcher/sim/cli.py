@@ -115,14 +115,9 @@ def _as_field(msg: str, fields: dict) -> str:
     return f"--config {name} {rest}" if flag.startswith("--") and name in fields else f"--config: {msg}"
 
 
-def check_step_noise(sigma: float) -> None:
-    if not 0.0 <= sigma <= 10.0:  # (NaN fails too)
-        raise ValueError(f"--step-noise {sigma}: must be from 0 to 10")
-
-
-def check_frontend_ms(ms: float) -> None:
-    if not 0.0 <= ms <= 10000.0:  # (NaN fails too)
-        raise ValueError(f"--frontend-ms {ms}: must be from 0 to 10000")
+def check_range(flag: str, value: float, hi: float) -> None:
+    if not 0.0 <= value <= hi:  # (NaN fails too)
+        raise ValueError(f"{flag} {value}: must be from 0 to {hi:g}")
 
 
 FRONTEND_HELP = ("ms each request spends outside the batcher before its first token (the HTTP path, the gateway, the "
@@ -183,8 +178,8 @@ def _main(argv: list[str]) -> int:
     if args.bench_step:
         print(json.dumps(bench_step(cfg=_config(args.config)[0]), indent=1))
         return 0
-    check_step_noise(args.step_noise)
-    check_frontend_ms(args.frontend_ms)
+    check_range("--step-noise", args.step_noise, 10.0)
+    check_range("--frontend-ms", args.frontend_ms, 10000.0)
     check_out_file("--json", args.json)
     cfg, kw = _config(args.config)
     cost = _cost_model(args.cost_model, cfg)
@@ -282,8 +277,8 @@ def sweep_main(argv: list[str]) -> int:
 
     p = build_sweep_parser()
     args = p.parse_args(argv)
-    check_step_noise(args.step_noise)
-    check_frontend_ms(args.frontend_ms)
+    check_range("--step-noise", args.step_noise, 10.0)
+    check_range("--frontend-ms", args.frontend_ms, 10000.0)
     slo = report.parse_slo(args.slo)
     cfg, kw = _config(args.config)
     cost_path = args.cost_model or str(default_cost_model(cfg.lanes))
