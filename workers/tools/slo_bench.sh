@@ -13,7 +13,9 @@
 #     "lead:--slo-ttft-ms 120 --slo-tpot-ms 30 --max-num-batched-tokens 8192 --schedule-lead-ms 3"
 # Each argument is NAME:SERVE_ARGS. LOAD_ARGS overrides the replay's shape; PROMPT_MODE is ids or text; MODEL_ARGS
 # the model (a dry run on a CPU: MODEL_ARGS="--model tiny"); CLIENT_PROCS the load tester's processes (4; before
-# 2026-12-05's last commits the sweeps here ran one). At the end every file is packed into OUT/slo_bench.tgz
+# 2026-12-05's last commits the sweeps here ran one); OFFLINE_RUNS adds issue 19's offline throughput runs (1,000
+# prompts at once) on each server after its sweep; RATES=none skips the sweep. At the end every file is packed into
+# OUT/slo_bench.tgz
 # (a device call returns a few files only: two servers' five files each were too many, and the traces were lost).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -28,18 +30,29 @@ for spec in "$@"; do
     > "$OUT/serve_$name.log" 2>&1 &
   SERVE=$!
   for _ in $(seq 600); do grep -q "laneserve ready" "$OUT/serve_$name.log" && break; kill -0 $SERVE || break; sleep 0.5; done
+  if [ "${RATES:-}" != none ]; then
   COLUMNS=200 python3 -m laneserve.cli loadtest sweep --url http://127.0.0.1:8011 $LOAD_ARGS --rates ${RATES:-8,12,16,20,24} \
     --seeds ${SEEDS:-2} --prompt-mode ${PROMPT_MODE:-ids} --slo ttft=120ms,tpot=30ms --no-progress --no-plots \
     --client-procs ${CLIENT_PROCS:-4} \
     --out "/tmp/slo_bench/$name" 2>&1 | tee "$OUT/sweep_$name.txt" | grep -E "^(rate |warm-up|laneserve|sweep:)"
   # (each run's line printed as it ends: a call cut by its time limit keeps them)
   cp "/tmp/slo_bench/$name/sweep.json" "$OUT/sweep_$name.json" && cat "/tmp/slo_bench/$name/sweep.md"
+  fi
+  # issue 19's offline throughput: 1,000 prompts sent at once, OFFLINE_RUNS times (seeds 0, 1, ...), on this server
+  for seed in $(seq 0 $(( ${OFFLINE_RUNS:-0} - 1 ))); do
+    python3 -m laneserve.cli loadtest --url http://127.0.0.1:8011 --trace synthetic --rate 100000 --num-requests 1000 \
+      --input-tokens 512:1024 --output-tokens 128:256 --seed $seed --prompt-mode ${PROMPT_MODE:-ids} --no-progress \
+      --no-plots --client-procs ${CLIENT_PROCS:-4} --out "/tmp/slo_bench/$name/offline$seed" 2>&1 \
+      | grep -E "duration s|output tok/s" | tr -s ' ' | tr '\n' ' ' | sed "s/^/offline $name seed $seed: /"; echo
+  done
   curl -s http://127.0.0.1:8011/metrics | grep -E "^laneserve:(step_time|eager_step|prefix_cache_hit_rate|num_slo|num_preempt|num_gated|pipeline_bubble|spec_decode|engine_steps)"
   kill -INT $SERVE; wait $SERVE
   grep -i "error\|traceback" "$OUT/serve_$name.log" | head -5
+  if [ -d "/tmp/slo_bench/$name/runs" ]; then
   cp -r "/tmp/slo_bench/$name/runs" "$OUT/runs_$name"
   # where the batcher's time to first token went, and each run's TTFT outside the batcher
   python3 -m batcher.trace "$OUT/trace_$name.jsonl" --client "$OUT"/runs_"$name"/*/records.jsonl
+  fi
   [ -f "$OUT/cost_$name.json" ] && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); \
 print(sys.argv[2], 'fitted', {k: d.get(k) for k in 'abcdegh'})" "$OUT/cost_$name.json" "$name"
 done
