@@ -41,6 +41,7 @@ from batcher.scheduler import LANES, Scheduler, StepFailed, StepOrderError
 from batcher.slo import SloPolicy
 from batcher.spec import SpecPolicy
 from batcher.trace import StepTrace
+from laneserve.gcheap import freeze_startup_heap
 from laneserve.sampling import MAX_PRIORITY, check_sampling, check_slo_target
 from laneserve.wire import protocol as P
 from laneserve.wire import transport
@@ -186,7 +187,7 @@ class Batcher:
         if self.requeue:
             self.originals[msg.request_id] = (msg, [])
         if self.trace is not None:
-            self.trace.added(msg.request_id)
+            self.trace.added(msg.request_id, msg.arrival_time)
         await self.kick(wid)
 
     async def abort_requests(self, ident: bytes, msg: P.AbortRequests) -> None:
@@ -243,6 +244,8 @@ class Batcher:
                           msg.block_size, msg.max_model_len, cost=self.cost_prior[lanes], grammars=self.grammars,
                           draft_size=msg.draft_size)
         self.workers[msg.worker_id] = WorkerSlot(msg.worker_id, ident, sched, vocab_size=msg.vocab_size)
+        if not self.owner:  # (nothing serving yet: the scheduler's block table is start-up heap)
+            freeze_startup_heap()
         log.info("worker %d ready: %s, %d KV blocks of %d tokens, max_model_len %d, %s lanes", msg.worker_id,
                  msg.model, msg.num_blocks, msg.block_size, msg.max_model_len, lanes)
         if self.orphans:

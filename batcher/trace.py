@@ -2,7 +2,9 @@
 
 Owns the trace's rows and their report; the batcher (batcher/core.py) writes them. Each row has "ev" and "t" (ms
 on the batcher's monotonic clock since the trace began):
-- {"ev": "add", "req"}: a request was added to a worker's queue;
+- {"ev": "add", "req", "gw"}: a request was added to a worker's queue, "gw" ms after the gateway built it (the
+  gateway's wall clock, in its AddRequest, against the batcher's: both on one host; absent for requests that carry
+  no time);
 - {"ev": "step", "worker", "step", "lane", "predicted_ms", "features"}: a step was composed and sent to its
   worker (features: the cost model's terms, batcher/cost_model.py);
 - {"ev": "out", "worker", "step", "execute_ms", "launch_ms", "idle_ms"}: its output came back (the worker's own
@@ -12,7 +14,8 @@ on the batcher's monotonic clock since the trace began):
 computes the end of its prompt to be composed; that step behind the steps before it on the worker (its output
 came back minus its device time, from its composition); and the step's own device time. The load tester's TTFT
 adds the gateway and HTTP on top: `--client RECORDS...` (its records.jsonl files) splits that off request by
-request. Pure but for the file it writes (open, append, close).
+request, and "gw" splits it again: the gateway to the batcher, and the rest (the client to the gateway's
+AddRequest, and the first token's way back). Pure but for the file it writes (open, append, close).
 """
 
 from __future__ import annotations
@@ -34,9 +37,13 @@ class StepTrace:
         self.file.write(json.dumps({"ev": ev, "t": round((time.monotonic() - self.t0) * 1000.0, 3), **fields})
                         + "\n")
 
-    def added(self, req: str) -> None:
+    def added(self, req: str, gateway_time: float = 0.0) -> None:
+        """`gateway_time`: the AddRequest's arrival_time (the gateway's time.time() when it built the request)."""
         self.waiting_first.add(req)
-        self.write("add", req=req)
+        if gateway_time > 0.0:
+            self.write("add", req=req, gw=round((time.time() - gateway_time) * 1000.0, 3))
+        else:
+            self.write("add", req=req)
 
     def first_tokens(self, worker: int, step: int, deltas) -> None:
         """After a step's output: a "first" row for each request whose first token it carried."""
@@ -84,20 +91,26 @@ def percentile(values: list[float], p: float) -> float:
     return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
-def client_gap(rows: list[dict], records: list[dict]) -> tuple[list[float], list[float], list[float]]:
+def client_gap(rows: list[dict], records: list[dict]) -> dict[str, list[float]]:
     """The load tester's records (its records.jsonl rows) joined to the trace on the stream's id (the batcher's request
-    id is "<id>-0" for the first choice): for each match, the client's TTFT, the batcher's ("add" to "first") and
-    the difference, the time outside the batcher (the HTTP path, the gateway, the client), all in ms."""
-    added = {r["req"]: r["t"] for r in rows if r["ev"] == "add"}
+    id is "<id>-0" for the first choice): for each match, in ms, the client's TTFT ("client"), the batcher's ("add"
+    to "first", "batcher") and the difference, the time outside the batcher ("outside": the HTTP path, the gateway,
+    the client); where the trace has the gateway's time, that split into the gateway's AddRequest to the batcher
+    ("gateway") and the rest ("rest")."""
+    added = {r["req"]: r for r in rows if r["ev"] == "add"}
     first = {r["req"]: r["t"] for r in rows if r["ev"] == "first"}
-    client, batcher, gap = [], [], []
+    out: dict[str, list[float]] = {"client": [], "batcher": [], "outside": [], "gateway": [], "rest": []}
     for rec in records:
         req = f"{rec.get('response_id')}-0"
         if rec.get("ttft") is not None and req in added and req in first:
-            client.append(rec["ttft"] * 1000.0)
-            batcher.append(first[req] - added[req])
-            gap.append(client[-1] - batcher[-1])
-    return client, batcher, gap
+            add = added[req]
+            out["client"].append(rec["ttft"] * 1000.0)
+            out["batcher"].append(first[req] - add["t"])
+            out["outside"].append(out["client"][-1] - out["batcher"][-1])
+            if "gw" in add:
+                out["gateway"].append(add["gw"])
+                out["rest"].append(out["outside"][-1] - add["gw"])
+    return out
 
 
 def _line(name: str, v: list[float], what: str = "") -> str:
@@ -133,14 +146,18 @@ def main(argv: list[str] | None = None) -> int:
         print(_line(name, parts[name], what))
     if runs:
         print("per load-tester run, ms (outside: its TTFT less the batcher's, request by request):")
-        gaps = []
+        every: dict[str, list[float]] = {}
         for path, records in runs:
-            client, batcher, gap = client_gap(rows, records)
-            gaps += gap
-            print(f"  {path}: {len(gap)} of {len(records)} matched; TTFT p95 {percentile(client, 95):.1f} at the "
-                  f"client, {percentile(batcher, 95):.1f} at the batcher; outside p50 {percentile(gap, 50):.1f} "
-                  f"p95 {percentile(gap, 95):.1f}")
-        print(_line("outside", gaps, "every run: the HTTP path, the gateway, the client"))
+            gap = client_gap(rows, records)
+            for k, v in gap.items():
+                every.setdefault(k, []).extend(v)
+            print(f"  {path}: {len(gap['outside'])} of {len(records)} matched; TTFT p95 "
+                  f"{percentile(gap['client'], 95):.1f} at the client, {percentile(gap['batcher'], 95):.1f} at the "
+                  f"batcher; outside p50 {percentile(gap['outside'], 50):.1f} p95 {percentile(gap['outside'], 95):.1f}")
+        print(_line("outside", every["outside"], "every run: the HTTP path, the gateway, the client"))
+        if every["gateway"]:
+            print(_line("gateway", every["gateway"], "of which from the gateway's AddRequest to the batcher"))
+            print(_line("rest", every["rest"], "and the rest: the client to the gateway, the first token back"))
     return 0
 
 

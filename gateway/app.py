@@ -25,6 +25,7 @@ from gateway.memory import HeapTrimmer, mmap_large_blocks
 from gateway.metrics import PREFIXES, Metrics
 from gateway.routes import ARRIVAL, Api
 from gateway.tokenizer import ModelTokenizer, load_tokenizer, read_chat_template
+from laneserve.gcheap import freeze_startup_heap
 from laneserve.wire.protocol import EngineStats, Vocabulary
 
 log = logging.getLogger("laneserve.gateway")
@@ -187,6 +188,7 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None) -> None:
     loop = asyncio.get_running_loop()
     server = await loop.create_server(guard.factory(runner.server), cfg.host, cfg.port, reuse_address=True)
     guard.start()
+    freeze_startup_heap()  # (the tokenizer, the app: laneserve/gcheap.py)
     trimming = loop.create_task(app[TRIM_KEY].run())
     log.info("gateway listening on http://%s:%d", cfg.host, cfg.port)
     stop = stop or asyncio.Event()

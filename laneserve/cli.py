@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 
+from laneserve import gcheap
 from laneserve.config import add_arguments, from_args
 
 TOOLS = {
@@ -95,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         print("laneserve: --api-key on the command line is visible to every user (/proc/PID/cmdline); use "
               "LANESERVE_API_KEY or --api-key-file (the gateway gets it by environment either way)", file=sys.stderr)
     _check_log_level(args.log_level)
+    try:
+        gcheap.enabled()
+    except ValueError as exc:
+        raise SystemExit(f"laneserve: {exc}") from None
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     gateway_cfg, batcher_cfg, worker_cfg = _configs()
     if args.command == "serve":

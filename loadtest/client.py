@@ -23,6 +23,7 @@ from typing import Callable
 
 import aiohttp
 
+from laneserve.gcheap import freeze_startup_heap
 from loadtest.traces import TraceRequest, synth_token_ids
 
 # Text tokenized once to learn ordinary (non-special) token ids of the server's vocabulary; fewer distinct ids
@@ -309,6 +310,7 @@ class LoadRunner:
         async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
             self.info = await probe(session, cfg)
             loop = asyncio.get_running_loop()
+            freeze_startup_heap()  # the trace and the probe's data: a collection's pause is a late send (gcheap)
             if self.start_gate is not None:
                 await asyncio.sleep(max(0.0, await asyncio.to_thread(self.start_gate) - time.time()))
             t0 = loop.time()

@@ -57,8 +57,13 @@ def test_the_report_joins_the_load_testers_records(make_stack, tmp_path, capsys)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
     assert len(records) == 6 and all(r["response_id"].startswith("cmpl-") for r in records)
-    client, batcher, gap = client_gap(rows, records)
-    assert len(gap) == 6 and min(gap) > 0 and all(c > b > 0 for c, b in zip(client, batcher))
+    gap = client_gap(rows, records)
+    assert len(gap["outside"]) == 6 and min(gap["outside"]) > 0
+    assert all(c > b > 0 for c, b in zip(gap["client"], gap["batcher"]))
+    # the gateway's AddRequest time splits it: both parts positive (one host's wall clock; the client's TTFT spans
+    # the gateway's work before the AddRequest and the first token's way back)
+    assert len(gap["gateway"]) == 6 and min(gap["gateway"]) > 0 and min(gap["rest"]) > 0
     capsys.readouterr()
     assert report([str(path), "--client", str(run / "records.jsonl")]) == 0
-    assert "6 of 6 matched" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "6 of 6 matched" in out and "of which from the gateway's AddRequest to the batcher" in out

@@ -22,6 +22,7 @@ import traceback
 
 import zmq
 
+from laneserve.gcheap import freeze_startup_heap
 from laneserve.wire import protocol as P
 from laneserve.wire import transport
 from workers.config import WorkerConfig
@@ -40,6 +41,7 @@ def run(cfg: WorkerConfig) -> None:
         if tp is not None:
             tp.close()
         raise SystemExit(f"laneserve worker {cfg.worker_id}: {exc}") from None
+    frozen = freeze_startup_heap()  # (the model, the pool, the graphs: laneserve/gcheap.py)
     ctx = zmq.Context()
     sock = transport.connect(ctx, zmq.DEALER, cfg.worker_address, identity=f"worker-{cfg.worker_id}".encode(),
                              curve_server_public_key=cfg.curve_server_public_key,
@@ -56,7 +58,7 @@ def run(cfg: WorkerConfig) -> None:
                                    speculative=runner.tp_size == 1, draft_model=cfg.draft_model,
                                    draft_size=runner.draft_size()))
     sock.send(ready)
-    log.info("worker %d ready: %d KV blocks", cfg.worker_id, runner.num_blocks)
+    log.info("worker %d ready: %d KV blocks; %d start-up objects frozen", cfg.worker_id, runner.num_blocks, frozen)
     alive = Liveness(cfg.liveness_file)
     try:
         while not stopping:
