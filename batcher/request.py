@@ -27,8 +27,7 @@ class Request:
                  "gated_since", "num_preemptions", "epoch", "num_registered_blocks", "num_output_placeholders",
                  "max_num_tokens", "length_limit", "stop_check_from", "priority", "deadline", "tpot",
                  "first_token_at", "uncached_estimate", "arrived_at", "prefill_step", "ngrams", "grammar",
-                 "speculative", "received_at", "scheduled_at", "samples", "draft_done", "spec_drafted",
-                 "spec_accepted")
+                 "speculative", "received_at", "scheduled_at", "samples", "draft_done")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float = 0.0, max_len: int = 1 << 62, internal: bool = False):
@@ -80,9 +79,7 @@ class Request:
         self.ngrams = None  # speculative decoding: its batcher.spec.NgramIndex, made when first drafted for
         self.grammar = None  # structured output: its llguidance matcher (batcher/grammar.py), at its last token
         self.speculative = True  # it may get drafts (--speculative; a request can opt out)
-        self.draft_done = 0  # --speculative draft: its leading positions whose draft-model K/V the worker has computed
-        # its own draft tokens verified and accepted, decayed (its acceptance estimate: SpecPolicy.request_alpha)
-        self.spec_drafted = self.spec_accepted = 0.0
+        self.draft_done = 0  # --speculative draft: its leading positions whose draft-model K/V the worker has
         # Its queue time, sent with its first token (vLLM's request_queue_time_seconds ends at the first schedule):
         # when the batcher received it (None: arrived_at; earlier when a grammar compiled first) and when a step
         # first scheduled it (the scheduler's clock both).

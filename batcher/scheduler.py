@@ -32,7 +32,7 @@ from batcher.cost_model import CostModel, Features, OnlineCostFit, default_cost_
 from batcher.grammar import GrammarError, Grammars, follow
 from batcher.request import Request, Status, blocks_for
 from batcher.slo import ADMISSION_MARGIN, MIN_PREFILL_TOKENS, SloPolicy
-from batcher.spec import DRAFT_CATCHUP, INDEX_BUDGET, REQUEST_RECOVERY, SpecPolicy
+from batcher.spec import DRAFT_CATCHUP, INDEX_BUDGET, SpecPolicy
 from laneserve.wire.protocol import (ITERATION_TOKENS_BUCKETS, LANE_DECODE, LANE_MIXED, LANE_PREFILL, AddRequest,
                                      CachedReq, DraftJob, EngineStats, FinishReason, NewReq, SamplingParams, StepInput,
                                      StepOutput, TokenDelta)
@@ -365,7 +365,6 @@ class Scheduler:
         slow the prefills (measured on the H200: with drafts in such steps the bursty replay's TTFT p95 rose
         13-24% at 16-24 req/s)."""
         drafters = draft_context = others = other_context = 0
-        alphas = []
         if self.waiting or len(self.running) * 2 > self.cfg.max_num_seqs:  # (no K >= 1 fits the largest graph)
             return 0
         budget = INDEX_BUDGET  # (a long context's index is built over several steps)
@@ -382,12 +381,11 @@ class Scheduler:
                         r.ngrams.ready(r.token_ids) and r.ngrams.propose(r.token_ids, 1)):
                 drafters += 1
                 draft_context += r.num_computed_tokens
-                alphas.append(self.spec.request_alpha(r.spec_drafted, r.spec_accepted))
             else:
                 others += 1
                 other_context += r.num_computed_tokens
         return self.spec.choose_k(drafters, draft_context, self.fit.model, self.cfg.max_num_seqs, others,
-                                  other_context, alphas)
+                                  other_context)
 
     def _draft_catchup(self) -> dict[str, int]:
         """--speculative draft: request id -> where the draft model's K/V computation of it stops in the next step
@@ -628,16 +626,11 @@ class Scheduler:
                 break
             drafts, job = [], None
             if not req.num_output_placeholders and self._may_draft(req):
-                # its own acceptance decides whether it drafts (batcher/spec.py); its counts decay meanwhile
-                worth = self.spec.request_alpha(req.spec_drafted, req.spec_accepted) >= self.spec.min_alpha
-                req.spec_drafted *= REQUEST_RECOVERY
-                req.spec_accepted *= REQUEST_RECOVERY
-                room = min(self.spec_k, budget - 1, req.length_limit - len(req.token_ids) - 1) if worth else 0
+                room = min(self.spec_k, budget - 1, req.length_limit - len(req.token_ids) - 1)
                 p = req.num_computed_tokens  # its input's position
                 stop = self.catchup.get(req.request_id) if by_model else None
                 if not by_model:
-                    drafts = req.ngrams.propose(req.token_ids, room) if room > 0 and req.ngrams.ready(req.token_ids) \
-                        else []
+                    drafts = req.ngrams.propose(req.token_ids, room) if req.ngrams.ready(req.token_ids) else []
                 elif stop is not None:
                     job = DraftJob(req.draft_done, stop, max(room, 0) if stop == p + 1 else 0)
             k = job.k if job is not None else len(drafts)
@@ -930,8 +923,6 @@ class Scheduler:
                 sequences += 1
                 drafted += k
                 accepted += accepted_here
-                req.spec_drafted += k
-                req.spec_accepted += accepted_here
             if req.epoch != rec.epoch:  # no longer running
                 continue
             if isinstance(d, DraftJob):

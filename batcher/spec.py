@@ -22,13 +22,6 @@ the drafts), what its work costs. Pure: no I/O, no torch.
   (a model whose drafts never pay stops paying for probes: each runs a step alone in flight with max K). Only
   requests that may draft now count as drafting (no penalties, ..., and prompt lookup finds a match in their known
   tokens): with none, K is 0 and async scheduling keeps two steps in flight.
-- Which requests draft: each request keeps its own acceptance estimate, (its accepted + REQUEST_PRIOR * a) /
-  (its drafted + REQUEST_PRIOR), a the server's rate; for each K the drafters are taken in order of their
-  estimates while each one's expected gain, E(K) - 1 tokens, for its K more rows raises the step's tokens per ms
-  (the rest decode one token: a verify shares one step, so a request whose drafts are rarely accepted would slow
-  every other request's tokens for nothing; measured on the H100 with the whole server's rate alone: such requests'
-  TPOT +0.3-0.7 ms, the others' -1.2 ms). A request left out stops drafting, and its counts decay by
-  REQUEST_RECOVERY a step meanwhile, so its estimate drifts back to a and it is tried again.
 - Draft model: the worker's draft model proposes the drafts (protocol DraftJob), for every request that may
   draft and whose draft K/V catches up in the step (below). Its K passes cost r * (a plain decode step of those
   requests) each, r the draft's cost over the model's: first its parameter share (WorkerReady.draft_size), then
@@ -59,8 +52,6 @@ INDEX_BUDGET = 1024  # token positions indexed per step, all requests together (
 DRAFT_CATCHUP = 2048  # draft-model positions computed per step past each request's input, all requests together
 MIN_DRAFT_RATIO = 0.01  # the draft's cost share assumed at least (a tiny draft is launch-bound, not free)
 METHODS = ("off", "ngram", "draft")
-REQUEST_PRIOR = 8.0  # draft tokens' weight of the server's rate in a request's own acceptance estimate
-REQUEST_RECOVERY = 0.97  # a request left out of drafting: its counts' decay per step (its estimate back to a)
 
 
 class NgramIndex:
@@ -132,46 +123,34 @@ class SpecPolicy:
         self.probing = False  # a probe was decided: K stays up until a step verifies drafts
         self.probe_every = PROBE_EVERY  # 0-decisions between probes now
         self.until_probe = PROBE_EVERY
-        self.min_alpha = 0.0  # the lowest request estimate that drafts in the step decided last (choose_k)
 
     def index(self) -> NgramIndex:
         return NgramIndex(self.min_n, self.max_n)
 
     def choose_k(self, batch: int, context: int, cost: CostModel, max_rows: int, others: int = 0,
-                 other_context: int = 0, alphas: list[float] | None = None) -> int:
+                 other_context: int = 0) -> int:
         """The K that maximises tokens per ms of a step with `batch` requests that can draft (`context` K/V tokens
         in all) and `others` that decode one token each, with at most max_rows rows (the worker's largest decode
         graph: --max-num-seqs). A step with drafts is alone in flight: it also pays the host gap (cost h), and with
-        a draft model its K passes over the drafting requests. `alphas`: each drafter's own acceptance estimate
-        (request_alpha; else all at the server's rate): for each K, the drafters with the highest estimates draft
-        while each raises the rate (the others decode one token); sets min_alpha, the lowest estimate that drafts."""
-        self.min_alpha = 0.0
+        a draft model its K passes over the drafting requests."""
         if not self.enabled or batch <= 0:
             return 0
+        alpha = self.alpha if self.drafted >= MIN_DRAFTS else max(self.alpha, OPTIMISTIC_ACCEPTANCE)
         top = min(self.max_k, (max_rows - others) // batch - 1)
         if top < 1:
             return 0
         if self.probing:  # a probe waits for a step that drafts
             return top
-        alpha = self.server_alpha()
-        ranked = sorted(alphas, reverse=True) if alphas is not None else [alpha] * batch
-        per_ctx = context / batch
-        plain = cost.step_ms(0, 0, batch + others, context + other_context)
-        best_k, best, best_m = 0, (batch + others) / plain, 0
+        best_k, best = 0, (batch + others) / cost.step_ms(0, 0, batch + others, context + other_context)
         draft_pass = self.draft_ratio * cost.step_ms(0, 0, batch, context) if self.draft_model else 0.0
         for k in range(1, top + 1):
-            tokens, ms, m = batch + others, plain + cost.h + k * draft_pass, 0
-            row_ms = k * (cost.c + cost.d * per_ctx)  # a drafter's k more rows, each reading its context
-            for a in ranked:  # (highest first: once one does not raise the rate, none after it does)
-                gain = expected_tokens(k, a) - 1.0
-                if (tokens + gain) * ms <= tokens * (ms + row_ms):
-                    break
-                tokens, ms, m = tokens + gain, ms + row_ms, m + 1
-            if m and tokens / ms > best:
-                best_k, best, best_m = k, tokens / ms, m
+            rows, kv = batch * (k + 1) + others, (k + 1) * context + other_context
+            rate = (batch * expected_tokens(k, alpha) + others) / (cost.step_ms(0, 0, rows, kv) + cost.h
+                                                                   + k * draft_pass)
+            if rate > best:
+                best_k, best = k, rate
         if best_k:
             self.probe_every = self.until_probe = PROBE_EVERY
-            self.min_alpha = ranked[best_m - 1]
             return best_k
         self.until_probe -= 1
         if self.until_probe <= 0:
@@ -179,15 +158,6 @@ class SpecPolicy:
             self.until_probe = self.probe_every = min(2 * self.probe_every, PROBE_MAX)
             return top
         return 0
-
-    def server_alpha(self) -> float:
-        """The server's acceptance rate as decisions use it: at least OPTIMISTIC_ACCEPTANCE until MIN_DRAFTS draft
-        tokens were verified."""
-        return self.alpha if self.drafted >= MIN_DRAFTS else max(self.alpha, OPTIMISTIC_ACCEPTANCE)
-
-    def request_alpha(self, drafted: float, accepted: float) -> float:
-        """A request's own acceptance estimate from its (decayed) counts, pulled to the server's rate."""
-        return (accepted + REQUEST_PRIOR * self.server_alpha()) / (drafted + REQUEST_PRIOR)
 
     @staticmethod
     def draft_work_ms(jobs: Iterable[DraftJob], cost: CostModel) -> float:

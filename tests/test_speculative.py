@@ -135,51 +135,6 @@ def test_drafts_give_the_same_tokens_in_fewer_steps(mode):
     assert all(len(st.spec_token_ids.get(r, ())) <= 4 for st in spec.steps for r in st.num_scheduled_tokens)
 
 
-def test_choosing_k_leaves_out_the_drafters_whose_own_acceptance_does_not_pay():
-    dear = CostModel(a=5.0, b=0.02, c=0.5, d=0.0)  # a row costs 10% of the step's fixed part: drafts must earn it
-    spec = SpecPolicy("ngram", 4, 2, 4)
-    spec.drafted, spec.alpha = MIN_DRAFTS, 0.6
-    everyone = spec.choose_k(8, 8000, dear, 256)
-    assert everyone == spec.choose_k(8, 8000, dear, 256, alphas=[0.6] * 8) and spec.min_alpha == 0.6
-    k = spec.choose_k(8, 8000, dear, 256, alphas=[0.95, 0.1, 0.95, 0.2, 0.95, 0.05, 0.95, 0.1])
-    assert k >= 2 and spec.min_alpha == 0.95  # the four that guess well draft, the others decode one token
-    assert spec.choose_k(8, 8000, dear, 256, alphas=[0.1] * 8) == 0 and spec.min_alpha == 0.0
-    assert spec.request_alpha(0, 0) == 0.6 and spec.request_alpha(100, 0) < 0.05  # its own counts outweigh a
-
-
-def guessable_or_not(rid: str, toks: list[int]) -> int:
-    """"good" requests repeat a cycle of 7 tokens (drafts accepted); the others repeat 2000, 2001, then a new token
-    each time, so after 2000, 2001 prompt lookup proposes the token that followed them last time: always wrong."""
-    if rid.startswith("good"):
-        return cycle(rid, toks)
-    n = len(toks)
-    return (2000, 2001, 3000 + n)[n % 3]
-
-
-def test_a_request_whose_drafts_are_rarely_accepted_stops_drafting_and_the_others_go_on():
-    """Rows are dear here: drafts that are mostly rejected slow every request's step for nothing, so the requests
-    whose own acceptance is low decode one token a step (tried again now and then), while the others draft; the
-    tokens are those of decoding without drafts."""
-    dear = CostModel(a=5.0, b=0.02, c=0.5, d=0.0)
-    runs = {}
-    for spec in ("off", "ngram"):
-        s = Scheduler(cfg(speculative=spec, num_speculative_tokens=4), 256, BS, 8192, cost=dear)
-        d = Driver(s, guessable_or_not)
-        for i in range(4):
-            add(s, f"good{i}", 20, base=100 * i, max_tokens=150, temperature=0.0)
-            add(s, f"bad{i}", 20, base=100 * i + 50, max_tokens=150, temperature=0.0)
-        d.run()
-        runs[spec] = d
-    spec = runs["ngram"]
-    assert spec.tokens == runs["off"].tokens and spec.s.bm.num_free == 256
-    drafted = {rid: sum(len(st.spec_token_ids.get(rid, ())) for st in spec.steps) for rid in spec.tokens}
-    good = sum(v for r, v in drafted.items() if r.startswith("good"))
-    bad = sum(v for r, v in drafted.items() if r.startswith("bad"))
-    assert good > 150 and 0 < bad < 0.15 * good, drafted  # (tried: each starts at the server's rate)
-    steps = {name: sum("good0" in st.num_scheduled_tokens for st in d.steps) for name, d in runs.items()}
-    assert steps["ngram"] < 0.5 * steps["off"], steps  # the good ones still finish in fewer steps
-
-
 @pytest.mark.parametrize("pool", [10, 14])
 def test_a_tight_pool_preempts_requests_with_drafts_and_loses_nothing(pool):
     plain = _run(_drivers()["sync"], {"async_scheduling": False}, pool=pool)
