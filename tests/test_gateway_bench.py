@@ -1,5 +1,6 @@
 """The latency the gateway adds: `python -m gateway.tools.bench` (SSE throughput and TTFT, idle and under streaming
-load: a real gateway and a protocol-speaking instant batcher), and first tokens routed ahead of other deltas."""
+load: a real gateway and a protocol-speaking instant batcher), first tokens routed ahead of other deltas, and short
+prompt work kept off the thread pool."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ def test_the_gateway_bench_times_ttft_under_streaming_load():
         # a paced batcher: each first token waits for a step, through the gateway and without it
         assert r["loaded_direct_ms_p50"] > 0 and r["loaded_ttft_ms_p50"] > 0
         assert r["loaded_added_ms_p95"] == round(r["loaded_ttft_ms_p95"] - r["loaded_direct_ms_p95"], 3)
+    r = _bench("--load-streams", "4", "--step-ms", "5", "--ttft-requests", "6", "--prompt-tokens", "300",
+               "--burst", "3")  # id prompts, three at a time
+    assert (r["prompt_tokens"], r["burst"]) == (300, 3) and r["loaded_ttft_ms_p50"] > 0
 
 
 async def test_a_first_token_is_routed_before_the_running_streams_deltas(tmp_path):
@@ -64,3 +68,17 @@ async def test_a_first_token_is_routed_before_the_running_streams_deltas(tmp_pat
         assert [w[0] for w in woke[2:]] == ["r0", "r1", "r2"] and not queues["new"].waiting
     finally:
         await client.close()
+
+
+async def test_short_prompt_work_runs_inline_and_long_work_in_a_thread():
+    """gateway/routes.py off_loop: a thread's round trip under streaming load cost more than tokenizing or checking
+    a short prompt, so only work on text over INLINE_CHARS leaves the event loop's thread."""
+    import threading
+
+    from gateway.routes import INLINE_CHARS, off_loop
+
+    here = threading.get_ident()
+    assert await off_loop(0, threading.get_ident) == here  # token ids: checked inline
+    assert await off_loop(INLINE_CHARS, threading.get_ident) == here
+    assert await off_loop(INLINE_CHARS + 1, threading.get_ident) != here
+    assert await off_loop(10, divmod, 7, 2) == (3, 1)

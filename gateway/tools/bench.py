@@ -114,9 +114,9 @@ def gateway_process(address: str, port: int) -> None:
     run(GatewayConfig(port=port, batcher_address=address, max_queued_requests=0, request_timeout=0))
 
 
-async def _stream(session, url: str, tokens: int) -> tuple[float, int]:
+async def _stream(session, url: str, tokens: int, prompt: str | list[int] = "bench") -> tuple[float, int]:
     """-> (seconds to the first content chunk, content chunks received)."""
-    body = {"model": "tiny", "prompt": "bench", "max_tokens": tokens, "stream": True, "ignore_eos": True}
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": tokens, "stream": True, "ignore_eos": True}
     t0 = time.perf_counter()
     ttft, chunks = 0.0, 0
     async with session.post(url, json=body) as resp:
@@ -142,9 +142,11 @@ async def _wait_healthy(session, base: str) -> None:
     raise SystemExit("gateway did not become healthy")
 
 
-async def _loaded_ttft(base: str, address: str, n: int, load_streams: int, here: bool, step_s: float) -> dict:
-    """TTFT of n sequential 1-token requests, through the gateway and straight to the batcher, while load_streams
-    streams run (read by another process, or with `here` by this one, as a load tester's loop does)."""
+async def _loaded_ttft(base: str, address: str, n: int, load_streams: int, here: bool, step_s: float,
+                       prompt_tokens: int = 0, burst: int = 1) -> dict:
+    """TTFT of n 1-token requests, `burst` at a time, through the gateway and straight to the batcher, while
+    load_streams streams run (read by another process, or with `here` by this one, as a load tester's loop does);
+    prompt_tokens > 0: each request's prompt is that many token ids (else a short text)."""
     import aiohttp
 
     url = base + "/v1/completions"
@@ -162,12 +164,14 @@ async def _loaded_ttft(base: str, address: str, n: int, load_streams: int, here:
             await asyncio.sleep(0.05)  # polling the gateway's gauge until the load runs
         rng = random.Random(0)
         ttfts = []
-        for _ in range(n):  # each at a random phase of the batcher's step (sent right after the last one, every
-            # request would arrive just after a step and wait the same time for the next)
+        for _ in range(-(-n // burst)):  # each burst at a random phase of the batcher's step (sent right after the
+            # last one, every request would arrive just after a step and wait the same time for the next)
             await asyncio.sleep(rng.random() * step_s)
-            ttfts.append((await _stream(session, url, 1))[0])
+            prompts = [[rng.randrange(40, 90) for _ in range(prompt_tokens)] if prompt_tokens else "bench"
+                       for _ in range(burst)]
+            ttfts += [t for t, _ in await asyncio.gather(*(_stream(session, url, 1, p) for p in prompts))]
         ttfts.sort()
-        direct = await asyncio.to_thread(direct_ttft, address, n, step_s)
+        direct = await asyncio.to_thread(direct_ttft, address, -(-n // burst), step_s)
         if here:
             for t in load:
                 t.cancel()
@@ -175,8 +179,8 @@ async def _loaded_ttft(base: str, address: str, n: int, load_streams: int, here:
         else:
             proc.terminate()
             proc.join(10)
-    out = {"load_streams": load_streams, "load_read_here": here,
-           "loaded_added_ms_mean": round(1e3 * (sum(ttfts) - sum(direct)) / n, 3)}
+    out = {"load_streams": load_streams, "load_read_here": here, "prompt_tokens": prompt_tokens, "burst": burst,
+           "loaded_added_ms_mean": round(1e3 * (sum(ttfts) / len(ttfts) - sum(direct) / len(direct)), 3)}
     for q, name in ((0.5, "p50"), (0.95, "p95"), (0.99, "p99")):
         out[f"loaded_ttft_ms_{name}"] = _pct(ttfts, q)
         out[f"loaded_direct_ms_{name}"] = _pct(direct, q)
@@ -219,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="also TTFT under load: --ttft-requests sequential requests while this many streams run, "
                          "the batcher stepping every --step-ms, through the gateway and straight to the batcher")
     ap.add_argument("--step-ms", type=float, default=20.0, help="with --load-streams: ms between the batcher's steps")
+    ap.add_argument("--prompt-tokens", type=int, default=0,
+                    help="with --load-streams: each measured request's prompt is this many token ids (0: a short text)")
+    ap.add_argument("--burst", type=int, default=1,
+                    help="with --load-streams: measured requests sent this many at a time")
     ap.add_argument("--load-here", action="store_true",
                     help="with --load-streams: read the load's streams in the measuring client's own event loop "
                          "(as a load tester does), not in another process")
@@ -244,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         base = f"http://127.0.0.1:{port}"
         if args.load_streams:  # (a paced batcher: the unloaded figures below would measure its pace)
             print(json.dumps(asyncio.run(_loaded_ttft(base, address, args.ttft_requests, args.load_streams,
-                                                      args.load_here, step_s))))
+                                                      args.load_here, step_s, args.prompt_tokens, args.burst))))
             return 0
         direct = direct_ttft(address, args.ttft_requests)
         result = asyncio.run(_drive(base, args.streams, args.tokens, args.ttft_requests))
