@@ -31,8 +31,9 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 DONE = b"data: [DONE]\n\n"
 _json = msgspec.json.encode
 ARRIVAL = web.RequestKey("arrival", float)  # monotonic time the request reached the gateway
-# A request's prompt work (tokenizing, rendering a chat template, decoding for echo) runs in a thread when its text
-# is longer than this (the tokenizer drops the GIL there, so the event loop streams meanwhile), inline otherwise:
+# A request's prompt work (tokenizing, checking token ids, rendering a chat template, decoding for echo) runs in a
+# thread when it has more characters and token ids than this (the tokenizer drops the GIL there, so the event loop
+# streams meanwhile; each costs ~0.2 us), inline otherwise:
 # under streaming load a thread's round trip (the GIL's hand-over, the loop's queue) costs more than short work (on
 # the 2-core CPU machine, 128 streams, 1,900-token id prompts in fours: the gateway's arrival to its AddRequest,
 # p95 10.6 -> 0.7 ms; docs/perf.md "CPU-side figures").
@@ -40,10 +41,26 @@ INLINE_CHARS = 4096
 
 
 async def off_loop(size: int, fn, *args):
-    """fn(*args), in a thread if `size` (characters of text it works on) is over INLINE_CHARS, else inline."""
+    """fn(*args), in a thread if `size` (the characters and token ids it works on) is over INLINE_CHARS, else
+    inline."""
     if size <= INLINE_CHARS:
         return fn(*args)
     return await asyncio.to_thread(fn, *args)
+
+
+def _prompt_size(req) -> int:
+    """A completion request's prompt work for off_loop: its characters and token ids (more than INLINE_CHARS for
+    echo, which decodes, and for more prompts than a request may have, which are refused after a scan)."""
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return len(prompt)
+    if req.echo or not isinstance(prompt, list):
+        return INLINE_CHARS + 1
+    if prompt and not isinstance(prompt[0], (str, list)):  # one prompt of token ids
+        return len(prompt)
+    if len(prompt) > S.MAX_SEQUENCES:
+        return INLINE_CHARS + 1
+    return sum(len(p) if isinstance(p, (str, list)) else 1 for p in prompt)
 
 
 def json_response(obj, status: int = 200) -> web.Response:
@@ -143,9 +160,7 @@ class Api:
                 logprobs = 0  # the sampled tokens' logprobs rank the sequences (not shown)
         constraint = await self._constraint(req)
         # tokenizing (and decoding for echo) a long prompt in a thread: it must not stall the event loop
-        text = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-        size = sum(len(p) for p in text if isinstance(p, str)) if not req.echo else INLINE_CHARS + 1
-        prompts, echo = await off_loop(size, self._completion_prompts, req)
+        prompts, echo = await off_loop(_prompt_size(req), self._completion_prompts, req)
         max_tokens = [S.resolve_max_tokens(req.max_tokens, 16, len(p), self.tok.max_model_len) for p in prompts]
         return await self._generate(request, req, "cmpl", self.completion_shape, prompts, max_tokens, logprobs,
                                     echo, constraint)

@@ -82,3 +82,11 @@ async def test_short_prompt_work_runs_inline_and_long_work_in_a_thread():
     assert await off_loop(INLINE_CHARS, threading.get_ident) == here
     assert await off_loop(INLINE_CHARS + 1, threading.get_ident) != here
     assert await off_loop(10, divmod, 7, 2) == (3, 1)
+    from gateway import schemas as S
+    from gateway.routes import _prompt_size
+
+    def size(**kw) -> int:
+        return _prompt_size(S.CompletionRequest(model="m", **kw))
+    assert size(prompt=[7] * 1900) == 1900 and size(prompt=["ab", [1, 2, 3]]) == 5 and size(prompt="x" * 99) == 99
+    # a thread for echo (it decodes) and for more prompts than a request may have (refused after a scan)
+    assert size(prompt=[7], echo=True) > INLINE_CHARS and size(prompt=[[1]] * 300) > INLINE_CHARS
