@@ -32,11 +32,10 @@ DONE = b"data: [DONE]\n\n"
 _json = msgspec.json.encode
 ARRIVAL = web.RequestKey("arrival", float)  # monotonic time the request reached the gateway
 # A request's prompt work (tokenizing, checking token ids, rendering a chat template, decoding for echo) runs in a
-# thread when it has more characters and token ids than this (the tokenizer drops the GIL there, so the event loop
-# streams meanwhile; each costs ~0.2 us), inline otherwise:
-# under streaming load a thread's round trip (the GIL's hand-over, the loop's queue) costs more than short work (on
-# the 2-core CPU machine, 128 streams, 1,900-token id prompts in fours: the gateway's arrival to its AddRequest,
-# p95 10.6 -> 0.7 ms; docs/perf.md "CPU-side figures").
+# thread when it has more characters and token ids than this (each costs ~0.2 us; the tokenizer drops the GIL, so
+# the event loop streams meanwhile), and inline otherwise: under streaming load the thread's round trip (the GIL's
+# hand-over, the loop's queue) cost more than short work (the 2-core CPU machine, 128 streams, 1,900-token id
+# prompts in fours: the gateway's arrival to its AddRequest p95 10.6 -> 0.7 ms; docs/perf.md, "CPU-side figures").
 INLINE_CHARS = 4096
 
 

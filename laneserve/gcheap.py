@@ -2,13 +2,15 @@
 
 CPython's cyclic collector stops its process while it traverses the tracked objects of the generations it collects,
 and a full (generation 2) collection traverses all of them. A worker holds torch's ~300k start-up objects: on the
-2-core CPU machine its full collections took 59 ms (median) to 107 ms, about every 5 s under a replay, each one a
-stall of every step behind it; the gateway's (~50k objects) took 28 ms. `freeze_startup_heap()`, called once a
-process has loaded what it keeps for its lifetime (the worker its model, pool and graphs; the batcher its
-schedulers; the gateway its tokenizer; the load tester its trace), collects once and moves every surviving object
-to the permanent generation (`gc.freeze`), so later collections traverse only what serving allocated since. Frozen
-objects are still freed when their last reference goes; only a reference cycle among them would be kept.
-`LANESERVE_GC_FREEZE=0` turns it off (to compare).
+2-core CPU machine its full collections during start-up took 11 ms to 132 ms (growing with the heap), and one
+while serving would stall every step behind it as long; the gateway's (~50k objects) took 11-28 ms. (None fell
+inside a 25-s replay there: a full collection waits until the survivors since the last one are a quarter of the
+long-lived heap, so a large heap makes them rare and long.) `freeze_startup_heap()`, called once a process has
+loaded what it keeps for its lifetime (the worker its model, pool and graphs; the batcher its schedulers; the
+gateway its tokenizer; the load tester its trace), collects once and moves every surviving object to the permanent
+generation (`gc.freeze`, as vLLM's engine core and API server do), so later collections traverse only what serving allocated since.
+Frozen objects are still freed when their last reference goes; only a reference cycle among them would be kept.
+`LANESERVE_GC_FREEZE=0` turns it off (to compare); `laneserve serve` checks the value at start.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ ENV = "LANESERVE_GC_FREEZE"
 
 
 def enabled(env: dict | None = None) -> bool:
+    """LANESERVE_GC_FREEZE as a bool (default on); a value that is not a boolean is a ValueError."""
     value = (os.environ if env is None else env).get(ENV, "1").strip().lower()
     if value not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
         raise ValueError(f"{ENV} must be 0 or 1, got {value!r}")
