@@ -14,6 +14,7 @@ Must not import gateway/, batcher/, workers/: it talks HTTP only (vLLM's server 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import multiprocessing as mp
 import resource
@@ -23,7 +24,6 @@ from typing import Callable
 
 import aiohttp
 
-from laneserve.gcheap import freeze_startup_heap
 from loadtest.traces import TraceRequest, synth_token_ids
 
 # Text tokenized once to learn ordinary (non-special) token ids of the server's vocabulary; fewer distinct ids
@@ -310,7 +310,8 @@ class LoadRunner:
         async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
             self.info = await probe(session, cfg)
             loop = asyncio.get_running_loop()
-            freeze_startup_heap()  # the trace and the probe's data: a collection's pause is a late send (gcheap)
+            gc.collect()  # the trace and the probe's data out of the collector's full passes: a pause there is a
+            gc.freeze()  # late send (laneserve/gcheap.py does the same for the server; loadtest imports only itself)
             if self.start_gate is not None:
                 await asyncio.sleep(max(0.0, await asyncio.to_thread(self.start_gate) - time.time()))
             t0 = loop.time()
