@@ -7,10 +7,11 @@ while serving would stall every step behind it as long; the gateway's (~50k obje
 inside a 25-s replay there: a full collection waits until the survivors since the last one are a quarter of the
 long-lived heap, so a large heap makes them rare and long.) `freeze_startup_heap()`, called once a process has
 loaded what it keeps for its lifetime (the worker its model, pool and graphs; the batcher its schedulers; the
-gateway its tokenizer; the load tester its trace), collects once and moves every surviving object to the permanent
-generation (`gc.freeze`, as vLLM's engine core and API server do), so later collections traverse only what serving allocated since.
-Frozen objects are still freed when their last reference goes; only a reference cycle among them would be kept.
-`LANESERVE_GC_FREEZE=0` turns it off (to compare); `laneserve serve` checks the value at start.
+gateway its tokenizer), collects once and moves every surviving object to the permanent generation (`gc.freeze`,
+as vLLM's engine core and API server do), so later collections traverse only what serving allocated since. Frozen
+objects are still freed when their last reference goes; only a reference cycle among them would be kept.
+`LANESERVE_GC_FREEZE=0` turns it off (to compare); `laneserve serve` checks the value at start. The load tester
+(loadtest/client.py) freezes its trace the same way with the stdlib alone.
 """
 
 from __future__ import annotations
