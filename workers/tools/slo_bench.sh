@@ -31,12 +31,12 @@ for spec in "$@"; do
   SERVE=$!
   for _ in $(seq 600); do grep -q "laneserve ready" "$OUT/serve_$name.log" && break; kill -0 $SERVE || break; sleep 0.5; done
   if [ "${RATES:-}" != none ]; then
-  COLUMNS=200 python3 -m laneserve.cli loadtest sweep --url http://127.0.0.1:8011 $LOAD_ARGS --rates ${RATES:-8,12,16,20,24} \
-    --seeds ${SEEDS:-2} --prompt-mode ${PROMPT_MODE:-ids} --slo ttft=120ms,tpot=30ms --no-progress --no-plots \
-    --client-procs ${CLIENT_PROCS:-4} \
-    --out "/tmp/slo_bench/$name" 2>&1 | tee "$OUT/sweep_$name.txt" | grep -E "^(rate |warm-up|laneserve|sweep:)"
-  # (each run's line printed as it ends: a call cut by its time limit keeps them)
-  cp "/tmp/slo_bench/$name/sweep.json" "$OUT/sweep_$name.json" && cat "/tmp/slo_bench/$name/sweep.md"
+    COLUMNS=200 python3 -m laneserve.cli loadtest sweep --url http://127.0.0.1:8011 $LOAD_ARGS \
+      --rates ${RATES:-8,12,16,20,24} --seeds ${SEEDS:-2} --prompt-mode ${PROMPT_MODE:-ids} --slo ttft=120ms,tpot=30ms \
+      --no-progress --no-plots --client-procs ${CLIENT_PROCS:-4} --out "/tmp/slo_bench/$name" 2>&1 \
+      | tee "$OUT/sweep_$name.txt" | grep -E "^(rate |warm-up|laneserve|sweep:)"
+    # (each run's line printed as it ends: a call cut by its time limit keeps them)
+    cp "/tmp/slo_bench/$name/sweep.json" "$OUT/sweep_$name.json" && cat "/tmp/slo_bench/$name/sweep.md"
   fi
   # issue 19's offline throughput: 1,000 prompts sent at once, OFFLINE_RUNS times (seeds 0, 1, ...), on this server
   for seed in $(seq 0 $(( ${OFFLINE_RUNS:-0} - 1 ))); do
@@ -49,9 +49,9 @@ for spec in "$@"; do
   kill -INT $SERVE; wait $SERVE
   grep -i "error\|traceback" "$OUT/serve_$name.log" | head -5
   if [ -d "/tmp/slo_bench/$name/runs" ]; then
-  cp -r "/tmp/slo_bench/$name/runs" "$OUT/runs_$name"
-  # where the batcher's time to first token went, and each run's TTFT outside the batcher
-  python3 -m batcher.trace "$OUT/trace_$name.jsonl" --client "$OUT"/runs_"$name"/*/records.jsonl
+    cp -r "/tmp/slo_bench/$name/runs" "$OUT/runs_$name"
+    # where the batcher's time to first token went, and each run's TTFT outside the batcher
+    python3 -m batcher.trace "$OUT/trace_$name.jsonl" --client "$OUT"/runs_"$name"/*/records.jsonl
   fi
   [ -f "$OUT/cost_$name.json" ] && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); \
 print(sys.argv[2], 'fitted', {k: d.get(k) for k in 'abcdegh'})" "$OUT/cost_$name.json" "$name"
