@@ -147,10 +147,10 @@ async def test_a_worker_whose_connection_closes_is_lost_at_once_and_a_new_one_se
 
 async def test_a_silent_worker_is_lost_after_worker_timeout(tmp_path):
     async with batcher(tmp_path, worker_timeout=0.5) as side:
+        t0 = time.monotonic()  # before the worker's last message: the batcher times silence from that message
         wk = await side.worker(0)
         await side.add("a", max_tokens=50)
         await recv(wk, WK)  # it takes the step and never answers (stuck, connection still up)
-        t0 = time.monotonic()
         (end,) = (await side.deltas_until_finished({"a"}))["a"]
         assert end.finish_reason == P.FinishReason.ERROR and "silent" in end.error
         assert 0.5 <= time.monotonic() - t0 < 5.0  # a bound generous enough for a loaded CI machine
