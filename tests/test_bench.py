@@ -87,6 +87,14 @@ def test_bench_persistent_decode_attention_needs_a_gpu(capsys):
     assert line.startswith("laneserve bench: error: argument --decode-attention: persistent picks among"), line
 
 
+@NO_GPU
+def test_bench_decode_gemv_rows_are_checked(capsys):
+    line = _error(capsys, ["bench", "--parts", "engine", "--decode-gemv-rows", "0,9"])
+    assert line == "laneserve bench: error: argument --decode-gemv-rows: 9: each value must be 0 to 8", line
+    line = _error(capsys, ["bench", "--parts", "engine", "--decode-gemv-rows", "0,8"])
+    assert line.startswith("laneserve bench: error: argument --decode-gemv-rows: 0,8 runs the GPU's"), line
+
+
 def test_bench_notes_the_parts_it_skips_and_runs_the_rest(capsys, tmp_path):
     out = tmp_path / "bench.json"
     assert cli(["bench", "--model", "tiny", "--parts", "hf,engine", "--batches", "1,2", "--contexts", "8",

@@ -210,10 +210,9 @@ def test_rope_write_kv_is_rope_then_write_kv_in_one_launch(dtype, tokens, heads,
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,k,config", [(1, 96, 160, {}), (3, 40, 300, {"BLOCK_K": 128}),
-                                          (8, 70, 520, {"SPLIT_K": 2, "BLOCK_K": 128, "BLOCK_N": 16}),
-                                          (5, 33, 64, {"SPLIT_K": 4, "BLOCK_K": 128})])
+                                          (8, 70, 520, {"BLOCK_K": 128, "BLOCK_N": 16}), (5, 33, 64, {})])
 def test_gemv_is_the_linear_for_small_batches(dtype, m, n, k, config):
-    """Ragged N and K (masks), M padded to 16, split K with atomics (and a split left with no work)."""
+    """Ragged N and K (masks), M padded to 16."""
     from workers.kernels.gemv import gemv
 
     x = randn(m, k, dtype=dtype, salt=1).to(DEVICE)
@@ -225,3 +224,37 @@ def test_gemv_is_the_linear_for_small_batches(dtype, m, n, k, config):
     assert torch.allclose(got, ref, rtol=tol, atol=tol * ref.abs().max().item()), f"seed {SEED}"
     with pytest.raises(ValueError, match="gemv takes"):
         gemv(torch.zeros(9, k, dtype=dtype, device=DEVICE), w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fuse", ["norm", "silu", "residual", "bias+norm", "silu+residual"])
+def test_gemv_fuses_the_layers_small_ops(dtype, fuse):
+    """Each prologue / epilogue the decoder layer's GEMV path uses, against the fallbacks then a linear (the model's
+    math op for op): RMSNorm of x, silu(gate) * up, r += y in place, the bias. Ragged N and K."""
+    from workers.kernels.gemv import gemv
+
+    m, n, k = 3, 70, 300
+    eps = 1e-5
+    x = randn(m, 2 * k if "silu" in fuse else k, dtype=dtype, salt=1).to(DEVICE)
+    w = randn(n, k, dtype=dtype, salt=2).to(DEVICE)
+    nw = (1 + 0.1 * randn(k, dtype=dtype, salt=3)).to(DEVICE)
+    b = randn(n, dtype=dtype, salt=4).to(DEVICE) if "bias" in fuse else None
+    r = randn(m, n, dtype=dtype, salt=5).to(DEVICE)
+    with use_triton(False):  # the reference: torch's math on CPU copies
+        xin = x.cpu()
+        xin = fused.rms_norm(xin, nw.cpu(), eps) if "norm" in fuse else xin
+        xin = fused.silu_mul(xin) if "silu" in fuse else xin
+        y = torch.nn.functional.linear(xin.float(), w.cpu().float(), None if b is None else b.cpu().float()).to(dtype)
+        ref = (r.cpu() + y) if "residual" in fuse else y
+    r_in = r.clone()
+    got = gemv(x, w, bias=b, norm=(nw, eps) if "norm" in fuse else None, silu="silu" in fuse,
+               residual=r if "residual" in fuse else None)
+    if "residual" in fuse:
+        assert got is r  # r += y in place
+    else:
+        assert torch.equal(r, r_in)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert torch.allclose(got.float().cpu(), ref.float(), rtol=tol, atol=tol * ref.float().abs().max().item()), \
+        f"seed {SEED}"
+    with pytest.raises(ValueError, match="the residual must be"):
+        gemv(x[:, :k], w, residual=r[:, :5])

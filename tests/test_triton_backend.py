@@ -16,16 +16,22 @@ from workers.runner import ModelRunner  # noqa: E402
 N_NEW = 12
 
 
-@pytest.mark.parametrize("arch,decode,fused_kernels", [
-    ("mistral", "partitioned", None), ("qwen2", "partitioned", None),  # sliding window; qkv bias + GQA group 2
-    ("mistral", "persistent", None),  # issue 25's kernel
-    ("llama", "partitioned", True)])  # every fused kernel too, RoPE in the K/V write's launch (on CPU: interpreted)
-def test_triton_backend_matches_hf_greedy_in_a_chunked_batch(arch, decode, fused_kernels, tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch,decode,fused_kernels,gemv_rows", [
+    ("mistral", "partitioned", None, 0), ("qwen2", "partitioned", None, 0),  # sliding window; qkv bias + GQA group 2
+    ("mistral", "persistent", None, 0),  # issue 25's kernel
+    ("llama", "partitioned", True, 0),  # every fused kernel too, RoPE in the K/V write's launch (on CPU: interpreted)
+    ("qwen2", "partitioned", True, 8)])  # the fused GEMV path for steps of <= 8 tokens (qkv bias in its epilogue)
+def test_triton_backend_matches_hf_greedy_in_a_chunked_batch(arch, decode, fused_kernels, gemv_rows, tmp_path,
+                                                             monkeypatch):
+    from workers.model import llama
+
     monkeypatch.setattr(fused, "USE_TRITON", fused_kernels)
+    gemvs = []  # the model's launches of the fused GEMV
+    monkeypatch.setattr(llama, "gemv", lambda *a, _f=llama.gemv, **kw: gemvs.append(a[0].shape[0]) or _f(*a, **kw))
     hf = make_checkpoint(str(tmp_path), arch, seed=3)
     runner = ModelRunner(WorkerConfig(model=str(tmp_path), device=DEVICE, dtype="float32", kv_cache_memory="2MiB",
                                       max_model_len=512, attention_backend="triton", decode_attention=decode,
-                                      max_num_seqs=8))
+                                      max_num_seqs=8, decode_gemv_rows=gemv_rows))
     assert runner.backend.name == "triton"
     prompts = [random_prompt(n, seed=n) for n in (90, 9, 23)]  # persistent: the first one's context split in two
     sim = Sim(runner, budget=32)  # chunked prefill mixed with decodes in the same steps
@@ -35,6 +41,7 @@ def test_triton_backend_matches_hf_greedy_in_a_chunked_batch(arch, decode, fused
     for i, p in enumerate(prompts):
         assert out[f"r{i}"] == hf_greedy(hf, p, N_NEW), f"request {i}"
     assert bool(runner.backend.buffers) == (decode == "persistent")  # the persistent kernel ran
+    assert bool(gemvs) == bool(gemv_rows) and all(rows <= gemv_rows for rows in gemvs)  # decode steps took it
 
 
 def test_persistent_decode_attention_needs_the_triton_backend():
@@ -44,6 +51,14 @@ def test_persistent_decode_attention_needs_the_triton_backend():
         ModelRunner(WorkerConfig(model="tiny", device="cpu", attention_backend="torch", decode_attention="persistent"))
     with pytest.raises(ValueError, match="choose partitioned, persistent or auto"):
         ModelRunner(WorkerConfig(model="tiny", device="cpu", decode_attention="grid"))
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the GPU has the kernels")
+def test_decode_gemv_rows_is_checked_before_the_weights_load():
+    with pytest.raises(ValueError, match="must be 0 \\(off\\) to 8"):
+        ModelRunner(WorkerConfig(model="tiny", device="cpu", decode_gemv_rows=9))
+    with pytest.raises(ValueError, match="kernels are Triton's and need a GPU; this worker runs on cpu"):
+        ModelRunner(WorkerConfig(model="tiny", device="cpu", decode_gemv_rows=1))
 
 
 def test_auto_decode_attention_takes_the_persistent_kernel_for_skewed_batches_only(tmp_path, monkeypatch):

@@ -43,6 +43,10 @@ class WorkerConfig:
         "persistent (a fixed grid taking chunks of one length from a work plan built on the device: long and short "
         "contexts in one batch are balanced; needs the Triton backend). The torch backend (the CPU default) has "
         "neither: auto and partitioned mean its own"))
+    decode_gemv_rows: int = field(default=0, metadata=flag(
+        "CUDA, tensor-parallel size 1: steps of at most this many tokens (1-8) run the model's linear layers as "
+        "weight-streaming GEMV kernels with the RMSNorms, SiLU * up and the residual adds fused into them (four "
+        "launches per layer after attention instead of seven; issue 25); 0 = cuBLAS and the separate kernels"))
     enforce_eager: bool = field(default=False, metadata=flag(
         "CUDA: run every step eagerly instead of CUDA graphs (decode graphs and piecewise graphs)"))
     piecewise_graph_tokens: int = field(default=2048, metadata=flag(

@@ -53,6 +53,8 @@ from workers.collectives import broadcast_tokens, min_across_ranks, rank_device
 from workers.config import WorkerConfig
 from workers.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from workers.draft import Drafter
+from workers.kernels.fused import triton_kernels
+from workers.kernels.gemv import MAX_M as GEMV_MAX_M
 from workers.kv_cache import (BLOCK_SIZE, DEFAULT_CPU_KV_BYTES, KVCache, bytes_per_block, gpu_kv_budget, load_kv_scales,
                               parse_bytes, resolve_kv_dtype)
 from workers.loader import load_model, resolve_device, resolve_dtype
@@ -157,6 +159,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         elif cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
+        gemv_rows = self._gemv_rows(cfg.decode_gemv_rows)  # (checked before the weights load)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype)
         self.model_config = load_model_config(cfg.model)
@@ -174,6 +177,7 @@ class ModelRunner:
                                 tp_rank, self.tp_size)
         self.backend = get_backend(cfg.attention_backend, self.device, self.num_kv_heads, cfg.decode_attention,
                                    cfg.max_num_seqs)
+        self.model.gemv_rows = gemv_rows
         self.drafter: Drafter | None = None  # --draft-model: loaded before the pool is sized, which holds its K/V too
         if cfg.draft_model:
             if self.tp_size != 1:
@@ -222,6 +226,18 @@ class ModelRunner:
                  str(self.dtype).split(".")[-1], self.num_blocks, self.kv_cache.nbytes / 2**20,
                  str(self.kv_dtype).split(".")[-1],
                  f", scales: {self.kv_cache.scales.source}" if self.kv_cache.scales is not None else "")
+
+    def _gemv_rows(self, rows: int) -> int:
+        """--decode-gemv-rows, checked: the fused GEMV path runs Triton kernels on the model's own weights."""
+        if not 0 <= rows <= GEMV_MAX_M:
+            raise ValueError(f"--decode-gemv-rows {rows}: must be 0 (off) to {GEMV_MAX_M}")
+        if rows and self.tp_size != 1:
+            raise ValueError(f"--decode-gemv-rows {rows} needs --tensor-parallel-size 1 (its residual adds would "
+                             "come before the all-reduce)")
+        if rows and not triton_kernels(torch.empty(0, device=self.device)):
+            raise ValueError(f"--decode-gemv-rows {rows}: its kernels are Triton's and need a GPU; this worker runs on "
+                             f"{self.device}")
+        return rows
 
     def draft_size(self) -> float:
         """The draft model's parameters over the model's (0: none)."""

@@ -1,15 +1,23 @@
-"""Weight-streaming linear for small batches (issue 25): y = x @ w.T for x [M, K] with M <= 8.
+"""Weight-streaming linear for small batches (issue 25): y = x @ w.T for x [M, K] with M <= 8, with the decoder
+layer's small ops fused into it.
 
 At batch 1-8 a decode step's GEMMs read every weight once and do almost no math, so their time is the weights'
-bytes over the bandwidth the kernel reaches: cuBLAS reads the 7B's weights at 3.2-4.1 TB/s on the H200.
-This kernel gives each program BLOCK_N rows of w (contiguous along K, so each row streams in wide loads) and
-multiplies them with the M input rows padded to 16 on the tensor cores (the math is free here; the padding keeps
-registers for the loads), accumulating in fp32; SPLIT_K > 1 splits K over programs (fp32 atomics into a zeroed
-buffer, then one cast) for shapes with too few row blocks to fill the GPU. Measured on the H200 (2026-12-05,
-`python -m workers.tools.kernel_bench --gemv`, docs/perf.md): with each shape's best config 8% faster than cuBLAS
-over a batch-1 step's weights (3.9-4.2 TB/s), no faster at batch 4-8, slower with one config for all shapes. Not
-wired into the model: a per-shape table tuned on one model would be needed for ~7% at batch 1. On CPU tensors it
-runs under Triton's interpreter (tests).
+bytes over the bandwidth the kernel reaches: cuBLAS reads the 7B's weights at 3.2-4.1 TB/s on the H200. This kernel
+gives each program BLOCK_N rows of w (contiguous along K, so each row streams in wide loads) and multiplies them with
+the M input rows padded to 16 on the tensor cores (the math is free here; the padding keeps registers for the loads),
+accumulating in fp32. Each program reads all of x (a few KB, from L2), so the op that makes x can run inside it:
+- `norm=(weight, eps)`: x is the residual stream and the product takes RMSNorm(x) (each program computes the rows'
+  rstd in a first pass over x), rounded as workers/kernels/fused.py's norm rounds it;
+- `silu=True`: x is a merged gate/up output [M, 2K] and the product takes silu(gate) * up, rounded as `silu_mul`;
+- `residual=r`: r += y in place (rounded in r's dtype, as `add_rms_norm` adds), returned instead of y;
+- `bias`: added in fp32 before the one rounding.
+So a decoder layer's tail at batch <= 8 is four launches (o + residual, norm + gate/up, silu + down + residual,
+the next layer's norm + qkv) instead of seven (workers/model/llama.py, `--decode-gemv-rows`).
+
+Launch configs: `GEMV_CONFIGS` holds the best config per weight shape measured on the H200 (2026-12-05,
+`python -m workers.tools.kernel_bench --gemv`, docs/perf.md: 8% faster than cuBLAS over a batch-1 step's weights,
+3.9-4.2 TB/s; no faster at batch 4-8); other shapes take `GEMV_CONFIG`. On CPU tensors it runs under Triton's
+interpreter (tests).
 """
 
 from __future__ import annotations
@@ -23,56 +31,97 @@ except ImportError:  # CPU-only installs
     triton = None
 
 MAX_M = 8
-# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); the bench sweeps GEMV_GRID and prints the best per shape
-GEMV_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "num_warps": 4, "num_stages": 4}
-GEMV_GRID = {"BLOCK_N": [16, 32, 64], "BLOCK_K": [128, 256, 512], "SPLIT_K": [1, 2, 4], "num_warps": [4],
-             "num_stages": [3, 5]}
+# (BLOCK_N, BLOCK_K, num_warps, num_stages); the bench sweeps GEMV_GRID and prints the best per shape
+GEMV_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4}
+GEMV_GRID = {"BLOCK_N": [16, 32, 64], "BLOCK_K": [128, 256, 512], "num_warps": [4], "num_stages": [3, 5]}
+# (N, K) -> the best config at batch 1 on the H200: the Mistral-7B shape's qkv, o, gate/up, down and lm_head
+GEMV_CONFIGS = {
+    (6144, 4096): {"BLOCK_N": 64, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3},
+    (4096, 4096): {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 4, "num_stages": 5},
+    (28672, 4096): {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
+    (4096, 14336): {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 5},
+    (32000, 4096): {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
+}
+NONE, NORM, SILU = 0, 1, 2  # the prologue: what the product takes from x
 
 if triton is not None:
     @triton.jit
-    def _gemv(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, UPCAST: tl.constexpr,
-              PRECISION: tl.constexpr):
+    def _gemv(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_rm, stride_ym, eps,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr, BIAS: tl.constexpr,
+              RESIDUAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         ms = tl.arange(0, 16)
-        k_lo = tl.program_id(1) * k_per_split
+        m_ok = ms < M
+        dtype = x_ptr.dtype.element_ty
+        if PRO == 1:  # RMSNorm: each input row's rstd over all of K first
+            sq = tl.zeros((16,), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                xf = tl.load(x_ptr + ms[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & (ks[None, :] < K),
+                             other=0.0).to(tl.float32)
+                sq += tl.sum(xf * xf, 1)
+            rstd = tl.rsqrt(sq / K + eps)
         acc = tl.zeros((16, BLOCK_N), tl.float32)
-        for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
+        for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
             w = tl.load(w_ptr + rows[:, None] * stride_wn + ks[None, :], mask=(rows[:, None] < N) & k_ok[None, :],
                         other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptr + ms[:, None] * stride_xm + ks[None, :], mask=(ms[:, None] < M) & k_ok[None, :],
-                        other=0.0)
+            xmask = m_ok[:, None] & k_ok[None, :]
+            x = tl.load(x_ptr + ms[:, None] * stride_xm + ks[None, :], mask=xmask, other=0.0)
+            if PRO == 1:  # normalised in fp32, cast to x's dtype, then * weight (fused.py's _rms_norm_kernel)
+                y = (x.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)
+                nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+                x = (nw[None, :] * y).to(dtype)
+            elif PRO == 2:  # silu(gate) * up: gate columns [0, K), up columns [K, 2K) (fused.py's _silu_mul_kernel)
+                g = x.to(tl.float32)
+                up = tl.load(x_ptr + ms[:, None] * stride_xm + K + ks[None, :], mask=xmask, other=0.0).to(tl.float32)
+                act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+                x = (act * up).to(dtype)
             if UPCAST:  # (Triton's interpreter: its bf16 dot is wrong)
                 x, w = x.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-        offs = ms[:, None] * stride_ym + rows[None, :]
-        mask = (ms[:, None] < M) & (rows[None, :] < N)
-        if ATOMIC:
-            tl.atomic_add(y_ptr + offs, acc, mask=mask)
+        if BIAS:
+            acc += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[None, :]
+        mask = m_ok[:, None] & (rows[None, :] < N)
+        out = acc.to(dtype)
+        if RESIDUAL:  # r += y, the sum in r's dtype (as torch's `residual + x` rounds it)
+            at = r_ptr + ms[:, None] * stride_rm + rows[None, :]
+            res = tl.load(at, mask=mask, other=0.0)
+            tl.store(at, (out.to(tl.float32) + res.to(tl.float32)).to(res.dtype), mask=mask)
         else:
-            tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.store(y_ptr + ms[:, None] * stride_ym + rows[None, :], out, mask=mask)
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (M <= 8, rows contiguous along K) @ w.T for w [N, K] contiguous: [M, N] in x's dtype."""
-    M, K = x.shape
-    N = w.shape[0]
-    if M > MAX_M or w.shape[1] != K or w.stride(1) != 1 or x.stride(1) != 1:
-        raise ValueError(f"gemv takes x [M <= {MAX_M}, K] and w [N, K] contiguous along K, got {tuple(x.shape)} "
-                         f"and {tuple(w.shape)}")
-    c = {**GEMV_CONFIG, **(config or {})}
-    split = c["SPLIT_K"]
-    k_per_split = -(-K // (split * c["BLOCK_K"])) * c["BLOCK_K"]
-    split = -(-K // k_per_split)
-    y = out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
-    acc = torch.zeros(M, N, dtype=torch.float32, device=x.device) if split > 1 else y
-    grid = (triton.cdiv(N, c["BLOCK_N"]), split)
-    _gemv[grid](x, w, acc, M, N, K, x.stride(0), w.stride(0), acc.stride(0), k_per_split,
-                BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], ATOMIC=split > 1, UPCAST=not x.is_cuda,
-                PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=c["num_warps"],
-                num_stages=c["num_stages"])
-    if split > 1:
-        y.copy_(acc)
+def gemv_config(n: int, k: int) -> dict:
+    """The launch config for a weight of [n, k]: GEMV_CONFIGS' entry for that shape, else GEMV_CONFIG."""
+    return GEMV_CONFIGS.get((n, k), GEMV_CONFIG)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None, *, bias: torch.Tensor | None = None,
+         norm: tuple[torch.Tensor, float] | None = None, silu: bool = False, residual: torch.Tensor | None = None,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M <= 8, K] (rows contiguous along K; with silu [M, 2K]) @ w.T for w [N, K] contiguous: [M, N] in x's dtype
+    (into out if given), with the prologue / epilogue the module docstring lists; with residual, r += y in place and
+    r is returned. config: launch-config overrides on top of gemv_config(N, K)."""
+    M = x.shape[0]
+    N, K = w.shape
+    if (M > MAX_M or x.shape[1] != K * (2 if silu else 1) or w.stride(1) != 1 or x.stride(1) != 1
+            or (norm is not None and silu)):
+        raise ValueError(f"gemv takes x [M <= {MAX_M}, K] (silu: [M, 2K]) and w [N, K] contiguous along K, and at "
+                         f"most one of norm / silu, got {tuple(x.shape)} and {tuple(w.shape)}")
+    if residual is not None and (residual.shape != (M, N) or residual.stride(1) != 1 or out is not None):
+        raise ValueError(f"gemv: the residual must be [{M}, {N}] contiguous along N (and no out), got "
+                         f"{tuple(residual.shape)}")
+    c = {**gemv_config(N, K), **(config or {})}
+    y = residual if residual is not None else (out if out is not None else
+                                               torch.empty(M, N, dtype=x.dtype, device=x.device))
+    norm_w, eps = norm if norm is not None else (None, 0.0)
+    _gemv[(triton.cdiv(N, c["BLOCK_N"]),)](
+        x, w, bias if bias is not None else w, norm_w if norm_w is not None else w, y, y, M, N, K, x.stride(0),
+        w.stride(0), y.stride(0), y.stride(0), eps, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
+        PRO=NORM if norm is not None else (SILU if silu else NONE), BIAS=bias is not None,
+        RESIDUAL=residual is not None, UPCAST=not x.is_cuda,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=c["num_warps"],
+        num_stages=c["num_stages"])
     return y

@@ -12,7 +12,9 @@ go through workers/kernels/fused.py: on CUDA one Triton kernel each for residual
 (the residual stream is carried beside the hidden state, vLLM style, summed by the next norm),
 RoPE in place on q/k (views into the qkv output) and SiLU * up; elsewhere the same torch math
 as HF, op for op. forward() runs in pieces, head(), then attend(i) and tail(i) per layer, so
-that workers/cuda_graphs.py can capture the pieces between attentions as CUDA graphs.
+that workers/cuda_graphs.py can capture the pieces between attentions as CUDA graphs. Steps of at
+most `gemv_rows` tokens (`--decode-gemv-rows`, off by default) run the linear layers as
+workers/kernels/gemv.py's GEMVs instead, with the norms, SiLU * up and residual adds inside them.
 
 Tensor parallelism (tp_size > 1, docs/tensor_parallel.md), Megatron-style, with the parallel linear
 layers of workers/model/layers.py: q/k/v and gate/up are column-parallel (each rank holds
@@ -35,6 +37,7 @@ from torch import nn
 from laneserve.modelspec import ModelConfig
 from workers.attention.base import AttentionBackend, AttentionMetadata
 from workers.kernels.fused import add_rms_norm, rms_norm, silu_mul
+from workers.kernels.gemv import gemv
 from workers.model.layers import ColumnParallelLinear, MergedLinear, RowParallelLinear
 
 
@@ -156,6 +159,24 @@ class DecoderLayer(nn.Module):
             return residual.add_(x)  # the last layer's MLP output joins the stream
         return after.self_attn.qkv_proj(after.input_layernorm(x, residual), out=qkv_out)
 
+    def tail_gemv(self, o: torch.Tensor, residual: torch.Tensor, after: DecoderLayer | None,
+                  qkv_out: torch.Tensor | None = None) -> torch.Tensor:
+        """tail() at <= 8 tokens in four weight-streaming GEMV launches, each with the small op before or after it
+        (workers/kernels/gemv.py): o_proj + the residual add, norm + gate/up, SiLU * up + down_proj + the residual
+        add, the next layer's norm + qkv. The same math and roundings as tail() (to the GEMM's summation order)."""
+        o_proj, mlp, post = self.self_attn.o_proj, self.mlp, self.post_attention_layernorm
+        gemv(o, o_proj.weight, bias=o_proj.bias, residual=residual)
+        gate_up = gemv(residual, mlp.gate_up_proj.weight, bias=mlp.gate_up_proj.bias, norm=(post.weight, post.eps))
+        gemv(gate_up, mlp.down_proj.weight, bias=mlp.down_proj.bias, silu=True, residual=residual)
+        if after is None:
+            return residual
+        return after.qkv_gemv(residual, qkv_out)
+
+    def qkv_gemv(self, residual: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """This layer's input norm and qkv projection in one GEMV launch."""
+        qkv, norm = self.self_attn.qkv_proj, self.input_layernorm
+        return gemv(residual, qkv.weight, bias=qkv.bias, norm=(norm.weight, norm.eps), out=out)
+
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_size: int = 1):
@@ -181,6 +202,11 @@ class LlamaForCausalLM(nn.Module):
         self.rope: RotaryEmbedding | None = None
         self.backend: AttentionBackend | None = None
         self.sliding_window = cfg.sliding_window
+        self.gemv_rows = 0  # --decode-gemv-rows (set by the runner): steps of at most this many tokens take tail_gemv
+
+    def small(self, x: torch.Tensor) -> bool:
+        """Whether x's rows take the fused GEMV path (--decode-gemv-rows; the runner checked it can run)."""
+        return 0 < x.shape[0] <= self.gemv_rows and x.stride(-1) == 1
 
     def bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend,
              max_len: int, kv_scales: list | None = None) -> None:
@@ -220,6 +246,8 @@ class LlamaForCausalLM(nn.Module):
         residual = (F.embedding(input_ids, weight) if residual_out is None
                     else torch.index_select(weight, 0, input_ids, out=residual_out))
         first = self.model.layers[0]
+        if self.small(residual):
+            return first.qkv_gemv(residual, qkv_out), residual
         return first.self_attn.qkv_proj(first.input_layernorm(residual), out=qkv_out), residual
 
     def attend(self, i: int, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -231,11 +259,14 @@ class LlamaForCausalLM(nn.Module):
              ) -> torch.Tensor:
         """Layer i after its attention, to layer i+1's qkv projection (the last layer: to the hidden states)."""
         layers = self.model.layers
-        return layers[i].tail(o, residual, layers[i + 1] if i + 1 < len(layers) else None, qkv_out)
+        tail = layers[i].tail_gemv if self.small(o) else layers[i].tail
+        return tail(o, residual, layers[i + 1] if i + 1 < len(layers) else None, qkv_out)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on the selected rows (the norm is per row, so this is exact)."""
         weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
+        if self.small(hidden):
+            return gemv(hidden, weight, norm=(self.model.norm.weight, self.model.norm.eps))
         return F.linear(self.model.norm(hidden), weight)
 
     def fuse_projections(self) -> None:

@@ -407,6 +407,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="laneserve serve's --piecewise-graph-tokens (CUDA graphs for steps with a prompt chunk; 0: "
                          "eager), or a comma list (0,2048): the engine and mixed parts run once per value and print "
                          "the ratios against the first")
+    ap.add_argument("--decode-gemv-rows", type=token_counts, default="0",
+                    help="laneserve serve's --decode-gemv-rows (a GPU's fused GEMV path for steps of <= 8 tokens; 0: "
+                         "cuBLAS), or a comma list (0,8): the engine part runs once per value and prints the ratios "
+                         "against the first")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--out", default="", help="write JSON here")
     args = ap.parse_args(argv)
@@ -417,6 +421,11 @@ def main(argv: list[str] | None = None) -> int:
     if len(args.piecewise_graph_tokens) > 1 and not gpu:
         ap.error("argument --piecewise-graph-tokens: a list compares CUDA graphs with eager steps; this machine has "
                  "no GPU")
+    if max(args.decode_gemv_rows) > 8:
+        ap.error(f"argument --decode-gemv-rows: {max(args.decode_gemv_rows)}: each value must be 0 to 8")
+    if args.decode_gemv_rows != [0] and not gpu:
+        ap.error(f"argument --decode-gemv-rows: {','.join(map(str, args.decode_gemv_rows))} runs the GPU's Triton "
+                 "GEMV kernels; this machine has no GPU")
     if (len(args.decode_attention) > 1 or "persistent" in args.decode_attention) and not gpu:
         ap.error(f"argument --decode-attention: {','.join(args.decode_attention)} picks among the GPU attention "
                  "backend's Triton kernels; this machine has no GPU")
@@ -442,21 +451,23 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"argv": sys.argv, "date": time.strftime("%Y-%m-%d"), "device": (
         torch.cuda.get_device_name() if gpu else "cpu"), "torch": torch.__version__}
     pieces = args.piecewise_graph_tokens
+    gemv_rows = args.decode_gemv_rows
     variants = {(f"KV {kv}" + (f", {da} decode" if len(args.decode_attention) > 1 else "")
-                 + (f", pieces {pw}" if len(pieces) > 1 else "")): (kv, da, pw)
-                for kv in args.kv_cache_dtype for da in args.decode_attention for pw in pieces}
-    labels = list(variants)  # name -> (KV dtype, decode kernel, piecewise graph tokens)
+                 + (f", pieces {pw}" if len(pieces) > 1 else "") + (f", gemv {g}" if len(gemv_rows) > 1 else "")
+                 ): (kv, da, pw, g)
+                for kv in args.kv_cache_dtype for da in args.decode_attention for pw in pieces for g in gemv_rows}
+    labels = list(variants)  # name -> (KV dtype, decode kernel, piecewise graph tokens, GEMV rows)
     # before any model is loaded: its KV pool takes the memory the copy needs (an H100's 80 GB ran out)
     bw = measure_copy_bandwidth() if "roofline" in parts and gpu else None
     for name in labels if parts & {"engine", "mixed", "breakdown"} else labels[:1]:
-        kv_dtype, decode_attention, piecewise = variants[name]
+        kv_dtype, decode_attention, piecewise, gemv = variants[name]
         if not parts & {"engine", "mixed", "roofline", "breakdown"}:
             break
         cfg = WorkerConfig(model=model, load_format="dummy" if model != "tiny" else "auto",
                            dtype="bfloat16" if gpu else "float32", max_num_seqs=max(batches),
                            max_model_len=max_model_len, max_num_batched_tokens=8192, kv_cache_dtype=kv_dtype,
                            decode_attention=decode_attention, enforce_eager=args.enforce_eager,
-                           piecewise_graph_tokens=piecewise)
+                           piecewise_graph_tokens=piecewise, decode_gemv_rows=gemv)
         t0 = time.perf_counter()
         runner = ModelRunner(cfg)
         check_kv_pool(ap, args, parts, runner)

@@ -7,7 +7,8 @@ the baseline. CUDA events around CUDA-graph replays after warm-up, medians. --sw
 prints the best; workers/kernels/paged_attention.py holds the chosen defaults. --persistent times the persistent
 decode kernel (issue 25) against the partitioned one on skewed and uniform batches (SKEWED below); --rope-kv the
 RoPE + K/V write in one launch against today's two; --gemv the small-batch linear (workers/kernels/gemv.py) against
-cuBLAS on the 7B's weight shapes, as bytes of weights read per second against the copy bandwidth.
+cuBLAS on the 7B's weight shapes, as bytes of weights read per second against the copy bandwidth, then a whole
+step's weights layer by layer with the decoder layer's small ops fused into the GEMVs (`--decode-gemv-rows`).
 """
 
 from __future__ import annotations
@@ -198,6 +199,53 @@ def bench_gemv(copy: float) -> dict:
     return {"copy_tb_s": copy, "rows": rows, "step_us": step}
 
 
+def bench_gemv_layers() -> list[dict]:
+    """A decode step's weights, layer by layer: 32 layers' tails (o, the residual add and norm, gate/up, SiLU * up,
+    down, the residual add and the next layer's norm, qkv) with distinct weights (no L2 reuse across layers, as in a
+    step), then the final norm and lm_head, at batch 1 / 4 / 8, three ways: cuBLAS with the separate kernels (the
+    model's path), the GEMV with the separate kernels, and the fused GEMV path (`--decode-gemv-rows`)."""
+    from workers.kernels.fused import add_rms_norm, rms_norm, silu_mul
+    from workers.kernels.gemv import gemv
+
+    hidden, eps = GEMV_SHAPES["o"][0], 1e-5
+
+    def weight(name: str) -> torch.Tensor:
+        n, k = GEMV_SHAPES[name]
+        return torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * k ** -0.5
+
+    layers = [{name: weight(name) for name in ("qkv", "o", "gate_up", "down")} for _ in range(LAYERS)]
+    lm_head = weight("lm_head")
+    norm = torch.ones(hidden, dtype=torch.bfloat16, device="cuda")
+
+    def separate(linear):
+        def step(o: torch.Tensor, residual: torch.Tensor) -> None:
+            for w in layers:
+                h = add_rms_norm(linear(o, w["o"]), residual, norm, eps)
+                h = add_rms_norm(linear(silu_mul(linear(h, w["gate_up"])), w["down"]), residual, norm, eps)
+                o = linear(h, w["qkv"])[:, :hidden]  # (no attention: q's columns stand in for its output)
+            linear(rms_norm(residual, norm, eps), lm_head)
+        return step
+
+    def fused_step(o: torch.Tensor, residual: torch.Tensor) -> None:
+        for w in layers:
+            gemv(o, w["o"], residual=residual)
+            gemv(gemv(residual, w["gate_up"], norm=(norm, eps)), w["down"], silu=True, residual=residual)
+            o = gemv(residual, w["qkv"], norm=(norm, eps))[:, :hidden]
+        gemv(residual, lm_head, norm=(norm, eps))
+
+    steps = {"cublas": separate(F.linear), "gemv": separate(lambda x, w: gemv(x, w)), "gemv_fused": fused_step}
+    rows = []
+    for m in (1, 4, 8):
+        o = torch.randn(m, hidden, dtype=torch.bfloat16, device="cuda")
+        residual = torch.randn(m, hidden, dtype=torch.bfloat16, device="cuda")
+        ms = {name: time_ms(lambda: step(o, residual), reps=10, per_graph=1) for name, step in steps.items()}
+        rows.append({"m": m, **{f"{name}_ms": v for name, v in ms.items()}})
+        print(f"  gemv layers batch {m}: {LAYERS} layers + lm_head, cuBLAS + separate kernels {ms['cublas']:.3f} ms, "
+              f"gemv + separate {ms['gemv']:.3f} ({ms['cublas'] / ms['gemv']:.2f}x), fused gemv "
+              f"{ms['gemv_fused']:.3f} ({ms['cublas'] / ms['gemv_fused']:.2f}x)", flush=True)
+    return rows
+
+
 def bench_prefill(num_seqs: int, chunk: int, prefix: int, kv_dtype: torch.dtype, config: dict | None) -> dict:
     ctx = prefix + chunk
     k, v, bt, (ks, vs) = pages(num_seqs, ctx, kv_dtype)
@@ -282,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         copy = measure_copy_bandwidth() / 1e12
         print(f"  copy bandwidth {copy:.2f} TB/s", flush=True)
         result["gemv"] = bench_gemv(copy)
+        result["gemv_layers"] = bench_gemv_layers()
     if args.parts:
         for batch, ctx in PARTS_SHAPES:
             rows = [bench_decode(batch, ctx, bf16, None, parts) for parts in (1, 2, 4, 8, 16, 32)]
