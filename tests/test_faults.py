@@ -245,7 +245,7 @@ def test_soak_through_a_worker_kill_and_a_batcher_restart_loses_nothing(make_sta
     assert faulty.outcomes["error event"] + faulty.outcomes["http 500"] + faulty.outcomes["http 503"] >= 1
     for role in before:  # stable: a second round of the same traffic after the faults adds no memory
         assert after[role] - before[role] < max(8 * 1024, before[role] // 10), (role, before, after)
-    assert figures["worker: /health 503 after s"] < 1.5
+    assert figures["worker: /health 503 after s"] < 3.0  # the socket monitor, not --worker-timeout (30 s)
     assert _zombies(launcher) == []
     restarts = [ln for ln in st.lines if "restarting it" in ln]
     assert len(restarts) == 2 and not any("shutting the stack down" in ln for ln in st.lines), st.lines[-20:]

@@ -140,7 +140,8 @@ async def test_queue_time_includes_the_batchers_wait(make_stack):
     waited = a_done - sent  # B's wait, as the client saw it (A's remaining tokens)
     assert waited > 0.2
     queue, prefill, decode = (total(f"request_{p}_time_seconds") for p in ("queue", "prefill", "decode"))
-    assert queue >= 0.8 * waited, (queue, waited)
+    # (ms if the wait were not counted; the client's figure also holds B's connect and A's stream relayed late)
+    assert queue >= 0.5 * waited and queue > 0.2, (queue, waited)
     assert prefill < 0.5 * queue
     # vLLM's phases add up: queue + prefill + decode = queue + inference = e2e, request by request
     e2e, inference = total("e2e_request_latency_seconds"), total("request_inference_time_seconds")

@@ -131,7 +131,7 @@ async def test_a_worker_whose_connection_closes_is_lost_at_once_and_a_new_one_se
         lost_after = time.monotonic() - t0
         (end,) = got["a"]
         assert end.finish_reason == P.FinishReason.ERROR and "worker 0 lost" in end.error
-        assert lost_after < 1.0
+        assert lost_after < 3.0  # at once: the silence check (--worker-timeout) would take 30 s
         pong = await side.roundtrip()
         assert pong.workers_alive == 0 and pong.stats.steps >= 1  # the lost worker's steps still count
         assert pong.stats.num_running == 0 and pong.stats.kv_blocks_total == 0  # (gauges: live workers only)
@@ -146,14 +146,14 @@ async def test_a_worker_whose_connection_closes_is_lost_at_once_and_a_new_one_se
 
 
 async def test_a_silent_worker_is_lost_after_worker_timeout(tmp_path):
-    async with batcher(tmp_path, worker_timeout=0.5) as side:
+    async with batcher(tmp_path, worker_timeout=2.0) as side:  # (a stall between registering and the step: not lost)
         t0 = time.monotonic()  # before the worker's last message: the batcher times silence from that message
         wk = await side.worker(0)
         await side.add("a", max_tokens=50)
         await recv(wk, WK)  # it takes the step and never answers (stuck, connection still up)
         (end,) = (await side.deltas_until_finished({"a"}))["a"]
         assert end.finish_reason == P.FinishReason.ERROR and "silent" in end.error
-        assert 0.5 <= time.monotonic() - t0 < 5.0  # a bound generous enough for a loaded CI machine
+        assert 2.0 <= time.monotonic() - t0 < 10.0  # a bound generous enough for a loaded CI machine
         await wk.send(P.encode(P.Heartbeat(worker_id=0)))  # it comes back: told to register again
         while isinstance(msg := await recv(wk, WK), P.StepInput):  # the second step it had queued
             pass
@@ -327,7 +327,7 @@ async def test_the_gateway_client_drops_junk_from_its_batcher_and_fails_in_fligh
         t0 = time.monotonic()
         fake.close()  # the batcher dies: the in-flight request ends at once, new ones see it dead
         item = await asyncio.wait_for(q.get(), 5)
-        assert isinstance(item, BatcherLost) and time.monotonic() - t0 < 1.0
+        assert isinstance(item, BatcherLost) and time.monotonic() - t0 < 3.0
         assert not await client.alive() and await client.ping() is None
     finally:
         await client.close()
@@ -360,10 +360,10 @@ async def test_curve_over_tcp_serves_a_keyed_client_and_ignores_others(tmp_path,
     serving = asyncio.create_task(batcher.run())
     ctx = zmq.asyncio.Context()
 
-    async def pong(sock) -> bool:
+    async def pong(sock, timeout: float = 1.0) -> bool:
         try:  # a refused client's send can block: libzmq drops its pipe after the failed handshake
-            await asyncio.wait_for(sock.send(P.encode(P.Ping(nonce=3))), 1.0)
-            return isinstance(await recv(sock, GW, timeout=1.0), P.Pong)
+            await asyncio.wait_for(sock.send(P.encode(P.Ping(nonce=3))), timeout)
+            return isinstance(await recv(sock, GW, timeout=timeout), P.Pong)
         except asyncio.TimeoutError:
             return False
 
@@ -374,9 +374,9 @@ async def test_curve_over_tcp_serves_a_keyed_client_and_ignores_others(tmp_path,
         stranger = transport.connect(ctx, zmq.DEALER, cfg.batcher_address,
                                      curve_server_public_key=str(server_pub),
                                      curve_client_secret_key=str(stranger_sec))
-        assert await pong(keyed)
+        assert await pong(keyed, 10.0)  # (a loaded machine: the handshake and the batcher's first turn take time)
         assert not await pong(plain)  # no CURVE: the handshake fails, nothing is ever read
-        assert await pong(stranger) is (not restricted)  # knows the server key, but is not on the list
+        assert await pong(stranger, 1.0 if restricted else 10.0) is (not restricted)  # knows the server key, not listed
     finally:
         batcher._stop.set()
         await serving
