@@ -38,6 +38,7 @@ SHAPES = {"synthetic": ("rate", "burstiness", "num_requests", "input_tokens", "o
                   "hit_rate")}
 MAX_SPAN_S = 7 * 24 * 3600.0  # a replay planned to last longer is a mistake (a tiny --rate or --speedup)
 MAX_SEEDS = 100  # per rate, in a sweep (every run's trace is built up front)
+WINDOW_REQUESTS = 600  # a sweep over a trace file: requests per run (--window-requests)
 
 
 def positive(text: str) -> float:
@@ -157,9 +158,11 @@ def add_trace_args(p: argparse.ArgumentParser, rate: bool = True) -> argparse._A
 
 
 def generator_flags(args: argparse.Namespace) -> dict:
-    """The generator flags that shape args.trace (for reports)."""
-    keys = (*SHAPES.get(args.trace, ("rate", "burstiness", "num_requests", "input_tokens", "output_tokens")), "seed")
-    return {k: getattr(args, k) for k in keys if hasattr(args, k)}
+    """The generator flags that shape args.trace (for reports); a sweep over a trace file: its --window-requests."""
+    if args.trace not in GENERATED:
+        n = getattr(args, "window_requests", False)
+        return {"seed": args.seed} if n is False else {"window_requests": n or WINDOW_REQUESTS, "seed": args.seed}
+    return {k: getattr(args, k) for k in (*SHAPES[args.trace], "seed") if hasattr(args, k)}
 
 
 def resolve_generator_flags(args: argparse.Namespace) -> None:
@@ -361,6 +364,10 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-requests", type=whole, default=None,
                    help="requests of the warm-up replay, at most --num-requests (0: none; default: 32, or --num-docs "
                         "if more, for rag)")
+    p.add_argument("--window-requests", type=count, default=None,
+                   help="a trace file or shipped trace: each run replays this many consecutive requests of it, seed s "
+                        f"the s-th window (the warm-up the window after the last seed's), its gaps scaled alike so its "
+                        f"mean rate is the run's rate: the trace's own bursts at each load (default {WINDOW_REQUESTS})")
     add_trace_args(p, rate=False)
 
 
@@ -369,12 +376,14 @@ def plan_sweep(p: argparse.ArgumentParser, args: argparse.Namespace):
     parser error for flags no sweep can take."""
     from loadtest import sweep
 
-    if args.trace not in GENERATED:
-        p.error(f"--trace must be one of {', '.join(GENERATED)}: the sweep sets the rate of a generated trace")
     try:
         resolve_generator_flags(args)
     except ValueError as exc:
         p.error(str(exc))
+    if args.trace not in GENERATED:
+        return _plan_file_sweep(p, args)
+    if args.window_requests is not None:
+        p.error(f"--window-requests is for a trace file; the generated {args.trace!r} trace takes --num-requests")
     warmup_n = args.warmup_requests
     if warmup_n is None:
         warmup_n = min(max(32, args.num_docs) if args.trace == "rag" else 32, args.num_requests)
@@ -386,6 +395,27 @@ def plan_sweep(p: argparse.ArgumentParser, args: argparse.Namespace):
 
     rag_pool = (args.num_docs, args.doc_tokens) if args.trace == "rag" else None
     return sweep.plan(make, args.rates, args.seed, args.seeds, warmup_n, rag_pool)
+
+
+def _plan_file_sweep(p: argparse.ArgumentParser, args: argparse.Namespace):
+    """plan_sweep for a trace file: seed s replays the s-th window of --window-requests consecutive requests, at each
+    rate (traces.at_rate); the warm-up is the start of the window after the last seed's."""
+    from loadtest import sweep
+
+    n = args.window_requests or WINDOW_REQUESTS
+    warmup_n = 32 if args.warmup_requests is None else args.warmup_requests
+    if warmup_n > n:
+        p.error(f"--warmup-requests {warmup_n} is more than --window-requests {n}")
+    full = trace_from_args(args)
+    need = (args.seed + args.seeds) * n + warmup_n
+    if len(full) < need:
+        p.error(f"--trace {args.trace}: {len(full)} requests, fewer than the {need} that --seed {args.seed}, --seeds "
+                f"{args.seeds}, --window-requests {n} and a warm-up of {warmup_n} take; lower them")
+
+    def make(rate: float, seed: int) -> list[traces.TraceRequest]:
+        return traces.at_rate(full[seed * n:(seed + 1) * n], rate)
+
+    return sweep.plan(make, args.rates, args.seed, args.seeds, warmup_n)
 
 
 def sweep_main(argv: list[str]) -> int:
@@ -402,10 +432,10 @@ def sweep_main(argv: list[str]) -> int:
     warmup, runs = plan_sweep(p, args)
     check_url(args.url)
     for trace in (warmup, *(t for _, _, t in runs)):
-        check_span(trace, 1.0, "raise the lowest of --rates, or lower --num-requests")
+        check_span(trace, 1.0, "raise the lowest of --rates, or lower --num-requests / --window-requests")
     writable_dir(args.out, "--out")
     console = Console(stderr=True)
-    console.print(f"sweep: {len(runs)} replays ({len(args.rates)} rates x {args.seeds} seeds) of {args.num_requests} "
+    console.print(f"sweep: {len(runs)} replays ({len(args.rates)} rates x {args.seeds} seeds) of {len(runs[0][2])} "
                   f"requests against {args.url}, after a warm-up of {len(warmup)}")
     started = time.time()
     try:

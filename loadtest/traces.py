@@ -530,6 +530,16 @@ def compact_token_ids(req: TraceRequest, block_tokens: int = MOONCAKE_BLOCK_TOKE
     return ids
 
 
+def at_rate(reqs: list[TraceRequest], rate: float) -> list[TraceRequest]:
+    """reqs (sorted) rebased to 0, their gaps scaled alike so the mean rate ((n - 1) / span) is rate: the trace's own
+    bursts at another load (a sweep over a trace file)."""
+    if not reqs:
+        return []
+    t0, span = reqs[0].arrival, reqs[-1].arrival - reqs[0].arrival
+    scale = (len(reqs) - 1) / span / rate if span > 0 else 0.0
+    return [TraceRequest((r.arrival - t0) * scale, r.input_tokens, r.output_tokens, r.hash_ids) for r in reqs]
+
+
 def window(reqs: list[TraceRequest], start: float = 0.0, duration: float | None = None,
            max_requests: int | None = None) -> list[TraceRequest]:
     """Rows with start <= arrival < start + duration (trace seconds), rebased to 0, at most max_requests."""

@@ -15,7 +15,7 @@ import time
 import pytest
 from aiohttp import web
 
-from loadtest import cli, report, sweep
+from loadtest import cli, report, sweep, traces
 from loadtest.client import PROBE_TEXT, LoadConfig, LoadRunner, RequestRecord, fit_to_context, run_load
 from loadtest.traces import DATA_DIR as TRACES
 from loadtest.traces import TraceRequest, load_trace, rag
@@ -577,9 +577,38 @@ def test_sweep_plan_warms_the_pool_and_keeps_fresh_documents_apart():
     fresh = [{r.hash_ids for r in t if r.hash_ids[0] >= 3} for _, _, t in runs]
     assert all(fresh) and all(a.isdisjoint(b) for i, a in enumerate(fresh) for b in fresh[i + 1:])
     with pytest.raises(SystemExit):
-        cli.main(["sweep", "--url", "u", "--out", "x", "--rates", "5", "--trace", "burstgpt-1"])
-    with pytest.raises(SystemExit):
         cli.build_sweep_parser().parse_args(["--url", "u", "--out", "x", "--rates", "5,5"])
+
+
+def test_sweep_over_a_trace_file_replays_a_window_per_seed_at_each_rate(capsys):
+    """Issue 19's second shape: seed s replays the s-th window of --window-requests requests of the trace, its
+    gaps scaled alike to each rate's mean; the warm-up is the window after the last seed's."""
+    p = cli.build_sweep_parser()
+    flags = ["--url", "u", "--out", "x", "--rates", "8,2", "--trace", "azure-conv", "--seeds", "2"]
+    warmup, runs = cli.plan_sweep(p, p.parse_args([*flags, "--window-requests", "50", "--warmup-requests", "10"]))
+    full = traces.load_trace("azure-conv")
+    assert [(rate, seed) for rate, seed, _ in runs] == [(2, 0), (2, 1), (8, 0), (8, 1)]
+    for rate, seed, trace in runs:
+        window = full[seed * 50:(seed + 1) * 50]
+        assert [(r.input_tokens, r.output_tokens) for r in trace] == [(r.input_tokens, r.output_tokens)
+                                                                       for r in window]
+        assert trace[0].arrival == 0 and (len(trace) - 1) / trace[-1].arrival == pytest.approx(rate)
+        gaps = [(b.arrival - a.arrival, y.arrival - x.arrival) for a, b, x, y in zip(trace, trace[1:], window,
+                                                                                       window[1:])]
+        scale = trace[-1].arrival / (window[-1].arrival - window[0].arrival)
+        assert all(g == pytest.approx(w * scale) for g, w in gaps)  # the trace's own bursts, at the run's rate
+    assert [(r.input_tokens, r.output_tokens) for r in warmup] == [(r.input_tokens, r.output_tokens)
+                                                                    for r in full[100:110]]
+    for extra, says in [(["--window-requests", "10000"], "fewer than the 20032 that --seed 0, --seeds 2"),
+                        (["--window-requests", "5"], "--warmup-requests 32 is more than --window-requests 5"),
+                        (["--burstiness", "0.5"], "--burstiness does not apply to --trace azure-conv")]:
+        with pytest.raises(SystemExit):
+            cli.plan_sweep(p, p.parse_args([*flags, *extra]))
+        assert says in capsys.readouterr().err, extra
+    rag = p.parse_args(["--url", "u", "--out", "x", "--rates", "2", "--trace", "rag", "--window-requests", "50"])
+    with pytest.raises(SystemExit):
+        cli.plan_sweep(p, rag)
+    assert "--window-requests is for a trace file" in capsys.readouterr().err
 
 
 def test_compare_two_sweeps(tmp_path, capsys):
