@@ -258,3 +258,47 @@ def test_gemv_fuses_the_layers_small_ops(dtype, fuse):
         f"seed {SEED}"
     with pytest.raises(ValueError, match="the residual must be"):
         gemv(x[:, :k], w, residual=r[:, :5])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,kv_heads,dim,bias", [(1, 4, 2, 32, False), (5, 2, 1, 64, True),
+                                                            (3, 3, 3, 16, False), (8, 2, 2, 80, True)])
+def test_qkv_rope_gemv_is_the_norm_qkv_rope_and_kv_write_in_one_launch(dtype, tokens, heads, kv_heads, dim, bias):
+    """The first layer's or the next layer's qkv at <= 8 tokens (--decode-gemv-rows): RMSNorm + the qkv GEMV + RoPE
+    + the K/V write in one launch, against gemv then rope_write_kv_ (their own tests hold those to the model's math):
+    the same qkv rows (q and k rotated) and pool, a padding row (slot -1) written nowhere; head sizes whose half is
+    not a power of two or is under 16 columns."""
+    from workers.kernels.gemv import gemv, qkv_rope_gemv
+
+    max_len, page, blocks, hidden = 300, 16, 6, 96
+    rope = RotaryEmbedding(dataclasses.replace(TINY_CONFIG, head_dim=dim, rope_theta=10000.0), max_len)
+    g = torch.Generator().manual_seed(SEED)
+    positions = torch.randint(0, max_len, (tokens,), generator=g).to(DEVICE)
+    slots = torch.randperm(blocks * page, generator=g)[:tokens]
+    if tokens > 1:
+        slots[tokens // 2] = -1
+    slots = slots.to(DEVICE)
+    n = (heads + 2 * kv_heads) * dim
+    x = randn(tokens, hidden, dtype=dtype, salt=1).to(DEVICE)
+    w = (randn(n, hidden, dtype=dtype, salt=2) * hidden ** -0.5).to(dtype).to(DEVICE)
+    b = randn(n, dtype=dtype, salt=3).to(DEVICE) if bias else None
+    norm = ((1 + 0.1 * randn(hidden, dtype=dtype, salt=4)).to(DEVICE), 1e-5)
+    pools = [randn(blocks * page, kv_heads * dim, dtype=dtype, salt=s).to(DEVICE).view(blocks, page, kv_heads, dim)
+             for s in (5, 6)]
+    cos, sin = rope.cos.to(DEVICE), rope.sin.to(DEVICE)
+    ka, va = (p.clone() for p in pools)
+    kb, vb = (p.clone() for p in pools)
+    with use_triton():
+        ref = gemv(x, w, bias=b, norm=norm)
+        q, k, v = ref.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        fused.rope_write_kv_(q.unflatten(-1, (heads, dim)), k.unflatten(-1, (kv_heads, dim)),
+                             v.unflatten(-1, (kv_heads, dim)), positions, cos, sin, ka, va, slots)
+        got = qkv_rope_gemv(x, w, b, norm, heads, kv_heads, positions, cos, sin, kb, vb, slots)
+    msg = f"seed {SEED}"
+    # on the CPU bit for bit; a GPU's tensor cores may sum another tile shape in another order
+    same = torch.equal if not ON_GPU else (lambda a, b: rel_err(a.float(), b.float()) < TOL[dtype])
+    assert same(got, ref), msg
+    assert same(kb, ka) and same(vb, va), msg
+    assert not torch.equal(kb, pools[0]), msg  # (something was written)
+    with pytest.raises(ValueError, match="qkv_rope_gemv takes"):
+        qkv_rope_gemv(x, w, b, norm, heads + 1, kv_heads, positions, cos, sin, kb, vb, slots)

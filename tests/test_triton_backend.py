@@ -26,8 +26,10 @@ def test_triton_backend_matches_hf_greedy_in_a_chunked_batch(arch, decode, fused
     from workers.model import llama
 
     monkeypatch.setattr(fused, "USE_TRITON", fused_kernels)
-    gemvs = []  # the model's launches of the fused GEMV
+    gemvs, qkv_ropes = [], []  # the model's launches of the fused GEMVs: rows of each
     monkeypatch.setattr(llama, "gemv", lambda *a, _f=llama.gemv, **kw: gemvs.append(a[0].shape[0]) or _f(*a, **kw))
+    monkeypatch.setattr(llama, "qkv_rope_gemv", lambda *a, _f=llama.qkv_rope_gemv: qkv_ropes.append(a[0].shape[0])
+                        or _f(*a))
     hf = make_checkpoint(str(tmp_path), arch, seed=3)
     runner = ModelRunner(WorkerConfig(model=str(tmp_path), device=DEVICE, dtype="float32", kv_cache_memory="2MiB",
                                       max_model_len=512, attention_backend="triton", decode_attention=decode,
@@ -42,6 +44,7 @@ def test_triton_backend_matches_hf_greedy_in_a_chunked_batch(arch, decode, fused
         assert out[f"r{i}"] == hf_greedy(hf, p, N_NEW), f"request {i}"
     assert bool(runner.backend.buffers) == (decode == "persistent")  # the persistent kernel ran
     assert bool(gemvs) == bool(gemv_rows) and all(rows <= gemv_rows for rows in gemvs)  # decode steps took it
+    assert bool(qkv_ropes) == bool(gemv_rows) and all(rows <= gemv_rows for rows in qkv_ropes)  # RoPE + K/V in it
 
 
 def test_persistent_decode_attention_needs_the_triton_backend():

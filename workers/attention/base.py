@@ -96,7 +96,7 @@ class AttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 kv_scales: LayerScales | None = None, rope: Rope | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, kv_written: bool = False) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] of this step's tokens; k/v_cache [num_blocks, block_size, Hkv, D] of
         this layer. With rope (positions [T], fp32 cos and sin tables) q and k come before RoPE and the backend
         rotates them in place first (fused.rope_; the Triton backend in the launch that writes K/V, for pools that
@@ -105,7 +105,8 @@ class AttentionBackend:
         int8 caches come with kv_scales (this layer's per-KV-head scales, workers/kv_cache.py):
         the backend calls kv_scales.observe(k, v) before writing (the dynamic fallback sets the
         scales there once), quantises what it writes and dequantises what it reads, inside
-        attention: never a full-precision copy of the pool."""
+        attention: never a full-precision copy of the pool. kv_written: q comes rotated and k / v are in the cache
+        already (the model's qkv GEMV did both, workers/kernels/gemv.py's qkv_rope_gemv; rope is None then)."""
         raise NotImplementedError
 
 

@@ -78,22 +78,24 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 kv_scales: LayerScales | None = None, rope: Rope | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, kv_written: bool = False) -> torch.Tensor:
         if rope is not None:
             rope_(q, k, *rope)
         plan: _Plan = meta.plan
         rows_k, rows_v = k_cache, v_rows(v_cache)  # [num_blocks, page, Hkv, D]
         if kv_scales is not None:  # int8 pool: quantise on write, dequantise each gathered working set
-            kv_scales.observe(k, v)
+            if not kv_written:
+                kv_scales.observe(k, v)
+                rows_k[plan.writes] = quantize_int8(k, kv_scales.k)
+                rows_v[plan.writes] = quantize_int8(v, kv_scales.v)
             ks, vs = kv_scales.k, kv_scales.v
-            rows_k[plan.writes] = quantize_int8(k, ks)
-            rows_v[plan.writes] = quantize_int8(v, vs)
 
             def read(rows, slots, s):
                 return dequantize(rows[slots], s, q.dtype)
         else:
-            rows_k[plan.writes] = k.to(rows_k.dtype)
-            rows_v[plan.writes] = v.to(rows_v.dtype)
+            if not kv_written:
+                rows_k[plan.writes] = k.to(rows_k.dtype)
+                rows_v[plan.writes] = v.to(rows_v.dtype)
             ks = vs = None
 
             def read(rows, slots, s):

@@ -130,17 +130,20 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 kv_scales: LayerScales | None = None, rope: Rope | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, kv_written: bool = False) -> torch.Tensor:
         plan: _Plan = meta.plan
         ks = vs = None
-        if rope is not None and kv_scales is None and triton_kernels(q):  # RoPE and the K/V write: one launch
+        if kv_scales is not None:  # int8 pool: the kernels quantise / dequantise with these [Hkv] scales
+            ks, vs = kv_scales.k, kv_scales.v
+        if kv_written:  # (by the qkv GEMV: q rotated, k / v in the pool; never an int8 pool)
+            pass
+        elif rope is not None and kv_scales is None and triton_kernels(q):  # RoPE and the K/V write: one launch
             rope_write_kv_(q, k, v, *rope, k_cache, v_cache, meta.slot_mapping)
         else:
             if rope is not None:
                 rope_(q, k, *rope)
-            if kv_scales is not None:  # int8 pool: the kernels quantise / dequantise with these [Hkv] scales
+            if kv_scales is not None:
                 kv_scales.observe(k, v)  # (of the rotated K)
-                ks, vs = kv_scales.k, kv_scales.v
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
         out = torch.empty_like(q) if out is None else out
         nd = meta.num_decodes

@@ -11,8 +11,11 @@ accumulating in fp32. Each program reads all of x (a few KB, from L2), so the op
 - `silu=True`: x is a merged gate/up output [M, 2K] and the product takes silu(gate) * up, rounded as `silu_mul`;
 - `residual=r`: r += y in place (rounded in r's dtype, as `add_rms_norm` adds), returned instead of y;
 - `bias`: added in fp32 before the one rounding.
-So a decoder layer's tail at batch <= 8 is four launches (o + residual, norm + gate/up, silu + down + residual,
-the next layer's norm + qkv) instead of seven (workers/model/llama.py, `--decode-gemv-rows`).
+`qkv_rope_gemv` is the norm + qkv GEMV that also does what the attention backend would do next: RoPE on the q and
+k heads and the K/V write into the paged pool (each program owns matching columns of a head's two halves, the pairs
+RoPE rotates together). So a decoder layer at batch <= 8 is four launches besides attention (o + residual, norm +
+gate/up, silu + down + residual, the next layer's norm + qkv + RoPE + K/V write) instead of eight
+(workers/model/llama.py, `--decode-gemv-rows`).
 
 Launch configs: `GEMV_CONFIGS` holds the best config per weight shape measured on the H200 (2026-12-05,
 `python -m workers.tools.kernel_bench --gemv`, docs/perf.md: 8% faster than cuBLAS over a batch-1 step's weights,
@@ -46,26 +49,24 @@ NONE, NORM, SILU = 0, 1, 2  # the prologue: what the product takes from x
 
 if triton is not None:
     @triton.jit
-    def _gemv(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_rm, stride_ym, eps,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr, BIAS: tl.constexpr,
-              RESIDUAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        ms = tl.arange(0, 16)
-        m_ok = ms < M
-        dtype = x_ptr.dtype.element_ty
-        if PRO == 1:  # RMSNorm: each input row's rstd over all of K first
-            sq = tl.zeros((16,), tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                xf = tl.load(x_ptr + ms[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & (ks[None, :] < K),
-                             other=0.0).to(tl.float32)
-                sq += tl.sum(xf * xf, 1)
-            rstd = tl.rsqrt(sq / K + eps)
-        acc = tl.zeros((16, BLOCK_N), tl.float32)
+    def _rstd(x_ptr, ms, m_ok, K, stride_xm, eps, BLOCK_K: tl.constexpr):
+        """RMSNorm's 1 / rms of each input row [16], over all of K."""
+        sq = tl.zeros((16,), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            xf = tl.load(x_ptr + ms[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & (ks[None, :] < K),
+                         other=0.0).to(tl.float32)
+            sq += tl.sum(xf * xf, 1)
+        return tl.rsqrt(sq / K + eps)
+
+    @triton.jit
+    def _times_w(acc, x_ptr, w_ptr, nw_ptr, rows, row_ok, ms, m_ok, rstd, K, stride_xm, stride_wn, dtype,
+                 BLOCK_K: tl.constexpr, PRO: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+        """acc [16, len(rows)] += (x after the prologue) @ w[rows].T, streaming w along K."""
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
-            w = tl.load(w_ptr + rows[:, None] * stride_wn + ks[None, :], mask=(rows[:, None] < N) & k_ok[None, :],
+            w = tl.load(w_ptr + rows[:, None] * stride_wn + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
                         other=0.0, eviction_policy="evict_first")
             xmask = m_ok[:, None] & k_ok[None, :]
             x = tl.load(x_ptr + ms[:, None] * stride_xm + ks[None, :], mask=xmask, other=0.0)
@@ -81,6 +82,22 @@ if triton is not None:
             if UPCAST:  # (Triton's interpreter: its bf16 dot is wrong)
                 x, w = x.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        return acc
+
+    @triton.jit
+    def _gemv(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_rm, stride_ym, eps,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr, BIAS: tl.constexpr,
+              RESIDUAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ms = tl.arange(0, 16)
+        m_ok = ms < M
+        dtype = x_ptr.dtype.element_ty
+        if PRO == 1:
+            rstd = _rstd(x_ptr, ms, m_ok, K, stride_xm, eps, BLOCK_K)
+        else:
+            rstd = tl.zeros((16,), tl.float32)
+        acc = _times_w(tl.zeros((16, BLOCK_N), tl.float32), x_ptr, w_ptr, nw_ptr, rows, rows < N, ms, m_ok, rstd, K,
+                       stride_xm, stride_wn, dtype, BLOCK_K, PRO, UPCAST, PRECISION)
         if BIAS:
             acc += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[None, :]
         mask = m_ok[:, None] & (rows[None, :] < N)
@@ -91,6 +108,53 @@ if triton is not None:
             tl.store(at, (out.to(tl.float32) + res.to(tl.float32)).to(res.dtype), mask=mask)
         else:
             tl.store(y_ptr + ms[:, None] * stride_ym + rows[None, :], out, mask=mask)
+
+
+    @triton.jit
+    def _qkv_rope(x_ptr, w_ptr, b_ptr, nw_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr,
+                  M, K, stride_xm, stride_wn, stride_ym, s_cos, s_cb, s_ct, s_ch, eps, HQ, HK,
+                  D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+        """RMSNorm + the qkv projection, then RoPE on the q and k heads and the K/V write into a paged pool that is
+        not int8. Program p owns BLOCK_N / 2 columns of one head's first half and the same columns of its second
+        half (the pairs RoPE rotates together)."""
+        HALF_N: tl.constexpr = BLOCK_N // 2
+        chunks: tl.constexpr = D // BLOCK_N
+        head = tl.program_id(0) // chunks
+        dl = tl.program_id(0) % chunks * HALF_N + tl.arange(0, HALF_N)  # this program's columns of the first half
+        i = tl.arange(0, BLOCK_N)
+        rows = head * D + tl.program_id(0) % chunks * HALF_N + i % HALF_N + i // HALF_N * (D // 2)
+        ms = tl.arange(0, 16)
+        m_ok = ms < M
+        dtype = x_ptr.dtype.element_ty
+        rstd = _rstd(x_ptr, ms, m_ok, K, stride_xm, eps, BLOCK_K)
+        acc = _times_w(tl.zeros((16, BLOCK_N), tl.float32), x_ptr, w_ptr, nw_ptr, rows, rows >= 0, ms, m_ok, rstd,
+                       K, stride_xm, stride_wn, dtype, BLOCK_K, 1, UPCAST, PRECISION)
+        if BIAS:
+            acc += tl.load(b_ptr + rows).to(tl.float32)[None, :]
+        lo, hi = tl.split(tl.permute(tl.reshape(acc.to(dtype), (16, 2, HALF_N)), (0, 2, 1)))
+        if head < HQ + HK:  # a q or k head: RoPE, rounded as fused.py's _rope_heads
+            row = tl.load(pos_ptr + ms, mask=m_ok, other=0).to(tl.int64)[:, None] * s_cos
+            c1 = tl.load(cos_ptr + row + dl[None, :]).to(dtype).to(tl.float32)
+            c2 = tl.load(cos_ptr + row + D // 2 + dl[None, :]).to(dtype).to(tl.float32)
+            s1 = tl.load(sin_ptr + row + dl[None, :]).to(dtype).to(tl.float32)
+            s2 = tl.load(sin_ptr + row + D // 2 + dl[None, :]).to(dtype).to(tl.float32)
+            a1, a2 = lo.to(tl.float32), hi.to(tl.float32)
+            lo = ((a1 * c1).to(dtype).to(tl.float32) + (-a2 * s1).to(dtype).to(tl.float32)).to(dtype)
+            hi = ((a2 * c2).to(dtype).to(tl.float32) + (a1 * s2).to(dtype).to(tl.float32)).to(dtype)
+        at = y_ptr + ms[:, None] * stride_ym + head * D + dl[None, :]
+        tl.store(at, lo, mask=m_ok[:, None])
+        tl.store(at + D // 2, hi, mask=m_ok[:, None])
+        if head >= HQ:  # a k or v head: into the pool at the token's slot (-1, a CUDA-graph padding row: not written)
+            slot = tl.load(slot_ptr + ms, mask=m_ok, other=-1).to(tl.int64)
+            ok = (slot >= 0)[:, None]
+            at = ((slot // PAGE) * s_cb + (slot % PAGE) * s_ct + (head - HQ) % HK * s_ch)[:, None] + dl[None, :]
+            if head < HQ + HK:
+                tl.store(kc_ptr + at, lo.to(kc_ptr.dtype.element_ty), mask=ok)
+                tl.store(kc_ptr + at + D // 2, hi.to(kc_ptr.dtype.element_ty), mask=ok)
+            else:
+                tl.store(vc_ptr + at, lo.to(vc_ptr.dtype.element_ty), mask=ok)
+                tl.store(vc_ptr + at + D // 2, hi.to(vc_ptr.dtype.element_ty), mask=ok)
 
 
 def gemv_config(n: int, k: int) -> dict:
@@ -122,6 +186,39 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None, *, bias: 
         w.stride(0), y.stride(0), y.stride(0), eps, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
         PRO=NORM if norm is not None else (SILU if silu else NONE), BIAS=bias is not None,
         RESIDUAL=residual is not None, UPCAST=not x.is_cuda,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=c["num_warps"],
+        num_stages=c["num_stages"])
+    return y
+
+
+def qkv_rope_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, norm: tuple[torch.Tensor, float],
+                  num_heads: int, num_kv_heads: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """gemv(x, w, bias=bias, norm=norm) for a merged qkv weight [(Hq + 2 Hkv) D, K], then what the attention
+    backend would do next in the same launch: neox RoPE on the q and k heads (fp32 cos / sin tables [max_len, D]
+    whose halves repeat, at positions [M]; `fused.rope_`'s roundings) and the k / v heads written into a paged pool
+    that is not int8 (k_cache / v_cache [num_blocks, page, Hkv, D] with the same strides) at slots [M] (-1: skip).
+    Returns the qkv rows [M, N], q and k rotated (into out if given)."""
+    M, K = x.shape
+    N = w.shape[0]
+    D = N // (num_heads + 2 * num_kv_heads)
+    if (M > MAX_M or w.shape[1] != K or w.stride(1) != 1 or x.stride(1) != 1 or D * (num_heads + 2 * num_kv_heads)
+            != N or k_cache.dtype == torch.int8 or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1
+            or cos.stride() != sin.stride() or cos.stride(-1) != 1):
+        raise ValueError(f"qkv_rope_gemv takes x [M <= {MAX_M}, K] and a merged qkv weight of {num_heads} + 2 x "
+                         f"{num_kv_heads} heads, contiguous along K, and a pool that is not int8, got {tuple(x.shape)} "
+                         f"and {tuple(w.shape)}")
+    c = gemv_config(N, K)
+    block_n = next((b for b in (c["BLOCK_N"], 32, 16) if D % b == 0 and b <= D), None)
+    if block_n is None:
+        raise ValueError(f"qkv_rope_gemv: head_dim {D} is not a multiple of 16")
+    y = out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
+    _qkv_rope[(N // block_n,)](
+        x, w, bias if bias is not None else w, norm[0], y, positions, cos, sin, k_cache, v_cache, slots, M, K,
+        x.stride(0), w.stride(0), y.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), norm[1], num_heads, num_kv_heads, D=D, PAGE=k_cache.shape[1], BLOCK_N=block_n,
+        BLOCK_K=c["BLOCK_K"], BIAS=bias is not None, UPCAST=not x.is_cuda,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=c["num_warps"],
         num_stages=c["num_stages"])
     return y

@@ -14,7 +14,9 @@ RoPE in place on q/k (views into the qkv output) and SiLU * up; elsewhere the sa
 as HF, op for op. forward() runs in pieces, head(), then attend(i) and tail(i) per layer, so
 that workers/cuda_graphs.py can capture the pieces between attentions as CUDA graphs. Steps of at
 most `gemv_rows` tokens (`--decode-gemv-rows`, off by default) run the linear layers as
-workers/kernels/gemv.py's GEMVs instead, with the norms, SiLU * up and residual adds inside them.
+workers/kernels/gemv.py's GEMVs instead, with the norms, SiLU * up and residual adds inside them,
+and (Triton attention, a pool that is not int8) each qkv GEMV also does its layer's RoPE and K/V
+write, the backend told so (`kv_written`).
 
 Tensor parallelism (tp_size > 1, docs/tensor_parallel.md), Megatron-style, with the parallel linear
 layers of workers/model/layers.py: q/k/v and gate/up are column-parallel (each rank holds
@@ -37,7 +39,7 @@ from torch import nn
 from laneserve.modelspec import ModelConfig
 from workers.attention.base import AttentionBackend, AttentionMetadata
 from workers.kernels.fused import add_rms_norm, rms_norm, silu_mul
-from workers.kernels.gemv import gemv
+from workers.kernels.gemv import gemv, qkv_rope_gemv
 from workers.model.layers import ColumnParallelLinear, MergedLinear, RowParallelLinear
 
 
@@ -71,6 +73,10 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(device)
         self.sin = emb.sin().to(device)
+
+
+# what a qkv GEMV needs to also rotate q / k and write K/V: the step's positions [T], slots [T] and the RoPE tables
+KVWrite = tuple[torch.Tensor, torch.Tensor, RotaryEmbedding]
 
 
 class RMSNorm(nn.Module):
@@ -109,16 +115,18 @@ class Attention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
 
     def attend(self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, meta: AttentionMetadata,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, kv_written: bool = False) -> torch.Tensor:
         """This layer's qkv projection [T, q+k+v] -> attention output [T, Hq * D] (into out [T, Hq, D] if given):
-        RoPE, the K/V write and attention, all in the backend (RoPE with the K/V write: one launch)."""
+        RoPE, the K/V write and attention, all in the backend (RoPE with the K/V write: one launch), or with
+        kv_written attention alone (the qkv GEMV rotated q and k and wrote the pool: qkv_rope_gemv)."""
         q, k, v = qkv.split(list(self.qkv_proj.sizes.values()), dim=-1)
         # views into the qkv output (row stride = all heads): backends take strided q/k/v
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.kv_scales,
-                                 rope=(positions, rope.cos, rope.sin), out=out)
+                                 rope=None if kv_written else (positions, rope.cos, rope.sin), out=out,
+                                 kv_written=kv_written)
         return o.flatten(1)
 
 
@@ -160,22 +168,30 @@ class DecoderLayer(nn.Module):
         return after.self_attn.qkv_proj(after.input_layernorm(x, residual), out=qkv_out)
 
     def tail_gemv(self, o: torch.Tensor, residual: torch.Tensor, after: DecoderLayer | None,
-                  qkv_out: torch.Tensor | None = None) -> torch.Tensor:
+                  qkv_out: torch.Tensor | None = None, kv: KVWrite | None = None) -> torch.Tensor:
         """tail() at <= 8 tokens in four weight-streaming GEMV launches, each with the small op before or after it
         (workers/kernels/gemv.py): o_proj + the residual add, norm + gate/up, SiLU * up + down_proj + the residual
-        add, the next layer's norm + qkv. The same math and roundings as tail() (to the GEMM's summation order)."""
+        add, the next layer's norm + qkv (with kv: and its RoPE and K/V write). The same math and roundings as
+        tail() (to the GEMM's summation order)."""
         o_proj, mlp, post = self.self_attn.o_proj, self.mlp, self.post_attention_layernorm
         gemv(o, o_proj.weight, bias=o_proj.bias, residual=residual)
         gate_up = gemv(residual, mlp.gate_up_proj.weight, bias=mlp.gate_up_proj.bias, norm=(post.weight, post.eps))
         gemv(gate_up, mlp.down_proj.weight, bias=mlp.down_proj.bias, silu=True, residual=residual)
         if after is None:
             return residual
-        return after.qkv_gemv(residual, qkv_out)
+        return after.qkv_gemv(residual, qkv_out, kv)
 
-    def qkv_gemv(self, residual: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """This layer's input norm and qkv projection in one GEMV launch."""
-        qkv, norm = self.self_attn.qkv_proj, self.input_layernorm
-        return gemv(residual, qkv.weight, bias=qkv.bias, norm=(norm.weight, norm.eps), out=out)
+    def qkv_gemv(self, residual: torch.Tensor, out: torch.Tensor | None = None, kv: KVWrite | None = None
+                 ) -> torch.Tensor:
+        """This layer's input norm and qkv projection in one GEMV launch; with kv (positions, slots, the RoPE
+        tables) RoPE on q and k and the K/V write into this layer's pool in the same launch."""
+        attn, norm = self.self_attn, self.input_layernorm
+        qkv = attn.qkv_proj
+        if kv is None:
+            return gemv(residual, qkv.weight, bias=qkv.bias, norm=(norm.weight, norm.eps), out=out)
+        positions, slots, rope = kv
+        return qkv_rope_gemv(residual, qkv.weight, qkv.bias, (norm.weight, norm.eps), attn.num_heads,
+                             attn.num_kv_heads, positions, rope.cos, rope.sin, attn.k_cache, attn.v_cache, slots, out)
 
 
 class LlamaModel(nn.Module):
@@ -203,6 +219,7 @@ class LlamaForCausalLM(nn.Module):
         self.backend: AttentionBackend | None = None
         self.sliding_window = cfg.sliding_window
         self.gemv_rows = 0  # --decode-gemv-rows (set by the runner): steps of at most this many tokens take tail_gemv
+        self.rope_in_gemv = False  # bind(): the Triton backend on a pool that is not int8, so the qkv GEMV does RoPE
 
     def small(self, x: torch.Tensor) -> bool:
         """Whether x's rows take the fused GEMV path (--decode-gemv-rows; the runner checked it can run)."""
@@ -215,6 +232,7 @@ class LlamaForCausalLM(nn.Module):
         device = self.model.embed_tokens.weight.device
         self.rope = RotaryEmbedding(self.config, max_len, device)
         self.backend = backend
+        self.rope_in_gemv = backend.name == "triton" and kv_scales is None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.model.layers, kv_caches)):
             layer.self_attn.k_cache, layer.self_attn.v_cache = k_cache, v_cache
             layer.self_attn.backend = backend
@@ -232,35 +250,40 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] -> hidden states [T, hidden] before the final norm; the caller
         picks the rows it samples from and hands only those to compute_logits()."""
         self.backend.begin(meta)
-        x, residual = self.head(input_ids)
+        # small steps on the GEMV path: each qkv GEMV also does its layer's RoPE and K/V write
+        kv = (positions, meta.slot_mapping, self.rope) if self.rope_in_gemv and self.small(input_ids) else None
+        x, residual = self.head(input_ids, kv=kv)
         for i in range(len(self.model.layers)):
-            x = self.tail(i, self.attend(i, x, positions, meta), residual)
+            x = self.tail(i, self.attend(i, x, positions, meta, kv_written=kv is not None), residual, kv=kv)
         return x
 
     # forward() in pieces: the parts between two attentions are what workers/cuda_graphs.py's PiecewiseGraphs
     # captures; the out arguments keep what crosses an attention in static buffers.
     def head(self, input_ids: torch.Tensor, residual_out: torch.Tensor | None = None,
-             qkv_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The embedding (the residual stream), layer 0's input norm and qkv projection -> (qkv, residual)."""
+             qkv_out: torch.Tensor | None = None, kv: KVWrite | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The embedding (the residual stream), layer 0's input norm and qkv projection -> (qkv, residual); kv (on
+        the GEMV path only): the qkv GEMV does RoPE and the K/V write too (DecoderLayer.qkv_gemv)."""
         weight = self.model.embed_tokens.weight
         residual = (F.embedding(input_ids, weight) if residual_out is None
                     else torch.index_select(weight, 0, input_ids, out=residual_out))
         first = self.model.layers[0]
         if self.small(residual):
-            return first.qkv_gemv(residual, qkv_out), residual
+            return first.qkv_gemv(residual, qkv_out, kv), residual
         return first.self_attn.qkv_proj(first.input_layernorm(residual), out=qkv_out), residual
 
     def attend(self, i: int, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, kv_written: bool = False) -> torch.Tensor:
         """Layer i's attention: its qkv projection [T, q+k+v] -> [T, Hq * D] (written to out [T, Hq, D] if given)."""
-        return self.model.layers[i].self_attn.attend(qkv, positions, self.rope, meta, out)
+        return self.model.layers[i].self_attn.attend(qkv, positions, self.rope, meta, out, kv_written)
 
-    def tail(self, i: int, o: torch.Tensor, residual: torch.Tensor, qkv_out: torch.Tensor | None = None
-             ) -> torch.Tensor:
+    def tail(self, i: int, o: torch.Tensor, residual: torch.Tensor, qkv_out: torch.Tensor | None = None,
+             kv: KVWrite | None = None) -> torch.Tensor:
         """Layer i after its attention, to layer i+1's qkv projection (the last layer: to the hidden states)."""
         layers = self.model.layers
-        tail = layers[i].tail_gemv if self.small(o) else layers[i].tail
-        return tail(o, residual, layers[i + 1] if i + 1 < len(layers) else None, qkv_out)
+        after = layers[i + 1] if i + 1 < len(layers) else None
+        if self.small(o):
+            return layers[i].tail_gemv(o, residual, after, qkv_out, kv)
+        return layers[i].tail(o, residual, after, qkv_out)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on the selected rows (the norm is per row, so this is exact)."""

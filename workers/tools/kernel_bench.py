@@ -201,13 +201,18 @@ def bench_gemv(copy: float) -> dict:
 
 def bench_gemv_layers() -> list[dict]:
     """A decode step's weights, layer by layer: 32 layers' tails (o, the residual add and norm, gate/up, SiLU * up,
-    down, the residual add and the next layer's norm, qkv) with distinct weights (no L2 reuse across layers, as in a
-    step), then the final norm and lm_head, at batch 1 / 4 / 8, three ways: cuBLAS with the separate kernels (the
-    model's path), the GEMV with the separate kernels, and the fused GEMV path (`--decode-gemv-rows`)."""
-    from workers.kernels.fused import add_rms_norm, rms_norm, silu_mul
-    from workers.kernels.gemv import gemv
+    down, the residual add and the next layer's norm, qkv, RoPE and the K/V write) with distinct weights (no L2 reuse
+    across layers, as in a step), then the final norm and lm_head, at batch 1 / 4 / 8, four ways: cuBLAS with the
+    separate kernels (the model's path), the GEMV with the separate kernels, the fused GEMV path
+    (`--decode-gemv-rows`) with RoPE + the K/V write apart, and with them in the qkv GEMV (the path on a pool that
+    is not int8). No attention."""
+    from workers.kernels.fused import add_rms_norm, rms_norm, rope_write_kv_, silu_mul
+    from workers.kernels.gemv import gemv, qkv_rope_gemv
 
     hidden, eps = GEMV_SHAPES["o"][0], 1e-5
+    heads, kv_heads = hidden // DIM, (GEMV_SHAPES["qkv"][0] // DIM - hidden // DIM) // 2
+    kc, vc = (torch.zeros(64, PAGE, kv_heads, DIM, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    cos, sin = (torch.rand(4096, DIM, device="cuda") for _ in range(2))
 
     def weight(name: str) -> torch.Tensor:
         n, k = GEMV_SHAPES[name]
@@ -217,32 +222,46 @@ def bench_gemv_layers() -> list[dict]:
     lm_head = weight("lm_head")
     norm = torch.ones(hidden, dtype=torch.bfloat16, device="cuda")
 
+    def rope_kv(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.unflatten(-1, (-1, DIM)) for t in qkv.split([hidden, kv_heads * DIM, kv_heads * DIM], -1))
+        rope_write_kv_(q, k, v, positions, cos, sin, kc, vc, slots)
+        return qkv
+
     def separate(linear):
-        def step(o: torch.Tensor, residual: torch.Tensor) -> None:
+        def step(o: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
             for w in layers:
                 h = add_rms_norm(linear(o, w["o"]), residual, norm, eps)
                 h = add_rms_norm(linear(silu_mul(linear(h, w["gate_up"])), w["down"]), residual, norm, eps)
-                o = linear(h, w["qkv"])[:, :hidden]  # (no attention: q's columns stand in for its output)
+                o = rope_kv(linear(h, w["qkv"]), positions, slots)[:, :hidden]  # (q stands in for attention's output)
             linear(rms_norm(residual, norm, eps), lm_head)
         return step
 
-    def fused_step(o: torch.Tensor, residual: torch.Tensor) -> None:
-        for w in layers:
-            gemv(o, w["o"], residual=residual)
-            gemv(gemv(residual, w["gate_up"], norm=(norm, eps)), w["down"], silu=True, residual=residual)
-            o = gemv(residual, w["qkv"], norm=(norm, eps))[:, :hidden]
-        gemv(residual, lm_head, norm=(norm, eps))
+    def fused(in_qkv: bool):
+        def step(o: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+            for w in layers:
+                gemv(o, w["o"], residual=residual)
+                gemv(gemv(residual, w["gate_up"], norm=(norm, eps)), w["down"], silu=True, residual=residual)
+                o = (qkv_rope_gemv(residual, w["qkv"], None, (norm, eps), heads, kv_heads, positions, cos, sin, kc, vc,
+                                   slots) if in_qkv else rope_kv(gemv(residual, w["qkv"], norm=(norm, eps)), positions,
+                                                                 slots))[:, :hidden]
+            gemv(residual, lm_head, norm=(norm, eps))
+        return step
 
-    steps = {"cublas": separate(F.linear), "gemv": separate(lambda x, w: gemv(x, w)), "gemv_fused": fused_step}
+    steps = {"cublas": separate(F.linear), "gemv": separate(lambda x, w: gemv(x, w)), "gemv_fused": fused(False),
+             "gemv_fused_rope": fused(True)}
     rows = []
     for m in (1, 4, 8):
         o = torch.randn(m, hidden, dtype=torch.bfloat16, device="cuda")
         residual = torch.randn(m, hidden, dtype=torch.bfloat16, device="cuda")
-        ms = {name: time_ms(lambda: step(o, residual), reps=10, per_graph=1) for name, step in steps.items()}
+        positions = torch.arange(100, 100 + m, device="cuda")
+        slots = torch.arange(m, device="cuda") * 7
+        ms = {name: time_ms(lambda: step(o, residual, positions, slots), reps=10, per_graph=1)
+              for name, step in steps.items()}
         rows.append({"m": m, **{f"{name}_ms": v for name, v in ms.items()}})
         print(f"  gemv layers batch {m}: {LAYERS} layers + lm_head, cuBLAS + separate kernels {ms['cublas']:.3f} ms, "
               f"gemv + separate {ms['gemv']:.3f} ({ms['cublas'] / ms['gemv']:.2f}x), fused gemv "
-              f"{ms['gemv_fused']:.3f} ({ms['cublas'] / ms['gemv_fused']:.2f}x)", flush=True)
+              f"{ms['gemv_fused']:.3f} ({ms['cublas'] / ms['gemv_fused']:.2f}x), RoPE + K/V in the qkv gemv too "
+              f"{ms['gemv_fused_rope']:.3f} ({ms['cublas'] / ms['gemv_fused_rope']:.2f}x)", flush=True)
     return rows
 
 
