@@ -3,8 +3,9 @@
 #   kernel checks on the GPU, `laneserve bench` (roofline, engine decode, HF generate),
 #   and a bursty RAG replay through the full stack with `laneserve loadtest`.
 # Usage (repo root, on the GPU machine): OUT=dir bash workers/tools/gpu_bench.sh [bench args...]
-# Optional: PERSISTENT=1 (issue 25: persistent decode, fused RoPE + K/V write, small-batch GEMV), DRAFT=1 (issue 22's
-# draft-model step costs), MIXED=1 (steps with a prompt chunk, piecewise CUDA graphs against eager); SKIP_*=1 skip.
+# Optional: PERSISTENT=1 (issue 25: persistent decode, fused RoPE + K/V write, small-batch GEMV), GEMV=1 (issue 25:
+# the fused GEMV path, kernels to whole steps), DRAFT=1 (issue 22's draft-model step costs), MIXED=1 (steps with a
+# prompt chunk, piecewise CUDA graphs against eager); SKIP_*=1 skip.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 source "$(dirname "$0")/device_env.sh"
@@ -29,6 +30,13 @@ if [ "${PERSISTENT:-0}" = 1 ]; then  # issue 25: persistent against partitioned 
     python3 -m laneserve.cli bench --parts engine --batches "$batch" --contexts "$short" --long-context "$long" \
       --decode-attention partitioned,auto 2>&1 | tail -3 | tee -a "$OUT/persistent.txt"
   done
+fi
+if [ "${GEMV:-0}" = 1 ]; then  # issue 25: the fused GEMV path for steps of <= 8 tokens (--decode-gemv-rows)
+  python3 -m pytest -q -p no:cacheprovider tests/test_fused_kernels.py 2>&1 | tail -3 | tee "$OUT/gemv.txt"
+  python3 -m workers.tools.kernel_bench --gemv --out "$OUT/gemv.json" 2>&1 | grep -v "^    gemv" \
+    | tee -a "$OUT/gemv.txt"  # (the sweep's per-config lines dropped)
+  python3 -m laneserve.cli bench --parts roofline,engine --batches 1,2,4,8,32,128 --contexts 1024 \
+    --decode-gemv-rows 0,8 --out "$OUT/gemv_engine.json" 2>&1 | tee -a "$OUT/gemv.txt"
 fi
 if [ "${MIXED:-0}" = 1 ]; then  # issue 19's worker lever: the host launch and device time of steps with a prompt chunk
   python3 -m laneserve.cli bench --parts mixed --batches 1,64 --contexts 1024 --chunks 256,1024,1920 --steps 10 \
