@@ -135,11 +135,10 @@ class TritonAttentionBackend(AttentionBackend):
         ks = vs = None
         if kv_scales is not None:  # int8 pool: the kernels quantise / dequantise with these [Hkv] scales
             ks, vs = kv_scales.k, kv_scales.v
-        if kv_written:  # (by the qkv GEMV: q rotated, k / v in the pool; never an int8 pool)
-            pass
-        elif rope is not None and kv_scales is None and triton_kernels(q):  # RoPE and the K/V write: one launch
-            rope_write_kv_(q, k, v, *rope, k_cache, v_cache, meta.slot_mapping)
-        else:
+        # kv_written: the qkv GEMV rotated q and wrote k / v already (qkv_rope_gemv; never an int8 pool)
+        if not kv_written and rope is not None and kv_scales is None and triton_kernels(q):
+            rope_write_kv_(q, k, v, *rope, k_cache, v_cache, meta.slot_mapping)  # RoPE and the K/V write: one launch
+        elif not kv_written:
             if rope is not None:
                 rope_(q, k, *rope)
             if kv_scales is not None:
