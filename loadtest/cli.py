@@ -344,8 +344,9 @@ def run_main(argv: list[str]) -> int:
 
 def build_sweep_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="laneserve loadtest sweep",
-                                description="one warm-up replay, then an open-loop replay of the generated trace "
-                                            "at each rate and seed against one server; sweep.json, sweep.md, "
+                                description="one warm-up replay, then an open-loop replay of the trace (generated, "
+                                            "or a window of a trace file per seed) at each rate and seed against one "
+                                            "server; sweep.json, sweep.md, "
                                             "sweep.png with the saturation rate and the SLO capacity")
     p.add_argument("--url", required=True, help="server base URL (OpenAI-compatible)")
     add_sweep_args(p)
