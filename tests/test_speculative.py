@@ -44,6 +44,33 @@ def test_ngram_proposes_what_followed_the_latest_earlier_occurrence_of_the_longe
     assert NgramIndex(2, 2).propose([4, 4, 4, 4], 3) == [4]  # continuation known up to the end only
 
 
+def test_the_ngram_index_grown_in_budgeted_steps_is_the_whole_index_of_its_window():
+    """grow() in steps of any budget (a long prompt's index is built over several steps) gives the index of all the
+    n-grams at once (the latest occurrence of each), of the latest INDEX_WINDOW tokens, then grows with new ones."""
+    import random
+
+    from batcher.spec import INDEX_WINDOW
+
+    def reference(tokens: list[int], lo: int, hi: int, first_end: int) -> dict:
+        last = {}
+        for end in range(max(lo, first_end), len(tokens)):
+            for n in range(lo, min(hi, end) + 1):
+                last[tuple(tokens[end - n:end])] = end
+        return last
+
+    rng = random.Random(7)
+    for lo, hi, length, vocab in [(1, 3, 200, 5), (2, 4, 600, 3), (2, 2, 50, 2), (3, 5, INDEX_WINDOW + 300, 4)]:
+        tokens = [rng.randrange(vocab) for _ in range(length)]
+        first_end = length - INDEX_WINDOW  # (a long context: only its latest INDEX_WINDOW tokens are indexed)
+        idx = NgramIndex(lo, hi)
+        while not idx.ready(tokens):
+            idx.grow(tokens, rng.choice([1, 2, 7, 64, 1000]))
+        assert idx.last == reference(tokens, lo, hi, first_end), (lo, hi, length)
+        tokens += [rng.randrange(vocab) for _ in range(3)]  # a step's new tokens: indexed on top
+        idx.grow(tokens)
+        assert idx.last == reference(tokens, lo, hi, first_end), (lo, hi, length)
+
+
 def test_k_follows_the_cost_model_and_the_measured_acceptance():
     assert expected_tokens(0, 0.7) == 1.0 and expected_tokens(3, 1.0) == 4.0
     assert expected_tokens(2, 0.5) == pytest.approx(1 + 0.5 + 0.25)
