@@ -15,6 +15,8 @@ interpreter; False runs the fallbacks on CUDA too.
   both; any strides (q/k may be views into a merged qkv output). One program per token.
 - `rope_write_kv_`: `rope_` and the K/V write into a paged pool that is not int8, in one launch (the Triton
   attention backend's; one launch fewer per layer). Triton only.
+- `rope_rotate`: the rotation itself with torch's roundings, a Triton function the RoPE kernels here and
+  workers/kernels/gemv.py's qkv GEMV call.
 """
 
 from __future__ import annotations
@@ -85,6 +87,16 @@ if triton is not None:
         tl.store(out_ptr + row * s_o + offs, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def rope_rotate(x1, x2, c1, c2, s1, s2):
+        """RoPE of the halves x1, x2 (in their dtype) with cos / sin halves (fp32 holding values of x's dtype):
+        x * cos + rotate_half(x) * sin, rounded as torch rounds (each product, then the sum, in x's dtype)."""
+        dtype = x1.dtype
+        a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+        o1 = ((a1 * c1).to(dtype).to(tl.float32) + (-a2 * s1).to(dtype).to(tl.float32)).to(dtype)
+        o2 = ((a2 * c2).to(dtype).to(tl.float32) + (a1 * s2).to(dtype).to(tl.float32)).to(dtype)
+        return o1, o2
+
+    @triton.jit
     def _rope_heads(ptr, s_h, s_d, H, c1, c2, s1, s2, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
                     BLOCK_HALF: tl.constexpr):
         """One token's H heads in place: out = x * cos + rotate_half(x) * sin, rounded as torch rounds
@@ -95,12 +107,7 @@ if triton is not None:
         mask = (offs_h < H)[:, None] & (offs_d < HALF)[None, :]
         p1 = ptr + offs_h[:, None] * s_h + offs_d[None, :] * s_d
         p2 = p1 + HALF * s_d
-        x1 = tl.load(p1, mask=mask, other=0.0)
-        x2 = tl.load(p2, mask=mask, other=0.0)
-        dtype = x1.dtype
-        a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
-        o1 = ((a1 * c1).to(dtype).to(tl.float32) + (-a2 * s1).to(dtype).to(tl.float32)).to(dtype)
-        o2 = ((a2 * c2).to(dtype).to(tl.float32) + (a1 * s2).to(dtype).to(tl.float32)).to(dtype)
+        o1, o2 = rope_rotate(tl.load(p1, mask=mask, other=0.0), tl.load(p2, mask=mask, other=0.0), c1, c2, s1, s2)
         tl.store(p1, o1, mask=mask)
         tl.store(p2, o2, mask=mask)
         return o1, o2, mask

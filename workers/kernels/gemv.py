@@ -30,6 +30,8 @@ import torch
 try:
     import triton
     import triton.language as tl
+
+    from workers.kernels.fused import rope_rotate
 except ImportError:  # CPU-only installs
     triton = None
 
@@ -85,7 +87,7 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _gemv(x_ptr, w_ptr, b_ptr, nw_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_rm, stride_ym, eps,
+    def _gemv(x_ptr, w_ptr, b_ptr, nw_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, eps,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr, BIAS: tl.constexpr,
               RESIDUAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -101,13 +103,12 @@ if triton is not None:
         if BIAS:
             acc += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[None, :]
         mask = m_ok[:, None] & (rows[None, :] < N)
+        at = y_ptr + ms[:, None] * stride_ym + rows[None, :]
         out = acc.to(dtype)
-        if RESIDUAL:  # r += y, the sum in r's dtype (as torch's `residual + x` rounds it)
-            at = r_ptr + ms[:, None] * stride_rm + rows[None, :]
+        if RESIDUAL:  # y is the residual: y += out, the sum in its dtype (as torch's `residual + x` rounds it)
             res = tl.load(at, mask=mask, other=0.0)
-            tl.store(at, (out.to(tl.float32) + res.to(tl.float32)).to(res.dtype), mask=mask)
-        else:
-            tl.store(y_ptr + ms[:, None] * stride_ym + rows[None, :], out, mask=mask)
+            out = (out.to(tl.float32) + res.to(tl.float32)).to(res.dtype)
+        tl.store(at, out, mask=mask)
 
 
     @triton.jit
@@ -133,15 +134,13 @@ if triton is not None:
         if BIAS:
             acc += tl.load(b_ptr + rows).to(tl.float32)[None, :]
         lo, hi = tl.split(tl.permute(tl.reshape(acc.to(dtype), (16, 2, HALF_N)), (0, 2, 1)))
-        if head < HQ + HK:  # a q or k head: RoPE, rounded as fused.py's _rope_heads
+        if head < HQ + HK:  # a q or k head: RoPE (the tables cast to x's dtype, as fused.py's _rope_tables)
             row = tl.load(pos_ptr + ms, mask=m_ok, other=0).to(tl.int64)[:, None] * s_cos
             c1 = tl.load(cos_ptr + row + dl[None, :]).to(dtype).to(tl.float32)
             c2 = tl.load(cos_ptr + row + D // 2 + dl[None, :]).to(dtype).to(tl.float32)
             s1 = tl.load(sin_ptr + row + dl[None, :]).to(dtype).to(tl.float32)
             s2 = tl.load(sin_ptr + row + D // 2 + dl[None, :]).to(dtype).to(tl.float32)
-            a1, a2 = lo.to(tl.float32), hi.to(tl.float32)
-            lo = ((a1 * c1).to(dtype).to(tl.float32) + (-a2 * s1).to(dtype).to(tl.float32)).to(dtype)
-            hi = ((a2 * c2).to(dtype).to(tl.float32) + (a1 * s2).to(dtype).to(tl.float32)).to(dtype)
+            lo, hi = rope_rotate(lo, hi, c1, c2, s1, s2)
         at = y_ptr + ms[:, None] * stride_ym + head * D + dl[None, :]
         tl.store(at, lo, mask=m_ok[:, None])
         tl.store(at + D // 2, hi, mask=m_ok[:, None])
@@ -182,8 +181,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None, *, bias: 
                                                torch.empty(M, N, dtype=x.dtype, device=x.device))
     norm_w, eps = norm if norm is not None else (None, 0.0)
     _gemv[(triton.cdiv(N, c["BLOCK_N"]),)](
-        x, w, bias if bias is not None else w, norm_w if norm_w is not None else w, y, y, M, N, K, x.stride(0),
-        w.stride(0), y.stride(0), y.stride(0), eps, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
+        x, w, bias if bias is not None else w, norm_w if norm_w is not None else w, y, M, N, K, x.stride(0),
+        w.stride(0), y.stride(0), eps, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
         PRO=NORM if norm is not None else (SILU if silu else NONE), BIAS=bias is not None,
         RESIDUAL=residual is not None, UPCAST=not x.is_cuda,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=c["num_warps"],
