@@ -143,6 +143,7 @@ class Scheduler:
         # its drafts, for its StepInput: request id -> the draft tokens (ngram) or its DraftJob (a draft model)
         self.drafts: dict[str, list[int] | DraftJob] = {}
         self.catchup: dict[str, int] = {}  # --speculative draft: _draft_catchup() for the step being composed
+        self.proposals: dict[str, list[int]] = {}  # --speculative ngram: _choose_k()'s drafts, up to max K each
         # The step-cost model (cost, else --cost-model, else the shipped fit), learned online from the worker.
         self.fit = OnlineCostFit(cost or CostModel.load(cfg.cost_model or default_cost_model(cfg.lanes)))
         self.decode_part_ms = 0.0  # the last composed step's cost without its prefills
@@ -336,8 +337,10 @@ class Scheduler:
         after = (QUEUED if self.late else TURNAROUND) if self.on_output else 0
         self.on_output = self.late = False
         if self.spec.enabled:
+            if not self.streams and (len(self.in_flight) >= limit or any(e.drafts for e in self.in_flight)):
+                return None  # no step either way (a step with drafts is alone in flight): K need not be chosen
             self.spec_k = self._choose_k()
-            if self.spec_k or any(entry.drafts for entry in self.in_flight):
+            if self.spec_k:
                 limit = 1
         if not self.streams:
             if len(self.in_flight) >= limit:
@@ -365,20 +368,36 @@ class Scheduler:
         slow the prefills (measured on the H200: with drafts in such steps the bursty replay's TTFT p95 rose
         13-24% at 16-24 req/s)."""
         drafters = draft_context = others = other_context = 0
+        proposals = self.proposals = {}
         if self.waiting or len(self.running) * 2 > self.cfg.max_num_seqs:  # (no K >= 1 fits the largest graph)
             return 0
         budget = INDEX_BUDGET  # (a long context's index is built over several steps)
         by_model = self.spec.draft_model  # a draft model drafts for every request whose draft K/V catches up
+        max_k = self.spec.max_k
         if by_model:
             self.catchup = self._draft_catchup()
-        for r in self.running.values():
+        running = self.running.values()
+        if not by_model:  # skip prompt lookup when no drafts would pay (SpecPolicy.hopeless)
+            may, shortest, total = 0, 1 << 62, 0
+            for r in running:
+                total += r.num_computed_tokens
+                if self._may_draft(r):
+                    may += 1
+                    shortest = min(shortest, r.num_computed_tokens)
+            if self.spec.hopeless(may, may * shortest, self.fit.model, self.cfg.max_num_seqs, len(running) - may,
+                                  total - may * shortest):
+                return 0
+        for r in running:
             if len(r.token_ids) + r.num_output_placeholders - r.num_computed_tokens > 1:  # (re)computing a prompt
                 return 0
             may = self._may_draft(r)
-            if may and budget > 0 and not by_model:
-                budget -= r.ngrams.grow(r.token_ids, budget)
-            if may and (self.catchup.get(r.request_id) == r.num_computed_tokens + 1 if by_model else
-                        r.ngrams.ready(r.token_ids) and r.ngrams.propose(r.token_ids, 1)):
+            if may and not by_model:
+                if budget > 0:
+                    budget -= r.ngrams.grow(r.token_ids, budget)
+                may = r.ngrams.ready(r.token_ids) and r.ngrams.propose(r.token_ids, max_k)
+                if may:
+                    proposals[r.request_id] = may
+            if may and (not by_model or self.catchup.get(r.request_id) == r.num_computed_tokens + 1):
                 drafters += 1
                 draft_context += r.num_computed_tokens
             else:
@@ -630,7 +649,7 @@ class Scheduler:
                 p = req.num_computed_tokens  # its input's position
                 stop = self.catchup.get(req.request_id) if by_model else None
                 if not by_model:
-                    drafts = req.ngrams.propose(req.token_ids, room) if req.ngrams.ready(req.token_ids) else []
+                    drafts = self.proposals.get(req.request_id, [])[:max(room, 0)]
                 elif stop is not None:
                     job = DraftJob(req.draft_done, stop, max(room, 0) if stop == p + 1 else 0)
             k = job.k if job is not None else len(drafts)

@@ -21,7 +21,9 @@ the drafts), what its work costs. Pure: no I/O, no torch.
   probe that changes nothing doubles that interval, up to PROBE_MAX, and a decision that speculates resets it
   (a model whose drafts never pay stops paying for probes: each runs a step alone in flight with max K). Only
   requests that may draft now count as drafting (no penalties, ..., and prompt lookup finds a match in their known
-  tokens): with none, K is 0 and async scheduling keeps two steps in flight.
+  tokens): with none, K is 0 and async scheduling keeps two steps in flight. Before looking up anything the
+  scheduler asks `hopeless`: would no K pay even if all of them drafted at the shortest context among them (a
+  bound for any subset: the cost model is linear)? Then K is 0 with no prompt lookup (~4 us a request a step).
 - Draft model: the worker's draft model proposes the drafts (protocol DraftJob), for every request that may
   draft and whose draft K/V catches up in the step (below). Its K passes cost r * (a plain decode step of those
   requests) each, r the draft's cost over the model's: first its parameter share (WorkerReady.draft_size), then
@@ -83,10 +85,12 @@ class NgramIndex:
         return self.done >= len(tokens)
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix n-gram."""
+        """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix n-gram (the
+        index grown to the last token first, if it was not)."""
         if k <= 0 or len(tokens) < self.min_n + 1:
             return []
-        self.grow(tokens)
+        if self.done < len(tokens):
+            self.grow(tokens)
         last = self.last
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             start = last.get(tuple(tokens[-n:]))
@@ -135,20 +139,12 @@ class SpecPolicy:
         a draft model its K passes over the drafting requests."""
         if not self.enabled or batch <= 0:
             return 0
-        alpha = self.alpha if self.drafted >= MIN_DRAFTS else max(self.alpha, OPTIMISTIC_ACCEPTANCE)
         top = min(self.max_k, (max_rows - others) // batch - 1)
         if top < 1:
             return 0
         if self.probing:  # a probe waits for a step that drafts
             return top
-        best_k, best = 0, (batch + others) / cost.step_ms(0, 0, batch + others, context + other_context)
-        draft_pass = self.draft_ratio * cost.step_ms(0, 0, batch, context) if self.draft_model else 0.0
-        for k in range(1, top + 1):
-            rows, kv = batch * (k + 1) + others, (k + 1) * context + other_context
-            rate = (batch * expected_tokens(k, alpha) + others) / (cost.step_ms(0, 0, rows, kv) + cost.h
-                                                                   + k * draft_pass)
-            if rate > best:
-                best_k, best = k, rate
+        best_k = self._best_k(top, batch, context, cost, others, other_context)
         if best_k:
             self.probe_every = self.until_probe = PROBE_EVERY
             return best_k
@@ -158,6 +154,34 @@ class SpecPolicy:
             self.until_probe = self.probe_every = min(2 * self.probe_every, PROBE_MAX)
             return top
         return 0
+
+    def _best_k(self, top: int, batch: int, context: int, cost: CostModel, others: int, other_context: int) -> int:
+        """choose_k()'s K of at most top that maximises tokens per ms, 0 if none beats a plain step (no probing)."""
+        alpha = self.alpha if self.drafted >= MIN_DRAFTS else max(self.alpha, OPTIMISTIC_ACCEPTANCE)
+        best_k, best = 0, (batch + others) / cost.step_ms(0, 0, batch + others, context + other_context)
+        draft_pass = self.draft_ratio * cost.step_ms(0, 0, batch, context) if self.draft_model else 0.0
+        for k in range(1, top + 1):
+            rows, kv = batch * (k + 1) + others, (k + 1) * context + other_context
+            rate = (batch * expected_tokens(k, alpha) + others) / (cost.step_ms(0, 0, rows, kv) + cost.h
+                                                                   + k * draft_pass)
+            if rate > best:
+                best_k, best = k, rate
+        return best_k
+
+    def hopeless(self, batch: int, context: int, cost: CostModel, max_rows: int, others: int = 0,
+                 other_context: int = 0) -> bool:
+        """Would choose_k() come out 0 whichever of the `batch` requests that may draft found drafts, with no probe
+        due? Then that counts as its decision (the scheduler skips prompt lookup, ~4 us a request per step, where
+        at a large batch nothing pays). context: the shortest context among them times batch, which bounds the
+        rate of any subset of them drafting (the cost model is linear: a subset's rate lies between a plain step's
+        and all of them drafting at that context)."""
+        if not self.enabled or batch <= 0 or self.probing or self.until_probe <= 1:
+            return False
+        top = min(self.max_k, (max_rows - others) // batch - 1)
+        if top < 1 or self._best_k(top, batch, context, cost, others, other_context):
+            return False
+        self.until_probe -= 1
+        return True
 
     @staticmethod
     def draft_work_ms(jobs: Iterable[DraftJob], cost: CostModel) -> float:

@@ -111,6 +111,68 @@ def test_a_rate_measured_low_is_probed_again_and_a_new_server_starts_optimistic(
     assert spec.choose_k(32, 64000, cost, 256) > 0 and spec.until_probe == spec.probe_every == PROBE_EVERY
 
 
+def test_a_batch_where_no_drafts_could_pay_is_decided_without_prompt_lookup():
+    """SpecPolicy.hopeless bounds every subset of the requests that may draft (with the shortest context among them
+    for all): when it says no K pays, choose_k() says 0 for each subset that could find drafts; and counting its
+    answers as decisions keeps the probe at the PROBE_EVERY-th one."""
+    rng = random.Random(3)
+    bounded = 0
+    for _ in range(300):
+        cost = CostModel(a=rng.uniform(1, 8), b=0.02, c=rng.uniform(0.001, 0.1), d=rng.uniform(0, 2e-4),
+                         h=rng.uniform(0, 2))
+        contexts = [rng.randrange(16, 20000) for _ in range(rng.randrange(1, 96))]
+        may = rng.sample(range(len(contexts)), rng.randrange(1, len(contexts) + 1))
+        spec = SpecPolicy("ngram", rng.randrange(1, 9), 2, 4)
+        spec.drafted, spec.alpha = MIN_DRAFTS, rng.uniform(0, 1)
+        shortest = min(contexts[i] for i in may)
+        total = sum(contexts)
+        if not spec.hopeless(len(may), len(may) * shortest, cost, 256, len(contexts) - len(may),
+                             total - len(may) * shortest):
+            continue
+        bounded += 1
+        for _ in range(5):
+            drafting = rng.sample(may, rng.randrange(1, len(may) + 1))
+            ctx = sum(contexts[i] for i in drafting)
+            fresh = SpecPolicy("ngram", spec.max_k, 2, 4)
+            fresh.drafted, fresh.alpha = spec.drafted, spec.alpha
+            assert fresh.choose_k(len(drafting), ctx, cost, 256, len(contexts) - len(drafting), total - ctx) == 0
+    assert 30 < bounded < 270  # (both answers came up)
+
+    cost = CostModel(a=4.8, b=0.02, c=0.011, d=2.7e-5)
+    with_bound, alone = (SpecPolicy("ngram", 4, 2, 4) for _ in range(2))
+    for spec in (with_bound, alone):
+        spec.drafted, spec.alpha = MIN_DRAFTS, 0.01
+    picks = {"bound": [], "alone": []}
+    for _ in range(2 * PROBE_EVERY):
+        skipped = with_bound.hopeless(32, 64000, cost, 256)
+        picks["bound"].append(0 if skipped else with_bound.choose_k(32, 64000, cost, 256))
+        picks["alone"].append(alone.choose_k(32, 64000, cost, 256))
+    assert picks["bound"] == picks["alone"] and picks["alone"].index(4) == PROBE_EVERY - 1
+
+
+def test_prompt_lookup_waits_while_drafts_cannot_pay_and_resumes_when_they_can():
+    """With a measured acceptance so low that no K pays, schedule() leaves the n-gram indexes alone (no lookup
+    cost at all); when drafts pay again, the indexes catch up and the steps verify drafts."""
+    s = Scheduler(cfg(speculative="ngram"), 256, BS, 8192, cost=CHEAP_VERIFY)
+    d = Driver(s, cycle)
+    for i in range(6):
+        add(s, f"r{i}", 40, base=100 * i, max_tokens=400, temperature=0.0)
+    while not all(r.is_decoding for r in s.running.values()) or len(s.running) < 6:
+        d.step()
+    s.spec.drafted, s.spec.alpha = 10 * MIN_DRAFTS, 0.0
+    s.spec.until_probe = s.spec.probe_every = PROBE_MAX
+    s.spec.observe(1, 1, 0)  # (a step that verified drafts: no probe pending)
+    indexed = {rid: r.ngrams.done if r.ngrams else 0 for rid, r in s.running.items()}
+    steps = [d.step() for _ in range(20)]
+    assert not any(st.spec_token_ids for st in steps)
+    assert {rid: r.ngrams.done if r.ngrams else 0 for rid, r in s.running.items()} == indexed
+    s.spec.alpha = 0.9
+    steps = [d.step() for _ in range(20)]
+    assert any(st.spec_token_ids for st in steps)  # (drafts come from indexes that caught up)
+    d.run()
+    assert all(len(t) == 400 for t in d.tokens.values()) and s.bm.num_free == 256
+
+
 @pytest.mark.parametrize("kw, error", [({"speculative": "eagle"}, "speculative must be"),
                                        ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
                                        ({"prompt_lookup_min": 5}, "prompt_lookup_min")])

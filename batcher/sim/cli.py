@@ -24,6 +24,7 @@ from batcher.config import BatcherConfig
 from batcher.cost_model import CostModel, default_cost_model
 from batcher.scheduler import Scheduler
 from batcher.sim.engine import SimWorker, TraceSimRequest, simulate, summarize
+from batcher.spec import INDEX_BUDGET
 from laneserve.config import check_numbers
 from laneserve.wire.protocol import AddRequest, SamplingParams
 
@@ -222,7 +223,8 @@ def _print(s: dict) -> None:
 
 
 def bench_step(num_running: int = 256, repeats: int = 200, cfg: BatcherConfig | None = None) -> dict:
-    """CPU cost of one schedule() + update() with num_running decoding sequences (no prefill)."""
+    """CPU cost of one schedule() + update() with num_running decoding sequences (no prefill; with prompt lookup,
+    after the steps that build their n-gram indexes, INDEX_BUDGET positions a step, if they are built)."""
     cfg = cfg or BatcherConfig()
     sched = Scheduler(cfg, 65536, 16, 32768)
     worker = SimWorker(65536, 16)
@@ -230,10 +232,13 @@ def bench_step(num_running: int = 256, repeats: int = 200, cfg: BatcherConfig | 
         sched.add_request(AddRequest(request_id=f"b{i}", prompt_token_ids=[i % 300 + 1] * 7 + list(range(i, i + 500)),
                                      params=SamplingParams(max_tokens=100000), arrival_time=0.0))
     now = 0.0
-    while any(not r.is_decoding for r in sched.running.values()) or len(sched.running) < num_running:
+    warm_up = -(-num_running * 507 // INDEX_BUDGET)
+    while warm_up:
         out, _ = worker.execute(sched.schedule(now))
         sched.update(out, now)
         now += 0.01
+        if len(sched.running) == num_running and all(r.is_decoding for r in sched.running.values()):
+            warm_up -= 1
     sched_s = upd_s = 0.0
     for _ in range(repeats):
         t0 = time.perf_counter()
