@@ -21,6 +21,8 @@ interpreter; False runs the fallbacks on CUDA too.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -33,6 +35,9 @@ except ImportError:  # CPU-only installs: the torch fallbacks serve
 # None: the kernels on CUDA tensors, the fallbacks elsewhere; True / False: always / never the kernels
 # (tests; on CPU the kernels need TRITON_INTERPRET=1 set before triton's first import)
 USE_TRITON: bool | None = None
+# Triton's interpreter runs the kernels (the CPU tests): launches take its variants (fp32 dots, small tiles). Not
+# "the tensors are on the CPU": workers/tools/compile_check.py compiles the GPU's variants from CPU tensors.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def triton_kernels(x: torch.Tensor) -> bool:

@@ -31,7 +31,7 @@ try:
     import triton
     import triton.language as tl
 
-    from workers.kernels.fused import rope_rotate
+    from workers.kernels.fused import INTERPRETED, rope_rotate
 except ImportError:  # CPU-only installs
     triton = None
 
@@ -147,13 +147,13 @@ if triton is not None:
         if head >= HQ:  # a k or v head: into the pool at the token's slot (-1, a CUDA-graph padding row: not written)
             slot = tl.load(slot_ptr + ms, mask=m_ok, other=-1).to(tl.int64)
             ok = (slot >= 0)[:, None]
-            at = ((slot // PAGE) * s_cb + (slot % PAGE) * s_ct + (head - HQ) % HK * s_ch)[:, None] + dl[None, :]
+            off = ((slot // PAGE) * s_cb + (slot % PAGE) * s_ct + (head - HQ) % HK * s_ch)[:, None] + dl[None, :]
             if head < HQ + HK:
-                tl.store(kc_ptr + at, lo.to(kc_ptr.dtype.element_ty), mask=ok)
-                tl.store(kc_ptr + at + D // 2, hi.to(kc_ptr.dtype.element_ty), mask=ok)
+                tl.store(kc_ptr + off, lo.to(kc_ptr.dtype.element_ty), mask=ok)
+                tl.store(kc_ptr + off + D // 2, hi.to(kc_ptr.dtype.element_ty), mask=ok)
             else:
-                tl.store(vc_ptr + at, lo.to(vc_ptr.dtype.element_ty), mask=ok)
-                tl.store(vc_ptr + at + D // 2, hi.to(vc_ptr.dtype.element_ty), mask=ok)
+                tl.store(vc_ptr + off, lo.to(vc_ptr.dtype.element_ty), mask=ok)
+                tl.store(vc_ptr + off + D // 2, hi.to(vc_ptr.dtype.element_ty), mask=ok)
 
 
 def gemv_config(n: int, k: int) -> dict:
@@ -184,7 +184,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None, *, bias: 
         x, w, bias if bias is not None else w, norm_w if norm_w is not None else w, y, M, N, K, x.stride(0),
         w.stride(0), y.stride(0), eps, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
         PRO=NORM if norm is not None else (SILU if silu else NONE), BIAS=bias is not None,
-        RESIDUAL=residual is not None, UPCAST=not x.is_cuda,
+        RESIDUAL=residual is not None, UPCAST=INTERPRETED,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=c["num_warps"],
         num_stages=c["num_stages"])
     return y
@@ -217,7 +217,7 @@ def qkv_rope_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n
         x, w, bias if bias is not None else w, norm[0], y, positions, cos, sin, k_cache, v_cache, slots, M, K,
         x.stride(0), w.stride(0), y.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), norm[1], num_heads, num_kv_heads, D=D, PAGE=k_cache.shape[1], BLOCK_N=block_n,
-        BLOCK_K=c["BLOCK_K"], BIAS=bias is not None, UPCAST=not x.is_cuda,
+        BLOCK_K=c["BLOCK_K"], BIAS=bias is not None, UPCAST=INTERPRETED,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=c["num_warps"],
         num_stages=c["num_stages"])
     return y

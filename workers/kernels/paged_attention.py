@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from workers.kernels.fused import INTERPRETED
+
 LOG2E = 1.4426950408889634
 # Launch configs (H200-tuned with `python -m workers.tools.kernel_bench`, docs/perf.md); the interpreter
 # (CPU tests) gets small tiles.
@@ -541,7 +543,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     quant = k_cache.dtype == torch.int8
-    cfg = {**(PREFILL_CONFIG if q.is_cuda else PREFILL_CONFIG_CPU), **(config or {})}
+    cfg = {**(PREFILL_CONFIG_CPU if INTERPRETED else PREFILL_CONFIG), **(config or {})}
     grid = (triton.cdiv(max_query_len, cfg["BLOCK_M"]), num_heads, num_seqs)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,

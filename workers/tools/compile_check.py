@@ -1,0 +1,157 @@
+"""Compile every Triton kernel a CUDA worker would launch, for a GPU this machine does not have.
+
+`python -m workers.tools.compile_check [--arch 90]` runs the real model runner on the CPU with a 2-layer model of
+the Mistral-7B shape (and a 1-layer one of the Qwen2-7B shape: qkv bias, 28 heads over 4 K/V heads) through the
+Triton attention backend, the fused kernels and the small-batch GEMV path, in each variant a GPU run takes
+(partitioned and persistent decode attention, bf16 and int8 K/V, prefill chunks, decode steps of 1, 8 and 9
+sequences), with Triton's active driver replaced by one that compiles each kernel for the target (Triton's own
+ptxas, to a cubin) and launches nothing. So a kernel that would not compile on the GPU, with the arguments and
+constexprs the worker gives it there, fails here first, on a CPU machine, before a lent GPU's minutes go on it.
+Nothing is computed: the weights and the kernels' outputs are left as allocated, so the tokens are meaningless.
+
+Limits: this machine's Triton compiles (3.x; the lent GPU's may be older), and what compiles can still be wrong or
+slow on the device: the GPU tests (`workers/tools/gpu_bench.sh`) remain the check that counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+ARCHS = (80, 86, 89, 90)
+
+
+class _CompileOnlyDriver:
+    """Triton's driver interface as far as compiling needs it: the target, and a launcher that does nothing."""
+
+    backend = "cuda"
+
+    def __init__(self, arch: int):
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", arch, 32)
+        self.utils = self
+        self.launcher_cls = lambda src, metadata: (lambda *args, **kwargs: None)
+
+    @staticmethod
+    def is_active() -> bool:
+        return True
+
+    def get_current_target(self):
+        return self.target
+
+    @staticmethod
+    def get_current_device() -> int:
+        return 0
+
+    @staticmethod
+    def get_current_stream(device=None) -> int:
+        return 0
+
+    @staticmethod
+    def load_binary(name, kernel, shared, device):  # (module, function, registers, spills, max threads)
+        return 0, 0, 0, 0, 1024
+
+    @staticmethod
+    def get_device_properties(device) -> dict:  # an H100 SXM's (Triton checks shared memory against it)
+        return {"max_shared_mem": 232448, "multiprocessor_count": 132, "max_num_regs": 65536, "warpSize": 32,
+                "sm_clock_rate": 1980000, "mem_clock_rate": 2619000, "mem_bus_width": 5120}
+
+
+def install(arch: int) -> None:
+    """Make Triton compile for `arch` and launch nothing."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("compile_check: TRITON_INTERPRET=1 is set (the interpreter compiles nothing): unset it")
+    from triton.runtime.driver import driver
+
+    driver.set_active(_CompileOnlyDriver(arch))
+
+
+def compiled_variants() -> dict[str, int]:
+    """Each of the workers' Triton kernels -> how many variants of it were compiled (its JIT cache)."""
+    from triton.runtime.jit import JITFunction
+
+    from workers.kernels import fused, gemv, paged_attention
+
+    out = {}
+    for module in (fused, gemv, paged_attention):
+        for name, fn in vars(module).items():
+            if isinstance(fn, JITFunction) and name.endswith("kernel") or name in ("_gemv", "_qkv_rope"):
+                caches = getattr(fn, "device_caches", {})
+                out[f"{module.__name__.rsplit('.', 1)[1]}.{name}"] = sum(len(c[0]) for c in caches.values())
+    return out
+
+
+def _variants(tmp: str) -> list[tuple[str, dict, str]]:
+    from workers.tools.bench import MISTRAL_7B, write_dummy_model_dir
+
+    mistral = write_dummy_model_dir(os.path.join(tmp, "mistral"), {**MISTRAL_7B, "num_hidden_layers": 2})
+    qwen2 = write_dummy_model_dir(os.path.join(tmp, "qwen2"), {
+        **MISTRAL_7B, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+        "intermediate_size": 18944, "num_hidden_layers": 1, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "vocab_size": 32000, "tie_word_embeddings": False})
+    gemv = {"decode_gemv_rows": 8}
+    return [("mistral, bf16 K/V, partitioned decode, GEMV path", {"decode_attention": "partitioned", **gemv}, mistral),
+            ("mistral, bf16 K/V, persistent decode", {"decode_attention": "persistent"}, mistral),
+            ("mistral, int8 K/V, partitioned decode", {"kv_cache_dtype": "int8", "decode_attention": "partitioned"},
+             mistral),
+            ("mistral, int8 K/V, persistent decode", {"kv_cache_dtype": "int8", "decode_attention": "persistent"},
+             mistral),
+            ("qwen2, bf16 K/V, GEMV path (qkv bias)", {"decode_attention": "partitioned", **gemv}, qwen2)]
+
+
+def run(arch: int) -> int:
+    install(arch)
+    import torch
+
+    from workers import loader
+    from workers.config import WorkerConfig
+    from workers.kernels import fused
+    from workers.runner import ModelRunner
+    from workers.tools.driver import EngineDriver
+
+    fused.USE_TRITON = True  # the fused kernels on CPU tensors (compiled, not run)
+    loader.init_random_ = lambda model, generator: None  # nothing is computed: the weights stay as allocated
+    torch.manual_seed(0)
+    failed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        variants = _variants(tmp)
+        for name, settings, model in variants:
+            t0, before = time.perf_counter(), sum(compiled_variants().values())
+            try:
+                runner = ModelRunner(WorkerConfig(model=model, load_format="dummy", device="cpu", dtype="bfloat16",
+                                                  attention_backend="triton", kv_cache_memory="160MiB",
+                                                  max_model_len=2048, max_num_seqs=16, **settings))
+                vocab = runner.model_config.vocab_size
+                for batch in (1, 8, 9):  # the GEMV path's M == 1 and M > 1 specialisations, then past it
+                    driver = EngineDriver(runner, context=16, long_context=160 if batch > 1 else 0)
+                    driver.prefill(batch, vocab, chunk=64)
+                    for _ in range(2):
+                        driver.decode_step()
+                    runner.flush()
+                    driver.finish()
+            except Exception as exc:  # noqa: BLE001  (reported per variant: the others still run)
+                failed += 1
+                print(f"FAILED  {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}", flush=True)
+                continue
+            print(f"ok      {name}: {sum(compiled_variants().values()) - before} new kernel variants compiled in "
+                  f"{time.perf_counter() - t0:.1f} s", flush=True)
+    counts = compiled_variants()
+    for kernel, n in counts.items():
+        print(f"  {kernel}: {n}")
+    print(f"sm_{arch}: {sum(counts.values())} kernel variants compiled; {failed} of {len(variants)} model variants "
+          f"failed; not compiled: {', '.join(k for k, n in counts.items() if not n) or 'none'}")
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m workers.tools.compile_check", description=__doc__.split("\n")[0])
+    ap.add_argument("--arch", type=int, choices=ARCHS, default=90, help="compute capability x 10 (90: H100/H200)")
+    return run(ap.parse_args(argv).arch)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
