@@ -1,10 +1,10 @@
 """Compile every Triton kernel a CUDA worker would launch, for a GPU this machine does not have.
 
 `python -m workers.tools.compile_check [--arch 90]` runs the real model runner on the CPU with a 2-layer model of
-the Mistral-7B shape (and a 1-layer one of the Qwen2-7B shape: qkv bias, 28 heads over 4 K/V heads) through the
-Triton attention backend, the fused kernels and the small-batch GEMV path, in each variant a GPU run takes
-(partitioned and persistent decode attention, bf16 and int8 K/V, prefill chunks, decode steps of 1, 8 and 9
-sequences), with Triton's active driver replaced by one that compiles each kernel for the target (Triton's own
+the Mistral-7B shape (and 1-layer ones of the Qwen2-7B shape: qkv bias, 28 heads over 4 K/V heads; and of
+SmolLM2-135M's: head_dim 64, tied embeddings) through the Triton attention backend, the fused kernels and the
+small-batch GEMV path, in each variant a GPU run takes (partitioned, persistent and auto decode attention, bf16 and
+int8 K/V, prefill chunks, decode steps of 1, 8 and 9 sequences), with Triton's active driver replaced by one that compiles each kernel for the target (Triton's own
 ptxas, to a cubin) and launches nothing. So a kernel that would not compile on the GPU, with the arguments and
 constexprs the worker gives it there, fails here first, on a CPU machine, before a lent GPU's minutes go on it.
 Nothing is computed: the weights and the kernels' outputs are left as allocated, so the tokens are meaningless.
@@ -93,6 +93,10 @@ def _variants(tmp: str) -> list[tuple[str, dict, str]]:
         **MISTRAL_7B, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
         "intermediate_size": 18944, "num_hidden_layers": 1, "num_attention_heads": 28, "num_key_value_heads": 4,
         "vocab_size": 32000, "tie_word_embeddings": False})
+    smollm2 = write_dummy_model_dir(os.path.join(tmp, "smollm2"), {
+        **MISTRAL_7B, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+        "intermediate_size": 1536, "num_hidden_layers": 1, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "head_dim": 64, "vocab_size": 49152, "tie_word_embeddings": True})
     gemv = {"decode_gemv_rows": 8}
     return [("mistral, bf16 K/V, partitioned decode, GEMV path", {"decode_attention": "partitioned", **gemv}, mistral),
             ("mistral, bf16 K/V, persistent decode", {"decode_attention": "persistent"}, mistral),
@@ -100,7 +104,9 @@ def _variants(tmp: str) -> list[tuple[str, dict, str]]:
              mistral),
             ("mistral, int8 K/V, persistent decode", {"kv_cache_dtype": "int8", "decode_attention": "persistent"},
              mistral),
-            ("qwen2, bf16 K/V, GEMV path (qkv bias)", {"decode_attention": "partitioned", **gemv}, qwen2)]
+            ("qwen2, bf16 K/V, GEMV path (qkv bias)", {"decode_attention": "partitioned", **gemv}, qwen2),
+            ("SmolLM2-135M shape (head_dim 64), GEMV path, auto decode", {"decode_attention": "auto", **gemv},
+             smollm2)]
 
 
 def run(arch: int) -> int:
