@@ -9,8 +9,9 @@ ptxas, to a cubin) and launches nothing. So a kernel that would not compile on t
 constexprs the worker gives it there, fails here first, on a CPU machine, before a lent GPU's minutes go on it.
 Nothing is computed: the weights and the kernels' outputs are left as allocated, so the tokens are meaningless.
 
-Limits: this machine's Triton compiles (3.x; the lent GPU's may be older), and what compiles can still be wrong or
-slow on the device: the GPU tests (`workers/tools/gpu_bench.sh`) remain the check that counts.
+Limits: the Triton installed compiles (CI's is the newest 3.x; to check the lent GPU's, `pip install --no-deps
+--target DIR triton==3.6.0` and run this with PYTHONPATH=DIR), and what compiles can still be wrong or slow on the
+device: the GPU tests (`workers/tools/gpu_bench.sh`) remain the check that counts.
 """
 
 from __future__ import annotations
