@@ -19,7 +19,8 @@ gate/up, silu + down + residual, the next layer's norm + qkv + RoPE + K/V write)
 
 Launch configs: `GEMV_CONFIGS` holds the best config per weight shape measured on the H200 (2026-12-05,
 `python -m workers.tools.kernel_bench --gemv`, docs/perf.md: 8% faster than cuBLAS over a batch-1 step's weights,
-3.9-4.2 TB/s; no faster at batch 4-8); other shapes take `GEMV_CONFIG`. On CPU tensors it runs under Triton's
+3.9-4.2 TB/s; no faster at batch 4-8); other shapes take `GEMV_CONFIG`. A GPU with less shared memory per block
+(A100, sm_86 / sm_89) runs them with fewer pipeline stages, as many as fit (`_launch`). On CPU tensors it runs under Triton's
 interpreter (tests).
 """
 
@@ -30,6 +31,8 @@ import torch
 try:
     import triton
     import triton.language as tl
+
+    from triton.runtime.errors import OutOfResources
 
     from workers.kernels.fused import INTERPRETED, rope_rotate
 except ImportError:  # CPU-only installs
@@ -156,6 +159,27 @@ if triton is not None:
                 tl.store(vc_ptr + off + D // 2, hi.to(vc_ptr.dtype.element_ty), mask=ok)
 
 
+_STAGES: dict[tuple, int] = {}  # a launch's kernel, dtype and constexprs -> the pipeline stages that fit this GPU
+
+
+def _launch(kernel, grid: tuple, args: tuple, config: dict, dtype: torch.dtype, **constexprs) -> None:
+    """kernel[grid](*args, **constexprs) with config's warps and pipeline stages, or fewer stages where the GPU has
+    less shared memory per block than the one the configs were tuned on (GEMV_CONFIGS: the H200's 227 KB; an A100
+    has 163 KB, sm_86 / sm_89 99 KB): Triton refuses such a launch before it starts, so nothing ran. The first
+    launch of each variant finds its stages (the runner's warm-up, before any CUDA graph capture)."""
+    key = (kernel, dtype, config["num_stages"], config["num_warps"], *constexprs.items())
+    stages = _STAGES.get(key, config["num_stages"])
+    while True:
+        try:
+            kernel[grid](*args, **constexprs, num_warps=config["num_warps"], num_stages=stages)
+            break
+        except OutOfResources:
+            if stages <= 1:
+                raise
+            stages -= 1
+    _STAGES[key] = stages
+
+
 def gemv_config(n: int, k: int) -> dict:
     """The launch config for a weight of [n, k]: GEMV_CONFIGS' entry for that shape, else GEMV_CONFIG."""
     return GEMV_CONFIGS.get((n, k), GEMV_CONFIG)
@@ -180,13 +204,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None, *, bias: 
     y = residual if residual is not None else (out if out is not None else
                                                torch.empty(M, N, dtype=x.dtype, device=x.device))
     norm_w, eps = norm if norm is not None else (None, 0.0)
-    _gemv[(triton.cdiv(N, c["BLOCK_N"]),)](
-        x, w, bias if bias is not None else w, norm_w if norm_w is not None else w, y, M, N, K, x.stride(0),
-        w.stride(0), y.stride(0), eps, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
-        PRO=NORM if norm is not None else (SILU if silu else NONE), BIAS=bias is not None,
-        RESIDUAL=residual is not None, UPCAST=INTERPRETED,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=c["num_warps"],
-        num_stages=c["num_stages"])
+    _launch(_gemv, (triton.cdiv(N, c["BLOCK_N"]),),
+            (x, w, bias if bias is not None else w, norm_w if norm_w is not None else w, y, M, N, K, x.stride(0),
+             w.stride(0), y.stride(0), eps), c, x.dtype, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
+            PRO=NORM if norm is not None else (SILU if silu else NONE), BIAS=bias is not None,
+            RESIDUAL=residual is not None, UPCAST=INTERPRETED, PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     return y
 
 
@@ -213,11 +235,10 @@ def qkv_rope_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n
     if block_n is None:
         raise ValueError(f"qkv_rope_gemv: head_dim {D} is not a multiple of 16")
     y = out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
-    _qkv_rope[(N // block_n,)](
-        x, w, bias if bias is not None else w, norm[0], y, positions, cos, sin, k_cache, v_cache, slots, M, K,
-        x.stride(0), w.stride(0), y.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), norm[1], num_heads, num_kv_heads, D=D, PAGE=k_cache.shape[1], BLOCK_N=block_n,
-        BLOCK_K=c["BLOCK_K"], BIAS=bias is not None, UPCAST=INTERPRETED,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=c["num_warps"],
-        num_stages=c["num_stages"])
+    _launch(_qkv_rope, (N // block_n,),
+            (x, w, bias if bias is not None else w, norm[0], y, positions, cos, sin, k_cache, v_cache, slots, M, K,
+             x.stride(0), w.stride(0), y.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
+             k_cache.stride(2), norm[1], num_heads, num_kv_heads), c, x.dtype, D=D, PAGE=k_cache.shape[1],
+            BLOCK_N=block_n, BLOCK_K=c["BLOCK_K"], BIAS=bias is not None, UPCAST=INTERPRETED,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     return y

@@ -22,7 +22,9 @@ import sys
 import tempfile
 import time
 
-ARCHS = (80, 86, 89, 90)
+# compute capability -> the most shared memory a block may opt into (bytes): A100, RTX 30xx, L40 / RTX 40xx, H100 / H200
+SHARED_MEMORY = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+ARCHS = tuple(SHARED_MEMORY)
 
 
 class _CompileOnlyDriver:
@@ -33,6 +35,7 @@ class _CompileOnlyDriver:
     def __init__(self, arch: int):
         from triton.backends.compiler import GPUTarget
 
+        self.arch = arch
         self.target = GPUTarget("cuda", arch, 32)
         self.utils = self
         self.launcher_cls = lambda src, metadata: (lambda *args, **kwargs: None)
@@ -56,10 +59,9 @@ class _CompileOnlyDriver:
     def load_binary(name, kernel, shared, device):  # (module, function, registers, spills, max threads)
         return 0, 0, 0, 0, 1024
 
-    @staticmethod
-    def get_device_properties(device) -> dict:  # an H100 SXM's (Triton checks shared memory against it)
-        return {"max_shared_mem": 232448, "multiprocessor_count": 132, "max_num_regs": 65536, "warpSize": 32,
-                "sm_clock_rate": 1980000, "mem_clock_rate": 2619000, "mem_bus_width": 5120}
+    def get_device_properties(self, device) -> dict:  # Triton checks each kernel's shared memory against it
+        return {"max_shared_mem": SHARED_MEMORY[self.arch], "multiprocessor_count": 132, "max_num_regs": 65536,
+                "warpSize": 32, "sm_clock_rate": 1980000, "mem_clock_rate": 2619000, "mem_bus_width": 5120}
 
 
 def install(arch: int) -> None:
