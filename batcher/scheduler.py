@@ -367,42 +367,42 @@ class Scheduler:
         is spare only when the step is all decodes, and a step with drafts is alone in flight, which would also
         slow the prefills (measured on the H200: with drafts in such steps the bursty replay's TTFT p95 rose
         13-24% at 16-24 req/s)."""
-        drafters = draft_context = others = other_context = 0
+        drafters = draft_context = 0
         proposals = self.proposals = {}
         if self.waiting or len(self.running) * 2 > self.cfg.max_num_seqs:  # (no K >= 1 fits the largest graph)
             return 0
-        budget = INDEX_BUDGET  # (a long context's index is built over several steps)
-        by_model = self.spec.draft_model  # a draft model drafts for every request whose draft K/V catches up
-        max_k = self.spec.max_k
-        if by_model:
-            self.catchup = self._draft_catchup()
-        running = self.running.values()
-        if not by_model:  # skip prompt lookup when no drafts would pay (SpecPolicy.hopeless)
-            may, shortest, total = 0, 1 << 62, 0
-            for r in running:
-                total += r.num_computed_tokens
-                if self._may_draft(r):
-                    may += 1
-                    shortest = min(shortest, r.num_computed_tokens)
-            if self.spec.hopeless(may, may * shortest, self.fit.model, self.cfg.max_num_seqs, len(running) - may,
-                                  total - may * shortest):
-                return 0
-        for r in running:
+        may_draft, shortest, total = [], 1 << 62, 0
+        for r in self.running.values():
             if len(r.token_ids) + r.num_output_placeholders - r.num_computed_tokens > 1:  # (re)computing a prompt
                 return 0
-            may = self._may_draft(r)
-            if may and not by_model:
+            total += r.num_computed_tokens
+            if self._may_draft(r):
+                may_draft.append(r)
+                shortest = min(shortest, r.num_computed_tokens)
+        by_model = self.spec.draft_model  # a draft model drafts for every request whose draft K/V catches up
+        m = len(may_draft)
+        # prompt lookup only where drafts could pay (SpecPolicy.hopeless: a bound over every subset of may_draft)
+        if not by_model and self.spec.hopeless(m, m * shortest, self.fit.model, len(self.running) - m,
+                                               total - m * shortest):
+            return 0
+        if by_model:
+            self.catchup = self._draft_catchup()
+        budget = INDEX_BUDGET  # (a long context's index is built over several steps)
+        max_k = self.spec.max_k
+        for r in may_draft:
+            if by_model:
+                drafts = self.catchup.get(r.request_id) == r.num_computed_tokens + 1
+            else:
                 if budget > 0:
                     budget -= r.ngrams.grow(r.token_ids, budget)
-                may = r.ngrams.ready(r.token_ids) and r.ngrams.propose(r.token_ids, max_k)
-                if may:
-                    proposals[r.request_id] = may
-            if may and (not by_model or self.catchup.get(r.request_id) == r.num_computed_tokens + 1):
+                drafts = r.ngrams.ready(r.token_ids) and r.ngrams.propose(r.token_ids, max_k)
+                if drafts:
+                    proposals[r.request_id] = drafts
+            if drafts:
                 drafters += 1
                 draft_context += r.num_computed_tokens
-            else:
-                others += 1
-                other_context += r.num_computed_tokens
+        others = len(self.running) - drafters
+        other_context = total - draft_context
         return self.spec.choose_k(drafters, draft_context, self.fit.model, self.cfg.max_num_seqs, others,
                                   other_context)
 

@@ -168,17 +168,16 @@ class SpecPolicy:
                 best_k, best = k, rate
         return best_k
 
-    def hopeless(self, batch: int, context: int, cost: CostModel, max_rows: int, others: int = 0,
-                 other_context: int = 0) -> bool:
+    def hopeless(self, batch: int, context: int, cost: CostModel, others: int = 0, other_context: int = 0) -> bool:
         """Would choose_k() come out 0 whichever of the `batch` requests that may draft found drafts, with no probe
         due? Then that counts as its decision (the scheduler skips prompt lookup, ~4 us a request per step, where
-        at a large batch nothing pays). context: the shortest context among them times batch, which bounds the
-        rate of any subset of them drafting (the cost model is linear: a subset's rate lies between a plain step's
-        and all of them drafting at that context)."""
+        at a large batch nothing pays). context: the shortest context among them times batch. For each K, a
+        subset's rate lies between a step without drafts and all of them drafting at that context (the cost model
+        is linear in rows and K/V read), so if no K up to max_k pays for the latter, none pays for any subset
+        (whatever K the largest graph leaves it)."""
         if not self.enabled or batch <= 0 or self.probing or self.until_probe <= 1:
             return False
-        top = min(self.max_k, (max_rows - others) // batch - 1)
-        if top < 1 or self._best_k(top, batch, context, cost, others, other_context):
+        if self._best_k(self.max_k, batch, context, cost, others, other_context):
             return False
         self.until_probe -= 1
         return True

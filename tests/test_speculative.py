@@ -126,7 +126,7 @@ def test_a_batch_where_no_drafts_could_pay_is_decided_without_prompt_lookup():
         spec.drafted, spec.alpha = MIN_DRAFTS, rng.uniform(0, 1)
         shortest = min(contexts[i] for i in may)
         total = sum(contexts)
-        if not spec.hopeless(len(may), len(may) * shortest, cost, 256, len(contexts) - len(may),
+        if not spec.hopeless(len(may), len(may) * shortest, cost, len(contexts) - len(may),
                              total - len(may) * shortest):
             continue
         bounded += 1
@@ -144,7 +144,7 @@ def test_a_batch_where_no_drafts_could_pay_is_decided_without_prompt_lookup():
         spec.drafted, spec.alpha = MIN_DRAFTS, 0.01
     picks = {"bound": [], "alone": []}
     for _ in range(2 * PROBE_EVERY):
-        skipped = with_bound.hopeless(32, 64000, cost, 256)
+        skipped = with_bound.hopeless(32, 64000, cost)
         picks["bound"].append(0 if skipped else with_bound.choose_k(32, 64000, cost, 256))
         picks["alone"].append(alone.choose_k(32, 64000, cost, 256))
     assert picks["bound"] == picks["alone"] and picks["alone"].index(4) == PROBE_EVERY - 1
