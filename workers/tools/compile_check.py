@@ -4,9 +4,10 @@
 the Mistral-7B shape (and 1-layer ones of the Qwen2-7B shape: qkv bias, 28 heads over 4 K/V heads; and of
 SmolLM2-135M's: head_dim 64, tied embeddings) through the Triton attention backend, the fused kernels and the
 small-batch GEMV path, in each variant a GPU run takes (partitioned, persistent and auto decode attention, bf16 and
-int8 K/V, prefill chunks, decode steps of 1, 8 and 9 sequences), with Triton's active driver replaced by one that compiles each kernel for the target (Triton's own
-ptxas, to a cubin) and launches nothing. So a kernel that would not compile on the GPU, with the arguments and
-constexprs the worker gives it there, fails here first, on a CPU machine, before a lent GPU's minutes go on it.
+int8 K/V, prefill chunks, decode steps of 1, 8 and 9 sequences), with Triton's active driver replaced by one that
+compiles each kernel for the target (Triton's own ptxas, to a cubin), checks its shared memory against the
+target's and launches nothing. So a kernel the GPU would reject, with the arguments and constexprs the worker
+gives it there, fails here first, on a CPU machine, before a lent GPU's minutes go on it.
 Nothing is computed: the weights and the kernels' outputs are left as allocated, so the tokens are meaningless.
 
 Limits: the Triton installed compiles (CI's is the newest 3.x; to check the lent GPU's, `pip install --no-deps
@@ -82,7 +83,7 @@ def compiled_variants() -> dict[str, int]:
     out = {}
     for module in (fused, gemv, paged_attention):
         for name, fn in vars(module).items():
-            if isinstance(fn, JITFunction) and name.endswith("kernel") or name in ("_gemv", "_qkv_rope"):
+            if isinstance(fn, JITFunction) and (name.endswith("_kernel") or name in ("_gemv", "_qkv_rope")):  # launched
                 caches = getattr(fn, "device_caches", {})
                 out[f"{module.__name__.rsplit('.', 1)[1]}.{name}"] = sum(len(c[0]) for c in caches.values())
     return out
