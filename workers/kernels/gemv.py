@@ -215,12 +215,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None, *, bias: 
 def qkv_rope_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, norm: tuple[torch.Tensor, float],
                   num_heads: int, num_kv_heads: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """gemv(x, w, bias=bias, norm=norm) for a merged qkv weight [(Hq + 2 Hkv) D, K], then what the attention
     backend would do next in the same launch: neox RoPE on the q and k heads (fp32 cos / sin tables [max_len, D]
     whose halves repeat, at positions [M]; `fused.rope_`'s roundings) and the k / v heads written into a paged pool
     that is not int8 (k_cache / v_cache [num_blocks, page, Hkv, D] with the same strides) at slots [M] (-1: skip).
-    Returns the qkv rows [M, N], q and k rotated (into out if given)."""
+    Returns the qkv rows [M, N], q and k rotated (into out if given). config: as gemv's."""
     M, K = x.shape
     N = w.shape[0]
     D = N // (num_heads + 2 * num_kv_heads)
@@ -230,7 +230,7 @@ def qkv_rope_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n
         raise ValueError(f"qkv_rope_gemv takes x [M <= {MAX_M}, K] and a merged qkv weight of {num_heads} + 2 x "
                          f"{num_kv_heads} heads, contiguous along K, and a pool that is not int8, got {tuple(x.shape)} "
                          f"and {tuple(w.shape)}")
-    c = gemv_config(N, K)
+    c = {**gemv_config(N, K), **(config or {})}
     block_n = next((b for b in (c["BLOCK_N"], 32, 16) if D % b == 0 and b <= D), None)
     if block_n is None:
         raise ValueError(f"qkv_rope_gemv: head_dim {D} is not a multiple of 16")

@@ -7,7 +7,8 @@ small-batch GEMV path, in each variant a GPU run takes (partitioned, persistent 
 int8 K/V, prefill chunks, decode steps of 1, 8 and 9 sequences), with Triton's active driver replaced by one that
 compiles each kernel for the target (Triton's own ptxas, to a cubin), checks its shared memory against the
 target's and launches nothing. So a kernel the GPU would reject, with the arguments and constexprs the worker
-gives it there, fails here first, on a CPU machine, before a lent GPU's minutes go on it.
+gives it there, fails here first, on a CPU machine, before a lent GPU's minutes go on it. It also lists the
+variants that spill registers to the stack (Triton's cuobjdump): slower on the device, not an error.
 Nothing is computed: the weights and the kernels' outputs are left as allocated, so the tokens are meaningless.
 
 Limits: the Triton installed compiles (CI's is the newest 3.x; to check the lent GPU's, `pip install --no-deps
@@ -74,8 +75,8 @@ def install(arch: int) -> None:
     driver.set_active(_CompileOnlyDriver(arch))
 
 
-def compiled_variants() -> dict[str, int]:
-    """Each of the workers' Triton kernels -> how many variants of it were compiled (its JIT cache)."""
+def compiled() -> dict[str, list]:
+    """Each of the workers' launched Triton kernels -> its compiled variants (its JIT cache)."""
     from triton.runtime.jit import JITFunction
 
     from workers.kernels import fused, gemv, paged_attention
@@ -83,10 +84,33 @@ def compiled_variants() -> dict[str, int]:
     out = {}
     for module in (fused, gemv, paged_attention):
         for name, fn in vars(module).items():
-            if isinstance(fn, JITFunction) and (name.endswith("_kernel") or name in ("_gemv", "_qkv_rope")):  # launched
+            if isinstance(fn, JITFunction) and (name.endswith("_kernel") or name in ("_gemv", "_qkv_rope")):
                 caches = getattr(fn, "device_caches", {})
-                out[f"{module.__name__.rsplit('.', 1)[1]}.{name}"] = sum(len(c[0]) for c in caches.values())
+                out[f"{module.__name__.rsplit('.', 1)[1]}.{name}"] = [k for c in caches.values() for k in c[0].values()]
     return out
+
+
+def compiled_variants() -> dict[str, int]:
+    return {name: len(kernels) for name, kernels in compiled().items()}
+
+
+def resource_usage(kernel) -> tuple[int, int] | None:
+    """A compiled kernel's registers per thread and stack bytes (spills), from Triton's cuobjdump; None if unknown."""
+    import re
+    import subprocess
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    cubin = getattr(kernel, "asm", {}).get("cubin")
+    if not cubin or not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    regs, stack = re.search(r"REG:(\d+)", text), re.search(r"STACK:(\d+)", text)
+    return (int(regs.group(1)), int(stack.group(1))) if regs and stack else None
 
 
 def _variants(tmp: str) -> list[tuple[str, dict, str]]:
@@ -152,6 +176,12 @@ def run(arch: int) -> int:
     counts = compiled_variants()
     for kernel, n in counts.items():
         print(f"  {kernel}: {n}")
+    for name, kernels in compiled().items():  # register spills: slower on the device (not an error)
+        for k in kernels:
+            usage = resource_usage(k)
+            if usage and usage[1]:
+                print(f"  spills: {name} ({k.metadata.num_warps} warps, {k.metadata.num_stages} stages, "
+                      f"{k.metadata.shared} B shared): {usage[0]} registers, {usage[1]} B of stack")
     print(f"sm_{arch}: {sum(counts.values())} kernel variants compiled; {failed} of {len(variants)} model variants "
           f"failed; not compiled: {', '.join(k for k, n in counts.items() if not n) or 'none'}")
     return 1 if failed else 0

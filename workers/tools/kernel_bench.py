@@ -199,6 +199,34 @@ def bench_gemv(copy: float) -> dict:
     return {"copy_tb_s": copy, "rows": rows, "step_us": step}
 
 
+def bench_qkv_rope_sweep() -> dict:
+    """The fused norm + qkv + RoPE + K/V-write GEMV (`qkv_rope_gemv`) over GEMV_GRID at batch 1 on the qkv shape:
+    its prologue and epilogue need more registers than the plain GEMV the per-shape configs were swept for (on
+    sm_90 the qkv config's variant spills 120 bytes at 255 registers; `python -m workers.tools.compile_check
+    --resources`), so its best config may differ."""
+    from workers.kernels.gemv import GEMV_GRID, gemv_config, qkv_rope_gemv
+
+    n, k = GEMV_SHAPES["qkv"]
+    kv_heads = (n // DIM - k // DIM) // 2
+    w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * k ** -0.5
+    x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+    norm = torch.ones(k, dtype=torch.bfloat16, device="cuda")
+    kc, vc = (torch.zeros(64, PAGE, kv_heads, DIM, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    cos, sin = (torch.rand(4096, DIM, device="cuda") for _ in range(2))
+    positions = torch.tensor([100], device="cuda")
+    slots = torch.tensor([7], device="cuda")
+
+    def run(c: dict) -> dict:
+        us = time_ms(lambda: qkv_rope_gemv(x, w, None, (norm, 1e-5), k // DIM, kv_heads, positions, cos, sin, kc, vc,
+                                           slots, config=c)) * 1e3
+        return {"config": c, "us": us, "neg_us": -us}
+
+    tuned = run(gemv_config(n, k))
+    print(f"  qkv_rope with the qkv shape's config {tuned['config']}: {tuned['us']:.1f} us", flush=True)
+    best = sweep(run, GEMV_GRID, "neg_us", "qkv_rope")
+    return {"tuned": tuned, "best": best}
+
+
 def bench_gemv_layers() -> list[dict]:
     """A decode step's weights, layer by layer: 32 layers' tails (o, the residual add and norm, gate/up, SiLU * up,
     down, the residual add and the next layer's norm, qkv, RoPE and the K/V write) with distinct weights (no L2 reuse
@@ -349,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         copy = measure_copy_bandwidth() / 1e12
         print(f"  copy bandwidth {copy:.2f} TB/s", flush=True)
         result["gemv"] = bench_gemv(copy)
+        result["qkv_rope_sweep"] = bench_qkv_rope_sweep()
         result["gemv_layers"] = bench_gemv_layers()
     if args.parts:
         for batch, ctx in PARTS_SHAPES:
