@@ -4,9 +4,9 @@
 the Mistral-7B shape (and 1-layer ones of the Qwen2-7B shape: qkv bias, 28 heads over 4 K/V heads; and of
 SmolLM2-135M's: head_dim 64, tied embeddings) through the Triton attention backend, the fused kernels and the
 small-batch GEMV path, in each variant a GPU run takes (partitioned, persistent and auto decode attention, bf16 and
-int8 K/V, prefill chunks, decode steps of 1, 8 and 9 sequences), with Triton's active driver replaced by one that
-compiles each kernel for the target (Triton's own ptxas, to a cubin), checks its shared memory against the
-target's and launches nothing. So a kernel the GPU would reject, with the arguments and constexprs the worker
+int8 K/V, prefill chunks, decode steps of 1, 8 and 9 sequences; `--dtypes` adds fp16 / fp32 models), with
+Triton's active driver replaced by one that compiles each kernel for the target (Triton's own ptxas, to a cubin),
+checks its shared memory against the target's and launches nothing. So a kernel the GPU would reject, with the arguments and constexprs the worker
 gives it there, fails here first, on a CPU machine, before a lent GPU's minutes go on it. It also lists the
 variants that spill registers to the stack (Triton's cuobjdump): slower on the device, not an error.
 Nothing is computed: the weights and the kernels' outputs are left as allocated, so the tokens are meaningless.
@@ -113,7 +113,7 @@ def resource_usage(kernel) -> tuple[int, int] | None:
     return (int(regs.group(1)), int(stack.group(1))) if regs and stack else None
 
 
-def _variants(tmp: str) -> list[tuple[str, dict, str]]:
+def _variants(tmp: str, dtypes: tuple[str, ...]) -> list[tuple[str, dict, str]]:
     from workers.tools.bench import MISTRAL_7B, write_dummy_model_dir
 
     mistral = write_dummy_model_dir(os.path.join(tmp, "mistral"), {**MISTRAL_7B, "num_hidden_layers": 2})
@@ -134,10 +134,12 @@ def _variants(tmp: str) -> list[tuple[str, dict, str]]:
              mistral),
             ("qwen2, bf16 K/V, GEMV path (qkv bias)", {"decode_attention": "partitioned", **gemv}, qwen2),
             ("SmolLM2-135M shape (head_dim 64), GEMV path, auto decode", {"decode_attention": "auto", **gemv},
-             smollm2)]
+             smollm2),
+            *((f"mistral, {dtype}, GEMV path", {"dtype": dtype, "decode_attention": "partitioned", **gemv}, mistral)
+              for dtype in dtypes if dtype != "bfloat16")]
 
 
-def run(arch: int) -> int:
+def run(arch: int, dtypes: tuple[str, ...] = ("bfloat16",)) -> int:
     install(arch)
     import torch
 
@@ -152,13 +154,13 @@ def run(arch: int) -> int:
     torch.manual_seed(0)
     failed = 0
     with tempfile.TemporaryDirectory() as tmp:
-        variants = _variants(tmp)
+        variants = _variants(tmp, dtypes)
         for name, settings, model in variants:
             t0, before = time.perf_counter(), sum(compiled_variants().values())
             try:
-                runner = ModelRunner(WorkerConfig(model=model, load_format="dummy", device="cpu", dtype="bfloat16",
-                                                  attention_backend="triton", kv_cache_memory="160MiB",
-                                                  max_model_len=2048, max_num_seqs=16, **settings))
+                runner = ModelRunner(WorkerConfig(**{"dtype": "bfloat16", **settings}, model=model,
+                                                  load_format="dummy", device="cpu", attention_backend="triton",
+                                                  kv_cache_memory="320MiB", max_model_len=2048, max_num_seqs=16))
                 vocab = runner.model_config.vocab_size
                 for batch in (1, 8, 9):  # the GEMV path's M == 1 and M > 1 specialisations, then past it
                     driver = EngineDriver(runner, context=16, long_context=160 if batch > 1 else 0)
@@ -190,7 +192,13 @@ def run(arch: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m workers.tools.compile_check", description=__doc__.split("\n")[0])
     ap.add_argument("--arch", type=int, choices=ARCHS, default=90, help="compute capability x 10 (90: H100/H200)")
-    return run(ap.parse_args(argv).arch)
+    ap.add_argument("--dtypes", default="bfloat16", help="model dtypes, comma-separated: bfloat16 (every variant), "
+                    "float16, float32 (the 7B shape's GEMV path each; float32 takes ~1 min)")
+    args = ap.parse_args(argv)
+    dtypes = tuple(args.dtypes.split(","))
+    if not set(dtypes) <= {"bfloat16", "float16", "float32"}:
+        ap.error(f"--dtypes {args.dtypes!r}: choose from bfloat16, float16, float32")
+    return run(args.arch, dtypes)
 
 
 if __name__ == "__main__":
