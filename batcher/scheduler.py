@@ -340,7 +340,7 @@ class Scheduler:
             if not self.streams and (len(self.in_flight) >= limit or any(e.drafts for e in self.in_flight)):
                 return None  # no step either way (a step with drafts is alone in flight): K need not be chosen
             self.spec_k = self._choose_k()
-            if self.spec_k:
+            if self.spec_k or any(e.drafts for e in self.in_flight):  # (two lanes: a step with drafts is alone)
                 limit = 1
         if not self.streams:
             if len(self.in_flight) >= limit:

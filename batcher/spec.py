@@ -137,7 +137,11 @@ class SpecPolicy:
         in all) and `others` that decode one token each, with at most max_rows rows (the worker's largest decode
         graph: --max-num-seqs). A step with drafts is alone in flight: it also pays the host gap (cost h), and with
         a draft model its K passes over the drafting requests."""
-        if not self.enabled or batch <= 0:
+        if not self.enabled:
+            return 0
+        if batch <= 0:  # nobody can draft: not a decision; a probe that hopeless() left due waits another interval
+            if self.until_probe <= 1 and not self.probing:
+                self.until_probe = self.probe_every
             return 0
         top = min(self.max_k, (max_rows - others) // batch - 1)
         if top < 1:
@@ -170,11 +174,13 @@ class SpecPolicy:
 
     def hopeless(self, batch: int, context: int, cost: CostModel, others: int = 0, other_context: int = 0) -> bool:
         """Would choose_k() come out 0 whichever of the `batch` requests that may draft found drafts, with no probe
-        due? Then that counts as its decision (the scheduler skips prompt lookup, ~4 us a request per step, where
-        at a large batch nothing pays). context: the shortest context among them times batch. For each K, a
-        subset's rate lies between a step without drafts and all of them drafting at that context (the cost model
-        is linear in rows and K/V read), so if no K up to max_k pays for the latter, none pays for any subset
-        (whatever K the largest graph leaves it)."""
+        due? Then that counts as a decision that came out 0 (the scheduler skips prompt lookup, ~4 us a request per
+        step, where at a large batch nothing pays; when the probe is due it looks, and if nobody has drafts the probe
+        waits another interval: choose_k). context: the shortest context among them times batch. For each K, a
+        subset's rate is at most the larger of a step with drafts for nobody (a plain step that also pays the host
+        gap h) and all of them drafting at that context (the cost model is linear in rows and K/V read, with terms
+        >= 0), so if no K up to max_k beats a plain step for the latter, none does for any subset (whatever K the
+        largest graph leaves it)."""
         if not self.enabled or batch <= 0 or self.probing or self.until_probe <= 1:
             return False
         if self._best_k(self.max_k, batch, context, cost, others, other_context):

@@ -22,8 +22,13 @@ def test_every_kernel_compiles_for_sm90_and_sm80():
     runs = {arch: subprocess.Popen([sys.executable, "-m", "workers.tools.compile_check", "--arch", arch], env=env,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for arch in ("90", "80")}  # (at once: each is mostly one core's compiling)
-    for arch, proc in runs.items():
-        out, err = proc.communicate(timeout=600)
-        report = out + err[-3000:]
-        assert proc.returncode == 0, report
-        assert f"sm_{arch}: " in out and "0 of 6 model variants failed; not compiled: none" in out, report
+    try:
+        for arch, proc in runs.items():
+            out, err = proc.communicate(timeout=600)
+            report = out + err[-3000:]
+            assert proc.returncode == 0, report
+            assert f"sm_{arch}: " in out and "0 of 6 model variants failed; not compiled: none" in out, report
+    finally:
+        for proc in runs.values():
+            proc.kill()
+            proc.wait()

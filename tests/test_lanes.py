@@ -54,6 +54,9 @@ class LaneDriver(Driver):
                 live.setdefault(entry.lane, set()).update(r.req.request_id for r in entry.records
                                                           if r.req.epoch == r.epoch)
             assert not (live.get(LANE_DECODE, set()) & live.get(LANE_PREFILL, set())), "a request in both lanes"
+            for lane in live:  # a step with drafts is alone in flight in its lane (what it accepts places the next)
+                entries = [entry for entry in self.s.in_flight if entry.lane == lane]
+                assert len(entries) == 1 or not any(entry.drafts for entry in entries), "a step behind drafts"
 
     def step(self):
         self.fill()

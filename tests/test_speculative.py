@@ -9,6 +9,7 @@ to decoding without drafts through the real model runner for every model family;
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 
 import pytest
@@ -148,6 +149,15 @@ def test_a_batch_where_no_drafts_could_pay_is_decided_without_prompt_lookup():
         picks["bound"].append(0 if skipped else with_bound.choose_k(32, 64000, cost, 256))
         picks["alone"].append(alone.choose_k(32, 64000, cost, 256))
     assert picks["bound"] == picks["alone"] and picks["alone"].index(4) == PROBE_EVERY - 1
+    # a due probe that finds nobody with drafts waits another interval, so the bound keeps skipping lookups
+    spec = SpecPolicy("ngram", 4, 2, 4)
+    spec.drafted, spec.alpha = MIN_DRAFTS, 0.01
+    skips = 0
+    while spec.hopeless(32, 64000, cost):
+        skips += 1
+    assert skips == PROBE_EVERY - 1 and spec.until_probe == 1
+    assert spec.choose_k(0, 0, cost, 256, 32, 64000) == 0 and spec.until_probe == PROBE_EVERY
+    assert spec.hopeless(32, 64000, cost)
 
 
 def test_prompt_lookup_waits_while_drafts_cannot_pay_and_resumes_when_they_can():
@@ -222,6 +232,30 @@ def test_drafts_give_the_same_tokens_in_fewer_steps(mode):
     assert len(spec.steps) < 0.6 * len(plain.steps)
     assert spec.s.bm.num_free == 256 and not spec.w.reqs
     assert all(len(st.spec_token_ids.get(r, ())) <= 4 for st in spec.steps for r in st.num_scheduled_tokens)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_with_two_lanes_and_arrivals_mid_run_a_step_with_drafts_stays_alone_in_its_lane(seed):
+    """Requests arriving while others speculate (K falls to 0 while a prompt waits or prefills): no decode step is
+    composed behind one with drafts (LaneDriver checks it at every step), and the tokens are those without drafts."""
+    runs = []
+    for mode in ("off", "ngram"):
+        s = Scheduler(cfg(lanes="streams", speculative=mode), 256, BS, 8192, cost=CHEAP_VERIFY)
+        d = LaneDriver(s, random.Random(seed), cycle)
+        arrivals, calls, compose = iter(range(40)), itertools.count(1), s.schedule
+
+        def schedule(now, s=s, arrivals=arrivals, calls=calls, compose=compose):
+            # a short request arrives before every 7th call, also between two steps sent at once
+            if next(calls) % 7 == 0 and (i := next(arrivals, None)) is not None:
+                add(s, f"x{i}", 20, base=5000 + 37 * i + seed, max_tokens=30, temperature=0.0)
+            return compose(now)
+
+        s.schedule = schedule
+        for i, (n, m) in enumerate(JOBS):
+            add(s, f"r{i}", n, base=100 * i, max_tokens=m, temperature=0.0)
+        d.run()
+        runs.append(d)
+    assert runs[1].tokens == runs[0].tokens and runs[1].s.stats().spec_steps > 0
 
 
 @pytest.mark.parametrize("pool", [10, 14])

@@ -35,9 +35,20 @@ except ImportError:  # CPU-only installs: the torch fallbacks serve
 # None: the kernels on CUDA tensors, the fallbacks elsewhere; True / False: always / never the kernels
 # (tests; on CPU the kernels need TRITON_INTERPRET=1 set before triton's first import)
 USE_TRITON: bool | None = None
-# Triton's interpreter runs the kernels (the CPU tests): launches take its variants (fp32 dots, small tiles). Not
-# "the tensors are on the CPU": workers/tools/compile_check.py compiles the GPU's variants from CPU tensors.
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+def _interpreted() -> bool:
+    """Triton's interpreter runs the kernels (TRITON_INTERPRET, read as Triton reads it)."""
+    try:
+        from triton import knobs
+
+        return bool(knobs.runtime.interpret)
+    except (ImportError, AttributeError):  # (no triton, or one older than its knobs)
+        return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
+
+
+# Under the interpreter (the CPU tests) launches take its variants (fp32 dots, small tiles). Not "the tensors are on
+# the CPU": workers/tools/compile_check.py compiles the GPU's variants from CPU tensors.
+INTERPRETED = _interpreted()
 
 
 def triton_kernels(x: torch.Tensor) -> bool:

@@ -162,19 +162,20 @@ if triton is not None:
 _STAGES: dict[tuple, int] = {}  # a launch's kernel, dtype and constexprs -> the pipeline stages that fit this GPU
 
 
-def _launch(kernel, grid: tuple, args: tuple, config: dict, dtype: torch.dtype, **constexprs) -> None:
-    """kernel[grid](*args, **constexprs) with config's warps and pipeline stages, or fewer stages where the GPU has
-    less shared memory per block than the one the configs were tuned on (GEMV_CONFIGS: the H200's 227 KB; an A100
-    has 163 KB, sm_86 / sm_89 99 KB): Triton refuses such a launch before it starts, so nothing ran. The first
-    launch of each variant finds its stages (the runner's warm-up, before any CUDA graph capture)."""
+def _launch(kernel, grid: tuple, args: tuple, config: dict, dtype: torch.dtype, fit: bool, **constexprs) -> None:
+    """kernel[grid](*args, **constexprs) with config's warps and pipeline stages; with fit, fewer stages where the GPU
+    has less shared memory per block than the one the configs were tuned on (GEMV_CONFIGS: the H200's 227 KB; an
+    A100 has 163 KB, sm_86 / sm_89 99 KB): Triton refuses such a launch before it starts, so nothing ran. The first
+    launch of each variant finds its stages (the runner's warm-up, before any CUDA graph capture). Without fit (a
+    config the caller chose: a benchmark's sweep) the refusal is raised."""
     key = (kernel, dtype, config["num_stages"], config["num_warps"], *constexprs.items())
     stages = _STAGES.get(key, config["num_stages"])
     while True:
         try:
             kernel[grid](*args, **constexprs, num_warps=config["num_warps"], num_stages=stages)
             break
-        except OutOfResources:
-            if stages <= 1:
+        except OutOfResources as exc:
+            if not fit or exc.name != "shared memory" or stages <= 1:
                 raise
             stages -= 1
     _STAGES[key] = stages
@@ -190,7 +191,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None, *, bias: 
          out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M <= 8, K] (rows contiguous along K; with silu [M, 2K]) @ w.T for w [N, K] contiguous: [M, N] in x's dtype
     (into out if given), with the prologue / epilogue the module docstring lists; with residual, r += y in place and
-    r is returned. config: launch-config overrides on top of gemv_config(N, K)."""
+    r is returned. config: launch-config overrides on top of gemv_config(N, K), run as given (without one, the
+    shape's config sheds pipeline stages to fit the GPU: _launch)."""
     M = x.shape[0]
     N, K = w.shape
     if (M > MAX_M or x.shape[1] != K * (2 if silu else 1) or w.stride(1) != 1 or x.stride(1) != 1
@@ -206,7 +208,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None, *, bias: 
     norm_w, eps = norm if norm is not None else (None, 0.0)
     _launch(_gemv, (triton.cdiv(N, c["BLOCK_N"]),),
             (x, w, bias if bias is not None else w, norm_w if norm_w is not None else w, y, M, N, K, x.stride(0),
-             w.stride(0), y.stride(0), eps), c, x.dtype, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
+             w.stride(0), y.stride(0), eps), c, x.dtype, config is None, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
             PRO=NORM if norm is not None else (SILU if silu else NONE), BIAS=bias is not None,
             RESIDUAL=residual is not None, UPCAST=INTERPRETED, PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     return y
@@ -238,7 +240,7 @@ def qkv_rope_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n
     _launch(_qkv_rope, (N // block_n,),
             (x, w, bias if bias is not None else w, norm[0], y, positions, cos, sin, k_cache, v_cache, slots, M, K,
              x.stride(0), w.stride(0), y.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
-             k_cache.stride(2), norm[1], num_heads, num_kv_heads), c, x.dtype, D=D, PAGE=k_cache.shape[1],
-            BLOCK_N=block_n, BLOCK_K=c["BLOCK_K"], BIAS=bias is not None, UPCAST=INTERPRETED,
+             k_cache.stride(2), norm[1], num_heads, num_kv_heads), c, x.dtype, config is None, D=D,
+            PAGE=k_cache.shape[1], BLOCK_N=block_n, BLOCK_K=c["BLOCK_K"], BIAS=bias is not None, UPCAST=INTERPRETED,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     return y

@@ -6,9 +6,10 @@ SmolLM2-135M's: head_dim 64, tied embeddings) through the Triton attention backe
 small-batch GEMV path, in each variant a GPU run takes (partitioned, persistent and auto decode attention, bf16 and
 int8 K/V, prefill chunks, decode steps of 1, 8 and 9 sequences; `--dtypes` adds fp16 / fp32 models), with
 Triton's active driver replaced by one that compiles each kernel for the target (Triton's own ptxas, to a cubin),
-checks its shared memory against the target's and launches nothing. So a kernel the GPU would reject, with the arguments and constexprs the worker
-gives it there, fails here first, on a CPU machine, before a lent GPU's minutes go on it. It also lists the
-variants that spill registers to the stack (Triton's cuobjdump): slower on the device, not an error.
+checks its shared memory against the target's and launches nothing. So a kernel the GPU's compiler or shared memory
+would reject, with the arguments and constexprs the worker gives it there, fails here first, on a CPU machine,
+before a lent GPU's minutes go on it (a launch refused for its registers per thread is not checked). It also lists
+the variants that spill registers to the stack (Triton's cuobjdump): slower on the device, not an error.
 Nothing is computed: the weights and the kernels' outputs are left as allocated, so the tokens are meaningless.
 
 Limits: the Triton installed compiles (CI's is the newest 3.x; to check the lent GPU's, `pip install --no-deps
@@ -68,15 +69,19 @@ class _CompileOnlyDriver:
 
 def install(arch: int) -> None:
     """Make Triton compile for `arch` and launch nothing."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        raise SystemExit("compile_check: TRITON_INTERPRET=1 is set (the interpreter compiles nothing): unset it")
     from triton.runtime.driver import driver
+
+    from workers.kernels.fused import INTERPRETED
+
+    if INTERPRETED:
+        raise SystemExit("compile_check: TRITON_INTERPRET is set (the interpreter compiles nothing): unset it")
 
     driver.set_active(_CompileOnlyDriver(arch))
 
 
-def compiled() -> dict[str, list]:
-    """Each of the workers' launched Triton kernels -> its compiled variants (its JIT cache)."""
+def compiled(arch: int) -> dict[str, list]:
+    """Each of the workers' launched Triton kernels -> its compiled variants that fit `arch` (its JIT cache, less
+    those Triton refused for their shared memory: the GEMV then ran with fewer stages)."""
     from triton.runtime.jit import JITFunction
 
     from workers.kernels import fused, gemv, paged_attention
@@ -86,12 +91,13 @@ def compiled() -> dict[str, list]:
         for name, fn in vars(module).items():
             if isinstance(fn, JITFunction) and (name.endswith("_kernel") or name in ("_gemv", "_qkv_rope")):
                 caches = getattr(fn, "device_caches", {})
-                out[f"{module.__name__.rsplit('.', 1)[1]}.{name}"] = [k for c in caches.values() for k in c[0].values()]
+                out[f"{module.__name__.rsplit('.', 1)[1]}.{name}"] = [
+                    k for c in caches.values() for k in c[0].values() if k.metadata.shared <= SHARED_MEMORY[arch]]
     return out
 
 
-def compiled_variants() -> dict[str, int]:
-    return {name: len(kernels) for name, kernels in compiled().items()}
+def compiled_variants(arch: int) -> dict[str, int]:
+    return {name: len(kernels) for name, kernels in compiled(arch).items()}
 
 
 def resource_usage(kernel) -> tuple[int, int] | None:
@@ -156,7 +162,7 @@ def run(arch: int, dtypes: tuple[str, ...] = ("bfloat16",)) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         variants = _variants(tmp, dtypes)
         for name, settings, model in variants:
-            t0, before = time.perf_counter(), sum(compiled_variants().values())
+            t0, before = time.perf_counter(), sum(compiled_variants(arch).values())
             try:
                 runner = ModelRunner(WorkerConfig(**{"dtype": "bfloat16", **settings}, model=model,
                                                   load_format="dummy", device="cpu", attention_backend="triton",
@@ -173,12 +179,12 @@ def run(arch: int, dtypes: tuple[str, ...] = ("bfloat16",)) -> int:
                 failed += 1
                 print(f"FAILED  {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}", flush=True)
                 continue
-            print(f"ok      {name}: {sum(compiled_variants().values()) - before} new kernel variants compiled in "
+            print(f"ok      {name}: {sum(compiled_variants(arch).values()) - before} new kernel variants compiled in "
                   f"{time.perf_counter() - t0:.1f} s", flush=True)
-    counts = compiled_variants()
+    counts = compiled_variants(arch)
     for kernel, n in counts.items():
         print(f"  {kernel}: {n}")
-    for name, kernels in compiled().items():  # register spills: slower on the device (not an error)
+    for name, kernels in compiled(arch).items():  # register spills: slower on the device (not an error)
         for k in kernels:
             usage = resource_usage(k)
             if usage and usage[1]:
@@ -186,7 +192,7 @@ def run(arch: int, dtypes: tuple[str, ...] = ("bfloat16",)) -> int:
                       f"{k.metadata.shared} B shared): {usage[0]} registers, {usage[1]} B of stack")
     print(f"sm_{arch}: {sum(counts.values())} kernel variants compiled; {failed} of {len(variants)} model variants "
           f"failed; not compiled: {', '.join(k for k, n in counts.items() if not n) or 'none'}")
-    return 1 if failed else 0
+    return 1 if failed or not all(counts.values()) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", default="bfloat16", help="model dtypes, comma-separated: bfloat16 (every variant), "
                     "float16, float32 (the 7B shape's GEMV path each; float32 takes ~1 min)")
     args = ap.parse_args(argv)
-    dtypes = tuple(args.dtypes.split(","))
+    dtypes = tuple(dict.fromkeys(args.dtypes.split(",")))
     if not set(dtypes) <= {"bfloat16", "float16", "float32"}:
         ap.error(f"--dtypes {args.dtypes!r}: choose from bfloat16, float16, float32")
     return run(args.arch, dtypes)
