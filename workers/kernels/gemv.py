@@ -168,6 +168,9 @@ def _launch(kernel, grid: tuple, args: tuple, config: dict, dtype: torch.dtype, 
     A100 has 163 KB, sm_86 / sm_89 99 KB): Triton refuses such a launch before it starts, so nothing ran. The first
     launch of each variant finds its stages (the runner's warm-up, before any CUDA graph capture). Without fit (a
     config the caller chose: a benchmark's sweep) the refusal is raised."""
+    if not fit:
+        kernel[grid](*args, **constexprs, num_warps=config["num_warps"], num_stages=config["num_stages"])
+        return
     key = (kernel, dtype, config["num_stages"], config["num_warps"], *constexprs.items())
     stages = _STAGES.get(key, config["num_stages"])
     while True:
@@ -175,7 +178,7 @@ def _launch(kernel, grid: tuple, args: tuple, config: dict, dtype: torch.dtype, 
             kernel[grid](*args, **constexprs, num_warps=config["num_warps"], num_stages=stages)
             break
         except OutOfResources as exc:
-            if not fit or exc.name != "shared memory" or stages <= 1:
+            if exc.name != "shared memory" or stages <= 1:
                 raise
             stages -= 1
     _STAGES[key] = stages
