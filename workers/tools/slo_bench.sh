@@ -25,6 +25,7 @@ MODEL_ARGS=${MODEL_ARGS:---model $(dummy_7b_dir) --load-format dummy --dtype bfl
 mkdir -p /tmp/slo_bench
 for spec in "$@"; do
   name=${spec%%:*}; args=${spec#*:}
+  rm -rf "/tmp/slo_bench/$name"  # (runs of an earlier call on this machine would be read as this one's)
   python3 -m laneserve.cli --log-level WARNING serve $MODEL_ARGS \
     --port 8011 --cost-model-out "$OUT/cost_$name.json" --step-trace "$OUT/trace_$name.jsonl" $args \
     > "$OUT/serve_$name.log" 2>&1 &
