@@ -23,7 +23,8 @@ the drafts), what its work costs. Pure: no I/O, no torch.
   requests that may draft now count as drafting (no penalties, ..., and prompt lookup finds a match in their known
   tokens): with none, K is 0 and async scheduling keeps two steps in flight. Before looking up anything the
   scheduler asks `hopeless`: would no K pay even if all of them drafted at the shortest context among them (a
-  bound for any subset: the cost model is linear)? Then K is 0 with no prompt lookup (~4 us a request a step).
+  bound for any subset: the cost model is linear)? Then K is 0 with no prompt lookup (~4 us a request a step),
+  counted as a decision; a probe that falls due when nobody has drafts waits another interval.
 - Draft model: the worker's draft model proposes the drafts (protocol DraftJob), for every request that may
   draft and whose draft K/V catches up in the step (below). Its K passes cost r * (a plain decode step of those
   requests) each, r the draft's cost over the model's: first its parameter share (WorkerReady.draft_size), then
