@@ -39,6 +39,7 @@ SHAPES = {"synthetic": ("rate", "burstiness", "num_requests", "input_tokens", "o
 MAX_SPAN_S = 7 * 24 * 3600.0  # a replay planned to last longer is a mistake (a tiny --rate or --speedup)
 MAX_SEEDS = 100  # per rate, in a sweep (every run's trace is built up front)
 WINDOW_REQUESTS = 600  # a sweep over a trace file: requests per run (--window-requests)
+WARMUP_REQUESTS = 32  # a sweep's warm-up replay (--warmup-requests; rag: at least --num-docs)
 
 
 def positive(text: str) -> float:
@@ -363,8 +364,8 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=count_up_to(MAX_SEEDS), default=3,
                    help=f"seeds per rate: --seed, --seed + 1, ... (at most {MAX_SEEDS})")
     p.add_argument("--warmup-requests", type=whole, default=None,
-                   help="requests of the warm-up replay, at most --num-requests (0: none; default: 32, or --num-docs "
-                        "if more, for rag)")
+                   help=f"requests of the warm-up replay, at most --num-requests (0: none; default: {WARMUP_REQUESTS},"
+                        " or --num-docs if more, for rag)")
     p.add_argument("--window-requests", type=count, default=None,
                    help="a trace file or shipped trace: each run replays this many consecutive requests of it, seed s "
                         f"the s-th window (the warm-up the window after the last seed's), its gaps scaled alike so its "
@@ -387,7 +388,8 @@ def plan_sweep(p: argparse.ArgumentParser, args: argparse.Namespace):
         p.error(f"--window-requests is for a trace file; the generated {args.trace!r} trace takes --num-requests")
     warmup_n = args.warmup_requests
     if warmup_n is None:
-        warmup_n = min(max(32, args.num_docs) if args.trace == "rag" else 32, args.num_requests)
+        warmup_n = min(max(WARMUP_REQUESTS, args.num_docs) if args.trace == "rag" else WARMUP_REQUESTS,
+                       args.num_requests)
     elif warmup_n > args.num_requests:
         p.error(f"--warmup-requests {warmup_n} is more than --num-requests {args.num_requests}")
 
@@ -404,7 +406,7 @@ def _plan_file_sweep(p: argparse.ArgumentParser, args: argparse.Namespace):
     from loadtest import sweep
 
     n = args.window_requests or WINDOW_REQUESTS
-    warmup_n = 32 if args.warmup_requests is None else args.warmup_requests
+    warmup_n = WARMUP_REQUESTS if args.warmup_requests is None else args.warmup_requests
     if warmup_n > n:
         p.error(f"--warmup-requests {warmup_n} is more than --window-requests {n}")
     full = trace_from_args(args)

@@ -1,9 +1,9 @@
 """`laneserve loadtest sweep`: one server's capacity over a range of request rates.
 
 Owns: the plan of a sweep (one warm-up replay, then for each rate and each seed = base seed + i the
-generated trace at that rate and seed, or a trace file's seed-th window at that rate: loadtest.cli), running it with the one-run code (client.run_load,
-report.summarize), the per-rate aggregate (for each metric the worst and the median seed), the two
-marks (`mark`), sweep.json / sweep.md, and the tables of one sweep or two side by side.
+generated trace at that rate and seed, or a trace file's seed-th window at that rate: loadtest.cli), running it
+with the one-run code (client.run_load, report.summarize), the per-rate aggregate (for each metric the worst and
+the median seed), the two marks (`mark`), sweep.json / sweep.md, and the tables of one sweep or two side by side.
 Plots: plots.plot_sweep / plot_sweeps.
 
 Prompts. Every run synthesises its prompts with the base seed, so the rag trace's pooled documents

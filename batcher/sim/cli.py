@@ -228,11 +228,14 @@ def bench_step(num_running: int = 256, repeats: int = 200, cfg: BatcherConfig | 
     cfg = cfg or BatcherConfig()
     sched = Scheduler(cfg, 65536, 16, 32768)
     worker = SimWorker(65536, 16)
+    prompt_tokens = 0
     for i in range(num_running):
-        sched.add_request(AddRequest(request_id=f"b{i}", prompt_token_ids=[i % 300 + 1] * 7 + list(range(i, i + 500)),
+        ids = [i % 300 + 1] * 7 + list(range(i, i + 500))
+        prompt_tokens += len(ids)
+        sched.add_request(AddRequest(request_id=f"b{i}", prompt_token_ids=ids,
                                      params=SamplingParams(max_tokens=100000), arrival_time=0.0))
     now = 0.0
-    warm_up = -(-num_running * 507 // INDEX_BUDGET)
+    warm_up = -(-prompt_tokens // INDEX_BUDGET)
     while warm_up:
         out, _ = worker.execute(sched.schedule(now))
         sched.update(out, now)

@@ -135,15 +135,15 @@ class TritonAttentionBackend(AttentionBackend):
         ks = vs = None
         if kv_scales is not None:  # int8 pool: the kernels quantise / dequantise with these [Hkv] scales
             ks, vs = kv_scales.k, kv_scales.v
-        # kv_written: the qkv GEMV rotated q and wrote k / v already (qkv_rope_gemv; never an int8 pool)
-        if not kv_written and rope is not None and kv_scales is None and triton_kernels(q):
-            rope_write_kv_(q, k, v, *rope, k_cache, v_cache, meta.slot_mapping)  # RoPE and the K/V write: one launch
-        elif not kv_written:
-            if rope is not None:
-                rope_(q, k, *rope)
-            if kv_scales is not None:
-                kv_scales.observe(k, v)  # (of the rotated K)
-            write_kv(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
+        if not kv_written:  # (else the qkv GEMV rotated q and wrote k / v already: qkv_rope_gemv, never an int8 pool)
+            if rope is not None and kv_scales is None and triton_kernels(q):
+                rope_write_kv_(q, k, v, *rope, k_cache, v_cache, meta.slot_mapping)  # RoPE and the K/V write at once
+            else:
+                if rope is not None:
+                    rope_(q, k, *rope)
+                if kv_scales is not None:
+                    kv_scales.observe(k, v)  # (of the rotated K)
+                write_kv(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
         out = torch.empty_like(q) if out is None else out
         nd = meta.num_decodes
         if nd and plan.persistent:

@@ -36,6 +36,7 @@ except ImportError:  # CPU-only installs: the torch fallbacks serve
 # (tests; on CPU the kernels need TRITON_INTERPRET=1 set before triton's first import)
 USE_TRITON: bool | None = None
 
+
 def _interpreted() -> bool:
     """Triton's interpreter runs the kernels (TRITON_INTERPRET, read as Triton reads it)."""
     try:

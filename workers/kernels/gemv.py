@@ -113,7 +113,6 @@ if triton is not None:
             out = (out.to(tl.float32) + res.to(tl.float32)).to(res.dtype)
         tl.store(at, out, mask=mask)
 
-
     @triton.jit
     def _qkv_rope(x_ptr, w_ptr, b_ptr, nw_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr,
                   M, K, stride_xm, stride_wn, stride_ym, s_cos, s_cb, s_ct, s_ch, eps, HQ, HK,
@@ -163,11 +162,13 @@ _STAGES: dict[tuple, int] = {}  # a launch's kernel, dtype and constexprs -> the
 
 
 def _launch(kernel, grid: tuple, args: tuple, config: dict, dtype: torch.dtype, fit: bool, **constexprs) -> None:
-    """kernel[grid](*args, **constexprs) with config's warps and pipeline stages; with fit, fewer stages where the GPU
+    """kernel[grid](*args, **constexprs) with the dot's constexprs for x's dtype (UPCAST under the interpreter,
+    PRECISION) and config's warps and pipeline stages; with fit, fewer stages where the GPU
     has less shared memory per block than the one the configs were tuned on (GEMV_CONFIGS: the H200's 227 KB; an
     A100 has 163 KB, sm_86 / sm_89 99 KB): Triton refuses such a launch before it starts, so nothing ran. The first
     launch of each variant finds its stages (the runner's warm-up, before any CUDA graph capture). Without fit (a
     config the caller chose: a benchmark's sweep) the refusal is raised."""
+    constexprs.update(UPCAST=INTERPRETED, PRECISION="ieee" if dtype == torch.float32 else "tf32")
     if not fit:
         kernel[grid](*args, **constexprs, num_warps=config["num_warps"], num_stages=config["num_stages"])
         return
@@ -213,7 +214,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None, *, bias: 
             (x, w, bias if bias is not None else w, norm_w if norm_w is not None else w, y, M, N, K, x.stride(0),
              w.stride(0), y.stride(0), eps), c, x.dtype, config is None, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
             PRO=NORM if norm is not None else (SILU if silu else NONE), BIAS=bias is not None,
-            RESIDUAL=residual is not None, UPCAST=INTERPRETED, PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+            RESIDUAL=residual is not None)
     return y
 
 
@@ -244,6 +245,5 @@ def qkv_rope_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n
             (x, w, bias if bias is not None else w, norm[0], y, positions, cos, sin, k_cache, v_cache, slots, M, K,
              x.stride(0), w.stride(0), y.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
              k_cache.stride(2), norm[1], num_heads, num_kv_heads), c, x.dtype, config is None, D=D,
-            PAGE=k_cache.shape[1], BLOCK_N=block_n, BLOCK_K=c["BLOCK_K"], BIAS=bias is not None, UPCAST=INTERPRETED,
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+            PAGE=k_cache.shape[1], BLOCK_N=block_n, BLOCK_K=c["BLOCK_K"], BIAS=bias is not None)
     return y

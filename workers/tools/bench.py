@@ -29,6 +29,7 @@ import torch
 from laneserve.modelspec import load_model_config
 from workers.config import WorkerConfig
 from workers.attention import DECODE_KERNELS
+from workers.kernels.gemv import MAX_M as GEMV_MAX_M
 from workers.kv_cache import BLOCK_SIZE, KV_CACHE_DTYPES
 from workers.runner import ModelRunner
 from workers.tools.breakdown import breakdown
@@ -421,8 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(args.piecewise_graph_tokens) > 1 and not gpu:
         ap.error("argument --piecewise-graph-tokens: a list compares CUDA graphs with eager steps; this machine has "
                  "no GPU")
-    if max(args.decode_gemv_rows) > 8:
-        ap.error(f"argument --decode-gemv-rows: {max(args.decode_gemv_rows)}: each value must be 0 to 8")
+    if max(args.decode_gemv_rows) > GEMV_MAX_M:
+        ap.error(f"argument --decode-gemv-rows: {max(args.decode_gemv_rows)}: each value must be 0 to {GEMV_MAX_M}")
     if args.decode_gemv_rows != [0] and not gpu:
         ap.error(f"argument --decode-gemv-rows: {','.join(map(str, args.decode_gemv_rows))} runs the GPU's Triton "
                  "GEMV kernels; this machine has no GPU")
