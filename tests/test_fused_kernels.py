@@ -227,15 +227,17 @@ def test_gemv_is_the_linear_for_small_batches(dtype, m, n, k, config):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fuse", ["norm", "silu", "residual", "bias+norm", "silu+residual"])
-def test_gemv_fuses_the_layers_small_ops(dtype, fuse):
+@pytest.mark.parametrize("fuse", ["norm", "silu", "residual", "bias+norm", "norm+silu", "bias+norm+silu"])
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_gemv_fuses_the_layers_small_ops(dtype, fuse, m):
     """Each prologue / epilogue the decoder layer's GEMV path uses, against the fallbacks then a linear (the model's
-    math op for op): RMSNorm of x, silu(gate) * up, r += y in place, the bias. Ragged N and K."""
+    math op for op): RMSNorm of x, silu(gate) * up of a merged gate/up weight's output, r += y in place, the bias.
+    Ragged N and K; M of 1, 3 and 8 (the prologue runs on 1, 4 and 8 rows)."""
     from workers.kernels.gemv import gemv
 
-    m, n, k = 3, 70, 300
+    n, k = 70, 300  # (with silu: 35 gate and 35 up rows)
     eps = 1e-5
-    x = randn(m, 2 * k if "silu" in fuse else k, dtype=dtype, salt=1).to(DEVICE)
+    x = randn(m, k, dtype=dtype, salt=1).to(DEVICE)
     w = randn(n, k, dtype=dtype, salt=2).to(DEVICE)
     nw = (1 + 0.1 * randn(k, dtype=dtype, salt=3)).to(DEVICE)
     b = randn(n, dtype=dtype, salt=4).to(DEVICE) if "bias" in fuse else None
@@ -243,8 +245,8 @@ def test_gemv_fuses_the_layers_small_ops(dtype, fuse):
     with use_triton(False):  # the reference: torch's math on CPU copies
         xin = x.cpu()
         xin = fused.rms_norm(xin, nw.cpu(), eps) if "norm" in fuse else xin
-        xin = fused.silu_mul(xin) if "silu" in fuse else xin
         y = torch.nn.functional.linear(xin.float(), w.cpu().float(), None if b is None else b.cpu().float()).to(dtype)
+        y = fused.silu_mul(y) if "silu" in fuse else y
         ref = (r.cpu() + y) if "residual" in fuse else y
     r_in = r.clone()
     got = gemv(x, w, bias=b, norm=(nw, eps) if "norm" in fuse else None, silu="silu" in fuse,
@@ -253,11 +255,14 @@ def test_gemv_fuses_the_layers_small_ops(dtype, fuse):
         assert got is r  # r += y in place
     else:
         assert torch.equal(r, r_in)
+    assert got.shape == ref.shape
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     assert torch.allclose(got.float().cpu(), ref.float(), rtol=tol, atol=tol * ref.float().abs().max().item()), \
         f"seed {SEED}"
     with pytest.raises(ValueError, match="the residual must be"):
-        gemv(x[:, :k], w, residual=r[:, :5])
+        gemv(x, w, residual=r[:, :5])
+    with pytest.raises(ValueError, match="gemv takes"):
+        gemv(x, w[:-1], silu=True)  # (an odd merged gate/up)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -8,13 +8,14 @@ the M input rows padded to 16 on the tensor cores (the math is free here; the pa
 accumulating in fp32. Each program reads all of x (a few KB, from L2), so the op that makes x can run inside it:
 - `norm=(weight, eps)`: x is the residual stream and the product takes RMSNorm(x) (each program computes the rows'
   rstd in a first pass over x), rounded as workers/kernels/fused.py's norm rounds it;
-- `silu=True`: x is a merged gate/up output [M, 2K] and the product takes silu(gate) * up, rounded as `silu_mul`;
+- `silu=True`: w is a merged gate/up weight [2I, K]; each program owns matching gate and up rows and writes
+  silu(gate) * up [M, I], rounded as `silu_mul` rounds the merged output (the down GEMV then reads half the bytes);
 - `residual=r`: r += y in place (rounded in r's dtype, as `add_rms_norm` adds), returned instead of y;
 - `bias`: added in fp32 before the one rounding.
 `qkv_rope_gemv` is the norm + qkv GEMV that also does what the attention backend would do next: RoPE on the q and
 k heads and the K/V write into the paged pool (each program owns matching columns of a head's two halves, the pairs
 RoPE rotates together). So a decoder layer at batch <= 8 is four launches besides attention (o + residual, norm +
-gate/up, silu + down + residual, the next layer's norm + qkv + RoPE + K/V write) instead of eight
+gate/up + silu, down + residual, the next layer's norm + qkv + RoPE + K/V write) instead of eight
 (workers/model/llama.py, `--decode-gemv-rows`).
 
 Launch configs: `GEMV_CONFIGS` holds the best config per weight shape measured on the H200 (2026-12-05,
@@ -50,40 +51,40 @@ GEMV_CONFIGS = {
     (4096, 14336): {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 5},
     (32000, 4096): {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
 }
-NONE, NORM, SILU = 0, 1, 2  # the prologue: what the product takes from x
 
 if triton is not None:
     @triton.jit
-    def _rstd(x_ptr, ms, m_ok, K, stride_xm, eps, BLOCK_K: tl.constexpr):
-        """RMSNorm's 1 / rms of each input row [16], over all of K."""
-        sq = tl.zeros((16,), tl.float32)
+    def _rstd(x_ptr, M, K, stride_xm, eps, BLOCK_K: tl.constexpr, MP: tl.constexpr):
+        """RMSNorm's 1 / rms of each input row [MP], over all of K."""
+        mp = tl.arange(0, MP)
+        sq = tl.zeros((MP,), tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            xf = tl.load(x_ptr + ms[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & (ks[None, :] < K),
+            xf = tl.load(x_ptr + mp[:, None] * stride_xm + ks[None, :], mask=(mp < M)[:, None] & (ks[None, :] < K),
                          other=0.0).to(tl.float32)
             sq += tl.sum(xf * xf, 1)
         return tl.rsqrt(sq / K + eps)
 
     @triton.jit
-    def _times_w(acc, x_ptr, w_ptr, nw_ptr, rows, row_ok, ms, m_ok, rstd, K, stride_xm, stride_wn, dtype,
-                 BLOCK_K: tl.constexpr, PRO: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-        """acc [16, len(rows)] += (x after the prologue) @ w[rows].T, streaming w along K."""
+    def _times_w(acc, x_ptr, w_ptr, nw_ptr, rows, row_ok, M, rstd, K, stride_xm, stride_wn, dtype,
+                 BLOCK_K: tl.constexpr, NORMED: tl.constexpr, MP: tl.constexpr, UPCAST: tl.constexpr,
+                 PRECISION: tl.constexpr):
+        """acc [16, len(rows)] += (x, normalised if NORMED) @ w[rows].T, streaming w along K. The prologue runs on
+        MP rows (M rounded up to a power of two) and the dot on 16 (the tensor cores' least), row r taking input row
+        r % MP: every program reads all of x, so work on padding rows would be repeated in each one."""
+        mp = tl.arange(0, MP)
+        m_ok = mp < M
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
             w = tl.load(w_ptr + rows[:, None] * stride_wn + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
                         other=0.0, eviction_policy="evict_first")
-            xmask = m_ok[:, None] & k_ok[None, :]
-            x = tl.load(x_ptr + ms[:, None] * stride_xm + ks[None, :], mask=xmask, other=0.0)
-            if PRO == 1:  # normalised in fp32, cast to x's dtype, then * weight (fused.py's _rms_norm_kernel)
+            x = tl.load(x_ptr + mp[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            if NORMED:  # normalised in fp32, cast to x's dtype, then * weight (fused.py's _rms_norm_kernel)
                 y = (x.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)
                 nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
                 x = (nw[None, :] * y).to(dtype)
-            elif PRO == 2:  # silu(gate) * up: gate columns [0, K), up columns [K, 2K) (fused.py's _silu_mul_kernel)
-                g = x.to(tl.float32)
-                up = tl.load(x_ptr + ms[:, None] * stride_xm + K + ks[None, :], mask=xmask, other=0.0).to(tl.float32)
-                act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-                x = (act * up).to(dtype)
+            x = tl.reshape(tl.broadcast_to(x[None, :, :], (16 // MP, MP, BLOCK_K)), (16, BLOCK_K))
             if UPCAST:  # (Triton's interpreter: its bf16 dot is wrong)
                 x, w = x.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
@@ -91,23 +92,39 @@ if triton is not None:
 
     @triton.jit
     def _gemv(x_ptr, w_ptr, b_ptr, nw_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, eps,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr, BIAS: tl.constexpr,
-              RESIDUAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        ms = tl.arange(0, 16)
-        m_ok = ms < M
-        dtype = x_ptr.dtype.element_ty
-        if PRO == 1:
-            rstd = _rstd(x_ptr, ms, m_ok, K, stride_xm, eps, BLOCK_K)
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORMED: tl.constexpr, SILU: tl.constexpr,
+              BIAS: tl.constexpr, RESIDUAL: tl.constexpr, MP: tl.constexpr, UPCAST: tl.constexpr,
+              PRECISION: tl.constexpr):
+        """Program p owns BLOCK_N rows of w; with SILU (w a merged gate/up weight [2N, K]) BLOCK_N / 2 gate rows and
+        the same up rows, and writes silu(gate) * up for those columns."""
+        if SILU:
+            HALF_N: tl.constexpr = BLOCK_N // 2
+            i = tl.arange(0, BLOCK_N)
+            cols = tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)
+            rows = tl.program_id(0) * HALF_N + i % HALF_N + i // HALF_N * N
+            row_ok = tl.program_id(0) * HALF_N + i % HALF_N < N
         else:
-            rstd = tl.zeros((16,), tl.float32)
-        acc = _times_w(tl.zeros((16, BLOCK_N), tl.float32), x_ptr, w_ptr, nw_ptr, rows, rows < N, ms, m_ok, rstd, K,
-                       stride_xm, stride_wn, dtype, BLOCK_K, PRO, UPCAST, PRECISION)
+            cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+            rows = cols
+            row_ok = rows < N
+        dtype = x_ptr.dtype.element_ty
+        if NORMED:
+            rstd = _rstd(x_ptr, M, K, stride_xm, eps, BLOCK_K, MP)
+        else:
+            rstd = tl.zeros((MP,), tl.float32)
+        acc = _times_w(tl.zeros((16, BLOCK_N), tl.float32), x_ptr, w_ptr, nw_ptr, rows, row_ok, M, rstd, K,
+                       stride_xm, stride_wn, dtype, BLOCK_K, NORMED, MP, UPCAST, PRECISION)
         if BIAS:
-            acc += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[None, :]
-        mask = m_ok[:, None] & (rows[None, :] < N)
-        at = y_ptr + ms[:, None] * stride_ym + rows[None, :]
+            acc += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
         out = acc.to(dtype)
+        if SILU:  # silu(gate) * up, rounded as fused.py's _silu_mul_kernel rounds it
+            gate, up = tl.split(tl.permute(tl.reshape(out, (16, 2, HALF_N)), (0, 2, 1)))
+            g = gate.to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+            out = (act * up.to(tl.float32)).to(dtype)
+        ms = tl.arange(0, 16)
+        mask = (ms < M)[:, None] & (cols[None, :] < N)
+        at = y_ptr + ms[:, None] * stride_ym + cols[None, :]
         if RESIDUAL:  # y is the residual: y += out, the sum in its dtype (as torch's `residual + x` rounds it)
             res = tl.load(at, mask=mask, other=0.0)
             out = (out.to(tl.float32) + res.to(tl.float32)).to(res.dtype)
@@ -117,7 +134,7 @@ if triton is not None:
     def _qkv_rope(x_ptr, w_ptr, b_ptr, nw_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr,
                   M, K, stride_xm, stride_wn, stride_ym, s_cos, s_cb, s_ct, s_ch, eps, HQ, HK,
                   D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                  BIAS: tl.constexpr, MP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
         """RMSNorm + the qkv projection, then RoPE on the q and k heads and the K/V write into a paged pool that is
         not int8. Program p owns BLOCK_N / 2 columns of one head's first half and the same columns of its second
         half (the pairs RoPE rotates together)."""
@@ -130,9 +147,9 @@ if triton is not None:
         ms = tl.arange(0, 16)
         m_ok = ms < M
         dtype = x_ptr.dtype.element_ty
-        rstd = _rstd(x_ptr, ms, m_ok, K, stride_xm, eps, BLOCK_K)
-        acc = _times_w(tl.zeros((16, BLOCK_N), tl.float32), x_ptr, w_ptr, nw_ptr, rows, rows >= 0, ms, m_ok, rstd,
-                       K, stride_xm, stride_wn, dtype, BLOCK_K, 1, UPCAST, PRECISION)
+        rstd = _rstd(x_ptr, M, K, stride_xm, eps, BLOCK_K, MP)
+        acc = _times_w(tl.zeros((16, BLOCK_N), tl.float32), x_ptr, w_ptr, nw_ptr, rows, rows >= 0, M, rstd, K,
+                       stride_xm, stride_wn, dtype, BLOCK_K, True, MP, UPCAST, PRECISION)
         if BIAS:
             acc += tl.load(b_ptr + rows).to(tl.float32)[None, :]
         lo, hi = tl.split(tl.permute(tl.reshape(acc.to(dtype), (16, 2, HALF_N)), (0, 2, 1)))
@@ -161,14 +178,16 @@ if triton is not None:
 _STAGES: dict[tuple, int] = {}  # a launch's kernel, dtype and constexprs -> the pipeline stages that fit this GPU
 
 
-def _launch(kernel, grid: tuple, args: tuple, config: dict, dtype: torch.dtype, fit: bool, **constexprs) -> None:
-    """kernel[grid](*args, **constexprs) with the dot's constexprs for x's dtype (UPCAST under the interpreter,
-    PRECISION) and config's warps and pipeline stages; with fit, fewer stages where the GPU
-    has less shared memory per block than the one the configs were tuned on (GEMV_CONFIGS: the H200's 227 KB; an
-    A100 has 163 KB, sm_86 / sm_89 99 KB): Triton refuses such a launch before it starts, so nothing ran. The first
-    launch of each variant finds its stages (the runner's warm-up, before any CUDA graph capture). Without fit (a
-    config the caller chose: a benchmark's sweep) the refusal is raised."""
-    constexprs.update(UPCAST=INTERPRETED, PRECISION="ieee" if dtype == torch.float32 else "tf32")
+def _launch(kernel, grid: tuple, args: tuple, m: int, config: dict, dtype: torch.dtype, fit: bool,
+            **constexprs) -> None:
+    """kernel[grid](*args, **constexprs) with MP (the m input rows rounded up to a power of two), the dot's
+    constexprs for x's dtype (UPCAST under the interpreter, PRECISION) and config's warps and pipeline stages; with
+    fit, fewer stages where the GPU has less shared memory per block than the one the configs were tuned on
+    (GEMV_CONFIGS: the H200's 227 KB; an A100 has 163 KB, sm_86 / sm_89 99 KB): Triton refuses such a launch before
+    it starts, so nothing ran. The first launch of each variant finds its stages (the runner's warm-up, before any
+    CUDA graph capture). Without fit (a config the caller chose: a benchmark's sweep) the refusal is raised."""
+    constexprs.update(MP=1 << (m - 1).bit_length(), UPCAST=INTERPRETED,
+                      PRECISION="ieee" if dtype == torch.float32 else "tf32")
     if not fit:
         kernel[grid](*args, **constexprs, num_warps=config["num_warps"], num_stages=config["num_stages"])
         return
@@ -193,28 +212,28 @@ def gemv_config(n: int, k: int) -> dict:
 def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None, *, bias: torch.Tensor | None = None,
          norm: tuple[torch.Tensor, float] | None = None, silu: bool = False, residual: torch.Tensor | None = None,
          out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M <= 8, K] (rows contiguous along K; with silu [M, 2K]) @ w.T for w [N, K] contiguous: [M, N] in x's dtype
-    (into out if given), with the prologue / epilogue the module docstring lists; with residual, r += y in place and
-    r is returned. config: launch-config overrides on top of gemv_config(N, K), run as given (without one, the
-    shape's config sheds pipeline stages to fit the GPU: _launch)."""
+    """x [M <= 8, K] (rows contiguous along K) @ w.T for w [N, K] contiguous: [M, N] in x's dtype (into out if
+    given), with the prologue / epilogue the module docstring lists (silu: w is a merged gate/up weight [2I, K] and
+    the result [M, I]); with residual, r += y in place and r is returned. config: launch-config overrides on top of
+    gemv_config(N, K), run as given (without one, the shape's config sheds pipeline stages to fit the GPU: _launch)."""
     M = x.shape[0]
     N, K = w.shape
-    if (M > MAX_M or x.shape[1] != K * (2 if silu else 1) or w.stride(1) != 1 or x.stride(1) != 1
-            or (norm is not None and silu)):
-        raise ValueError(f"gemv takes x [M <= {MAX_M}, K] (silu: [M, 2K]) and w [N, K] contiguous along K, and at "
-                         f"most one of norm / silu, got {tuple(x.shape)} and {tuple(w.shape)}")
-    if residual is not None and (residual.shape != (M, N) or residual.stride(1) != 1 or out is not None):
-        raise ValueError(f"gemv: the residual must be [{M}, {N}] contiguous along N (and no out), got "
+    if M > MAX_M or x.shape[1] != K or w.stride(1) != 1 or x.stride(1) != 1 or silu and N % 2:
+        raise ValueError(f"gemv takes x [M <= {MAX_M}, K] and w [N, K] (silu: N even) contiguous along K, got "
+                         f"{tuple(x.shape)} and {tuple(w.shape)}")
+    n_out = N // 2 if silu else N
+    if residual is not None and (residual.shape != (M, n_out) or residual.stride(1) != 1 or out is not None):
+        raise ValueError(f"gemv: the residual must be [{M}, {n_out}] contiguous along N (and no out), got "
                          f"{tuple(residual.shape)}")
     c = {**gemv_config(N, K), **(config or {})}
     y = residual if residual is not None else (out if out is not None else
-                                               torch.empty(M, N, dtype=x.dtype, device=x.device))
+                                               torch.empty(M, n_out, dtype=x.dtype, device=x.device))
     norm_w, eps = norm if norm is not None else (None, 0.0)
-    _launch(_gemv, (triton.cdiv(N, c["BLOCK_N"]),),
-            (x, w, bias if bias is not None else w, norm_w if norm_w is not None else w, y, M, N, K, x.stride(0),
-             w.stride(0), y.stride(0), eps), c, x.dtype, config is None, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
-            PRO=NORM if norm is not None else (SILU if silu else NONE), BIAS=bias is not None,
-            RESIDUAL=residual is not None)
+    rows = c["BLOCK_N"] // 2 if silu else c["BLOCK_N"]  # output columns a program writes
+    _launch(_gemv, (triton.cdiv(n_out, rows),),
+            (x, w, bias if bias is not None else w, norm_w if norm_w is not None else w, y, M, n_out, K, x.stride(0),
+             w.stride(0), y.stride(0), eps), M, c, x.dtype, config is None, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
+            NORMED=norm is not None, SILU=silu, BIAS=bias is not None, RESIDUAL=residual is not None)
     return y
 
 
@@ -236,7 +255,8 @@ def qkv_rope_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n
         raise ValueError(f"qkv_rope_gemv takes x [M <= {MAX_M}, K] and a merged qkv weight of {num_heads} + 2 x "
                          f"{num_kv_heads} heads, contiguous along K, and a pool that is not int8, got {tuple(x.shape)} "
                          f"and {tuple(w.shape)}")
-    c = {**gemv_config(N, K), **(config or {})}
+    c = gemv_config(N, K)  # BLOCK_K <= 256: at 512 the RoPE epilogue spills registers (and ran slower on an H100)
+    c = {**c, "BLOCK_K": min(c["BLOCK_K"], 256), **(config or {})}
     block_n = next((b for b in (c["BLOCK_N"], 32, 16) if D % b == 0 and b <= D), None)
     if block_n is None:
         raise ValueError(f"qkv_rope_gemv: head_dim {D} is not a multiple of 16")
@@ -244,6 +264,6 @@ def qkv_rope_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n
     _launch(_qkv_rope, (N // block_n,),
             (x, w, bias if bias is not None else w, norm[0], y, positions, cos, sin, k_cache, v_cache, slots, M, K,
              x.stride(0), w.stride(0), y.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
-             k_cache.stride(2), norm[1], num_heads, num_kv_heads), c, x.dtype, config is None, D=D,
+             k_cache.stride(2), norm[1], num_heads, num_kv_heads), M, c, x.dtype, config is None, D=D,
             PAGE=k_cache.shape[1], BLOCK_N=block_n, BLOCK_K=c["BLOCK_K"], BIAS=bias is not None)
     return y

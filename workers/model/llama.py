@@ -170,13 +170,14 @@ class DecoderLayer(nn.Module):
     def tail_gemv(self, o: torch.Tensor, residual: torch.Tensor, after: DecoderLayer | None,
                   qkv_out: torch.Tensor | None = None, kv: KVWrite | None = None) -> torch.Tensor:
         """tail() at <= 8 tokens in four weight-streaming GEMV launches, each with the small op before or after it
-        (workers/kernels/gemv.py): o_proj + the residual add, norm + gate/up, SiLU * up + down_proj + the residual
+        (workers/kernels/gemv.py): o_proj + the residual add, norm + gate/up + SiLU * up, down_proj + the residual
         add, the next layer's norm + qkv (with kv: and its RoPE and K/V write). The same math and roundings as
         tail() (to the GEMM's summation order)."""
         o_proj, mlp, post = self.self_attn.o_proj, self.mlp, self.post_attention_layernorm
         gemv(o, o_proj.weight, bias=o_proj.bias, residual=residual)
-        gate_up = gemv(residual, mlp.gate_up_proj.weight, bias=mlp.gate_up_proj.bias, norm=(post.weight, post.eps))
-        gemv(gate_up, mlp.down_proj.weight, bias=mlp.down_proj.bias, silu=True, residual=residual)
+        act = gemv(residual, mlp.gate_up_proj.weight, bias=mlp.gate_up_proj.bias, norm=(post.weight, post.eps),
+                   silu=True)
+        gemv(act, mlp.down_proj.weight, bias=mlp.down_proj.bias, residual=residual)
         if after is None:
             return residual
         return after.qkv_gemv(residual, qkv_out, kv)

@@ -22,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -164,6 +165,19 @@ def measure_copy_bandwidth(nbytes: int = 4 << 30) -> float:
     del src, dst
     torch.cuda.empty_cache()
     return 2 * nbytes / statistics.median(times)
+
+
+def held_tensors(min_bytes: int = 2**28) -> str:
+    """What refers to each live CUDA tensor of at least min_bytes (its referrers' types): a leak's owners."""
+    found = []
+    with warnings.catch_warnings():  # (isinstance on some of torch's deprecated module proxies warns)
+        warnings.simplefilter("ignore")
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for obj in tensors:
+        if obj.is_cuda and obj.untyped_storage().nbytes() >= min_bytes:
+            owners = sorted({type(r).__qualname__ for r in gc.get_referrers(obj)} - {"list"})
+            found.append(f"{tuple(obj.shape)} <- {', '.join(owners) or '?'}")
+    return "; ".join(found[:8]) or "no tensor object (a CUDA graph's pool, or C++)"
 
 
 # ---------------------------------------------------------------------------------------------- engine
@@ -516,6 +530,9 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()  # the runner's CUDA graphs and KV pool must go before the next runner / HF's model
         if gpu:
             torch.cuda.empty_cache()
+            if torch.cuda.memory_allocated() > 2**30:  # (an H100 ran out in the next variant's load, 2026-12-05)
+                print(f"warning: {torch.cuda.memory_allocated() / 2**30:.1f} GiB still allocated after the runner of "
+                      f"{name} was freed, held by: {held_tensors()}", flush=True)
     if "hf" in parts:
         rows += bench_hf(model, args.hf_batches, HF_PROMPT, HF_NEW_TOKENS,
                          "cuda" if gpu else "cpu", torch.bfloat16 if gpu else torch.float32)

@@ -268,7 +268,7 @@ def bench_gemv_layers() -> list[dict]:
         def step(o: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
             for w in layers:
                 gemv(o, w["o"], residual=residual)
-                gemv(gemv(residual, w["gate_up"], norm=(norm, eps)), w["down"], silu=True, residual=residual)
+                gemv(gemv(residual, w["gate_up"], norm=(norm, eps), silu=True), w["down"], residual=residual)
                 o = (qkv_rope_gemv(residual, w["qkv"], None, (norm, eps), heads, kv_heads, positions, cos, sin, kc, vc,
                                    slots) if in_qkv else rope_kv(gemv(residual, w["qkv"], norm=(norm, eps)), positions,
                                                                  slots))[:, :hidden]
