@@ -526,7 +526,7 @@ class Batcher:
             f"fitted online by the batcher from worker {wid}'s step times over its last {len(fit.rows)} of "
             f"{fit.steps} timed steps (batcher/cost_model.py), and h from {fit.gaps} host gaps; a, b, c, d, e, g, h in "
             f"ms; samples: that window as "
-            f"[prefill_tokens, prefix_attention, decode_seqs, kv_tokens_read, mixed, measured ms]"),
+            f"[prefill_tokens, attention_pairs, decode_seqs, kv_tokens_read, mixed, measured ms]"),
             samples=fit.samples())
 
     async def _write_cost_model(self) -> None:

@@ -1,6 +1,6 @@
 """The step-cost model: what one step costs on a worker, predicted from what it holds, and learned online.
 
-Owns `CostModel` (step ms = a + g*mixed + b*prefill_tokens + e*prefix_attention +
+Owns `CostModel` (step ms = a + g*mixed + b*prefill_tokens + e*attention_pairs +
 c*decode_seqs + d*kv_tokens_read) and `OnlineCostFit`, which refits it per worker while the batcher serves,
 from the step times the worker reports (StepOutput.execute_time). The scheduler's SLO
 controller (batcher/slo.py) and the simulator (batcher/sim/) both predict with it.
@@ -8,8 +8,10 @@ Pure: no I/O but CostModel.load()/save().
 
 The terms of a step (batcher/scheduler.py's `step_features`):
 - prefill_tokens: tokens computed by rows that are not one-token decodes;
-- prefix_attention: for those rows, sum of tokens x context before them (the attention of a
-  chunk over its cached prefix or earlier chunks), in token pairs;
+- attention_pairs: for those rows, the token pairs their attention computes: tokens x context before the chunk
+  (its cached prefix or earlier chunks) + tokens^2 / 2 (causal, within the chunk). Until stop 42 the term left the
+  chunk's own half out and b absorbed it at the chunk sizes a window held: on the H100's Azure conv trace a 4k-token
+  chunk's step then took 9 ms more than the fit predicted (docs/perf.md);
 - decode_seqs: one-token rows;
 - kv_tokens_read: sum over rows of their context after the step (K/V the attention reads);
 - mixed: 1 if the step has any prefill row. On the GPU a decode-only step replays a CUDA graph
@@ -35,12 +37,12 @@ def default_cost_model(lanes: str) -> Path:
     lane's, and its model is learned that way (docs/lanes.md)."""
     return STREAMS_COST_MODEL if lanes == "streams" else DEFAULT_COST_MODEL
 
-Features = tuple[int, int, int, int, int]  # prefill_tokens, prefix_attention, decode_seqs, kv_tokens_read, mixed
+Features = tuple[int, int, int, int, int]  # prefill_tokens, attention_pairs, decode_seqs, kv_tokens_read, mixed
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Step time in ms: a + g*mixed + b*prefill_tokens + e*prefix_attention + c*decode_seqs + d*kv_tokens_read.
+    """Step time in ms: a + g*mixed + b*prefill_tokens + e*attention_pairs + c*decode_seqs + d*kv_tokens_read.
 
     h: host gap in ms: how long the worker waits for a step composed on the output of the one before, with none
     in flight (output send, update + schedule, input send); async scheduling hides it behind the step in flight.
@@ -80,19 +82,25 @@ class CostModel:
     def save(self, path: str | Path, **extra) -> None:
         Path(path).write_text(json.dumps(asdict(self) | extra, indent=1) + "\n")
 
-    def step_ms(self, prefill_tokens: int, prefix_attention: int, decode_seqs: int, kv_tokens_read: int,
+    def step_ms(self, prefill_tokens: int, attention_pairs: int, decode_seqs: int, kv_tokens_read: int,
                 mixed: int = 0) -> float:
-        return (self.a + self.g * mixed + self.b * prefill_tokens + self.e * prefix_attention
+        return (self.a + self.g * mixed + self.b * prefill_tokens + self.e * attention_pairs
                 + self.c * decode_seqs + self.d * kv_tokens_read)
 
     def chunk_ms(self, tokens: int, context: int) -> float:
         """What `tokens` prefill tokens after `context` computed ones add to a step (g apart: once per step)."""
-        return (self.b + self.d) * tokens + self.e * tokens * context + self.d * context
+        return (self.b + self.d) * tokens + self.e * tokens * (context + tokens / 2) + self.d * context
 
     def affordable(self, ms: float, context: int) -> int:
-        """The most prefill tokens after `context` that fit in ms (0 if none)."""
+        """The most prefill tokens after `context` that fit in ms (0 if none): chunk_ms(t, context) <= ms, a
+        quadratic in t (e / 2 t^2 + (b + d + e context) t + d context)."""
         per_token = self.b + self.d + self.e * context
-        return max(0, int((ms - self.d * context) / per_token)) if per_token > 0 else 1 << 30
+        room = ms - self.d * context
+        if room <= 0:
+            return 0
+        if self.e > 0:
+            return int(2 * room / (per_token + math.sqrt(per_token * per_token + 2 * self.e * room)))
+        return int(room / per_token) if per_token > 0 else 1 << 30
 
 
 # The fit runs on features in these units (ms per step, per 1k prefill tokens, per 1M token pairs, per 100
@@ -134,7 +142,7 @@ class OnlineCostFit:
         self.model = replace(self.model, h=h + (ms - h) / min(self.gaps, GAP_WINDOW))
 
     def samples(self) -> list[list[float]]:
-        """The window as [prefill_tokens, prefix_attention, decode_seqs, kv_tokens_read, mixed, measured ms]."""
+        """The window as [prefill_tokens, attention_pairs, decode_seqs, kv_tokens_read, mixed, measured ms]."""
         return [[*f, round(ms, 4)] for f, ms in self.rows]
 
     def fit(self) -> CostModel:

@@ -61,8 +61,8 @@ class Scheduled(msgspec.Struct, frozen=True, gc=False):
 
 
 def step_features(flight: list[Scheduled], drafts: dict[str, list[int]] | None = None) -> Features:
-    """A step's cost-model terms (batcher/cost_model.py): prefill tokens, their attention over the context
-    before them, decode rows (one token onto computed ones), K/V tokens read, whether it has any prefill. A
+    """A step's cost-model terms (batcher/cost_model.py): prefill tokens, the token pairs their attention
+    computes (each token over the context before its chunk and the chunk's tokens before it), decode rows (one token onto computed ones), K/V tokens read, whether it has any prefill. A
     request verifying drafts is decode rows, one per token (as the worker runs it: workers/runner.py)."""
     prefill = attention = decodes = kv = 0
     if drafts:
@@ -78,7 +78,7 @@ def step_features(flight: list[Scheduled], drafts: dict[str, list[int]] | None =
             decodes += 1
         else:
             prefill += n
-            attention += n * (done - n)
+            attention += n * (done - n) + n * n // 2
     return prefill, attention, decodes, kv, 1 if prefill else 0
 
 

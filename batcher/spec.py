@@ -202,7 +202,7 @@ class SpecPolicy:
                 rows += 1
             else:
                 prefill += n
-                attention += n * j.start
+                attention += n * j.start + n * n // 2
         ms = cost.step_ms(prefill, attention, rows, kv)
         for d in range(1, max((j.k for j in jobs), default=0)):
             live = [j for j in jobs if j.k > d]

@@ -15,7 +15,10 @@ computes the end of its prompt to be composed; that step behind the steps before
 came back minus its device time, from its composition); and the step's own device time. The load tester's TTFT
 adds the gateway and HTTP on top: `--client RECORDS...` (its records.jsonl files) splits that off request by
 request, and "gw" splits it again: the gateway to the batcher, and the rest (the client to the gateway's
-AddRequest, and the first token's way back). Pure but for the file it writes (open, append, close).
+AddRequest, and the first token's way back). `--fit-cost-model OUT` fits the step-cost model over every timed step
+of the trace and writes it for `laneserve simulate --cost-model` (a server's `--cost-model-out` holds the fit over
+its last 512 steps: after a run's drain those are decode steps, and a term they never vary keeps the prior's value).
+Pure but for the files it writes (open, append, close).
 """
 
 from __future__ import annotations
@@ -113,6 +116,20 @@ def client_gap(rows: list[dict], records: list[dict]) -> dict[str, list[float]]:
     return out
 
 
+def fit_cost_model(rows: list[dict], prior):
+    """The step-cost model (batcher/cost_model.py) fitted as the server fits it, over every timed step of the trace
+    at once instead of a sliding window: (model, steps it saw)."""
+    from batcher.cost_model import OnlineCostFit
+
+    features = {(r["worker"], r["step"]): r["features"] for r in rows if r["ev"] == "step"}
+    timed = [(tuple(features[key]), r["execute_ms"]) for r in rows
+             if r["ev"] == "out" and r.get("execute_ms") and (key := (r["worker"], r["step"])) in features]
+    fit = OnlineCostFit(prior, window=max(len(timed), 1), every=len(timed) + 1)
+    for f, ms in timed:
+        fit.observe(f, ms)
+    return fit.fit(), len(timed)
+
+
 def _line(name: str, v: list[float], what: str = "") -> str:
     n = len(v)
     return (f"  {name:7} p50 {percentile(v, 50):8.1f}  p95 {percentile(v, 95):8.1f}  mean "
@@ -128,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--client", nargs="+", default=[], metavar="RECORDS",
                     help="the load tester's records.jsonl of runs against the traced server (a sweep's runs/*/): "
                          "for each, the TTFT p95 at the client and at the batcher, and the time outside the batcher")
+    ap.add_argument("--fit-cost-model", metavar="OUT",
+                    help="fit the step-cost model over every timed step of the trace (the shipped model as the "
+                         "prior, as a server's fit) and write it here, for laneserve simulate --cost-model")
     try:
         args = ap.parse_args(argv)
     except SystemExit as exc:
@@ -138,6 +158,17 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"batcher.trace: {exc}", file=sys.stderr)
         return 2
+    if args.fit_cost_model:
+        from batcher.cost_model import CostModel
+
+        model, steps = fit_cost_model(rows, CostModel.load())
+        try:
+            model.save(args.fit_cost_model, source=f"{args.file}: every timed step ({steps})")
+        except OSError as exc:
+            print(f"batcher.trace: {args.fit_cost_model}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        print(f"cost model over {steps} timed steps, written to {args.fit_cost_model}: "
+              + ", ".join(f"{k} {getattr(model, k):.4g}" for k in "abcdeg"))
     parts = ttft_breakdown(rows)
     print(f"{len(parts['ttft'])} requests' time to first token at the batcher (ms), from {args.file}:")
     for name, what in (("queued", "until the step that computes its prompt's end is composed"),

@@ -68,3 +68,36 @@ def test_the_report_joins_the_load_testers_records(make_stack, tmp_path, capsys)
     assert report([str(path), "--client", str(run / "records.jsonl")]) == 0
     out = capsys.readouterr().out
     assert "6 of 6 matched" in out and "of which from the gateway's AddRequest to the batcher" in out
+
+
+def test_the_cost_model_fitted_over_the_whole_trace_keeps_what_a_drain_forgets(tmp_path, capsys):
+    """--fit-cost-model: a trace whose steps take a known model's time, with chunks over a cached prefix early and
+    only decode steps at the end (a run's drain): the fit over every step recovers the model's terms, where the
+    server's fit over its last 512 steps keeps the prior's prefix-attention term."""
+    import random
+
+    from batcher.cost_model import CostModel, OnlineCostFit
+
+    true = CostModel(a=6.0, b=0.02, c=0.01, d=3e-5, e=3e-6, g=1.5)
+    rng = random.Random(0)
+    rows, step = [], 0
+    for phase, n in (("mixed", 400), ("drain", 600)):
+        for _ in range(n):
+            step += 1
+            decodes = rng.randint(1, 64)
+            tokens = rng.choice((0, 0, rng.randint(16, 2048))) if phase == "mixed" else 0
+            prefix = tokens * rng.choice((0, rng.randint(16, 4096)))
+            f = [tokens, prefix, decodes, decodes * rng.randint(100, 4000) + tokens, int(tokens > 0)]
+            rows += [{"ev": "step", "t": step, "worker": 0, "step": step, "features": f},
+                     {"ev": "out", "t": step + 0.5, "worker": 0, "step": step, "execute_ms": true.step_ms(*f)}]
+    path, out = tmp_path / "trace.jsonl", tmp_path / "cost.json"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert report([str(path), "--fit-cost-model", str(out)]) == 0
+    assert "cost model over 1000 timed steps" in capsys.readouterr().out
+    fitted = CostModel.load(out)
+    for k in "abcdeg":
+        assert abs(getattr(fitted, k) - getattr(true, k)) <= 0.05 * getattr(true, k), (k, fitted)
+    window = OnlineCostFit(CostModel.load())  # the server's: the last 512 steps, all decodes
+    for r in rows[-1024::2]:
+        window.observe(tuple(r["features"]), true.step_ms(*r["features"]))
+    assert window.fit().e == CostModel.load().e != fitted.e

@@ -177,7 +177,7 @@ class SimWorker:
                 decode_seqs += 1
             else:
                 prefill_tokens += n
-                attention += n * done
+                attention += n * done + n * n // 2  # (step_features' token pairs)
             if drafts:  # greedy verification: the drafts that match the model's next token, then its next token
                 toks = st[0]
                 new: list[int] = []

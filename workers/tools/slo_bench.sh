@@ -3,9 +3,10 @@
 # for each policy, one server (7B shape, dummy weights) and one `laneserve loadtest sweep` of the
 # bursty RAG replay (a warm-up, then each rate and seed); prints each sweep's table, keeps
 # sweep_NAME.json (and its log, a line per run, sweep_NAME.txt), the fitted step-cost model cost_NAME.json (with
-# its samples), the batcher's --step-trace trace_NAME.jsonl, the load tester's records runs_NAME/*/records.jsonl
-# (the trace's TTFT report printed: the whole sweep, then each run's TTFT at the client and at the batcher) and the
-# server log. A device call has 600 s: a replay of N requests at R req/s takes ~N/R s plus its drain, and each
+# its samples; cost_full_NAME.json: fitted over every step of the trace, what `laneserve simulate` should take), the
+# batcher's --step-trace trace_NAME.jsonl, the load tester's records runs_NAME/*/records.jsonl (the trace's TTFT
+# report printed: the whole sweep, then each run's TTFT at the client and at the batcher) and the server log.
+# A device call has 600 s: a replay of N requests at R req/s takes ~N/R s plus its drain, and each
 # server ~1-2 min to start, so keep policies x rates x seeds x N/R well under that.
 # Usage (repo root, on the GPU machine):
 #   OUT=dir RATES=8,12,16,20,24 SEEDS=3 bash workers/tools/slo_bench.sh "default:" \
@@ -51,8 +52,10 @@ for spec in "$@"; do
   grep -i "error\|traceback" "$OUT/serve_$name.log" | head -5
   if [ -d "/tmp/slo_bench/$name/runs" ]; then
     cp -r "/tmp/slo_bench/$name/runs" "$OUT/runs_$name"
-    # where the batcher's time to first token went, and each run's TTFT outside the batcher
-    python3 -m batcher.trace "$OUT/trace_$name.jsonl" --client "$OUT"/runs_"$name"/*/records.jsonl
+    # where the batcher's time to first token went, each run's TTFT outside the batcher, and the step-cost model
+    # fitted over every step (the simulator's input: cost_NAME.json is the server's last 512 steps, a drain's)
+    python3 -m batcher.trace "$OUT/trace_$name.jsonl" --client "$OUT"/runs_"$name"/*/records.jsonl \
+      --fit-cost-model "$OUT/cost_full_$name.json"
   fi
   [ -f "$OUT/cost_$name.json" ] && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); \
 print(sys.argv[2], 'fitted', {k: d.get(k) for k in 'abcdegh'})" "$OUT/cost_$name.json" "$name"
