@@ -20,8 +20,10 @@ gate/up + silu, down + residual, the next layer's norm + qkv + RoPE + K/V write)
 
 Launch configs: `GEMV_CONFIGS` holds the best config per weight shape measured on the H200 (2026-12-05,
 `python -m workers.tools.kernel_bench --gemv`, docs/perf.md: 8% faster than cuBLAS over a batch-1 step's weights,
-3.9-4.2 TB/s; no faster at batch 4-8); other shapes take `GEMV_CONFIG`. A GPU with less shared memory per block
-(A100, sm_86 / sm_89) runs them with fewer pipeline stages, as many as fit (`_launch`). The CPU tests run it under
+3.9-4.2 TB/s; no faster at batch 4-8; on an H100 1% faster, where that GPU's own best configs were 5% faster,
+docs/perf.md stop 42); other shapes take `GEMV_CONFIG`. A GPU with less shared memory per block
+(sm_86 / sm_89: 99 KB; an A100's 163 KB holds them) runs them with fewer pipeline stages, as many as fit
+(`_launch`). The CPU tests run it under
 Triton's interpreter.
 """
 
