@@ -282,7 +282,8 @@ class Batcher:
         if deltas is not None:  # None: a void step's output, nothing changed
             if self.trace is not None:
                 self.trace.write("out", worker=msg.worker_id, step=msg.step, execute_ms=msg.execute_time * 1000.0,
-                                 launch_ms=msg.launch_time * 1000.0, idle_ms=msg.idle_time * 1000.0)
+                                 launch_ms=msg.launch_time * 1000.0, idle_ms=msg.idle_time * 1000.0,
+                                 **({"draft_ms": msg.draft_time * 1000.0} if msg.draft_time > 0.0 else {}))
                 self.trace.first_tokens(msg.worker_id, msg.step, deltas)
             await self.emit(deltas)
             await self.kick(msg.worker_id)

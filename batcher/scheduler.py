@@ -62,8 +62,9 @@ class Scheduled(msgspec.Struct, frozen=True, gc=False):
 
 def step_features(flight: list[Scheduled], drafts: dict[str, list[int]] | None = None) -> Features:
     """A step's cost-model terms (batcher/cost_model.py): prefill tokens, the token pairs their attention
-    computes (each token over the context before its chunk and the chunk's tokens before it), decode rows (one token onto computed ones), K/V tokens read, whether it has any prefill. A
-    request verifying drafts is decode rows, one per token (as the worker runs it: workers/runner.py)."""
+    computes (each token over the context before its chunk and the chunk's tokens before it), decode rows (one
+    token onto computed ones), K/V tokens read, whether it has any prefill. A request verifying drafts is decode
+    rows, one per token (as the worker runs it: workers/runner.py)."""
     prefill = attention = decodes = kv = 0
     if drafts:
         spec = [rec for rec in flight if rec.req.request_id in drafts]

@@ -7,17 +7,19 @@ on the batcher's monotonic clock since the trace began):
   no time);
 - {"ev": "step", "worker", "step", "lane", "predicted_ms", "features"}: a step was composed and sent to its
   worker (features: the cost model's terms, batcher/cost_model.py);
-- {"ev": "out", "worker", "step", "execute_ms", "launch_ms", "idle_ms"}: its output came back (the worker's own
-  figures: the step's device time, its host launch, how long the worker had waited for it);
+- {"ev": "out", "worker", "step", "execute_ms", "launch_ms", "idle_ms", "draft_ms" (a draft model's steps)}: its
+  output came back (the worker's own figures: the step's device time, its host launch, how long the worker had
+  waited for it, the draft model's part of the device time);
 - {"ev": "first", "worker", "step", "req"}: that step's output carried the request's first token.
 `python -m batcher.trace FILE` splits each request's time from "add" to "first" into: waiting for the step that
 computes the end of its prompt to be composed; that step behind the steps before it on the worker (its output
 came back minus its device time, from its composition); and the step's own device time. The load tester's TTFT
 adds the gateway and HTTP on top: `--client RECORDS...` (its records.jsonl files) splits that off request by
 request, and "gw" splits it again: the gateway to the batcher, and the rest (the client to the gateway's
-AddRequest, and the first token's way back). `--fit-cost-model OUT` fits the step-cost model over every timed step
-of the trace and writes it for `laneserve simulate --cost-model` (a server's `--cost-model-out` holds the fit over
-its last 512 steps: after a run's drain those are decode steps, and a term they never vary keeps the prior's value).
+AddRequest, and the first token's way back). `--fit-cost-model OUT` fits worker 0's step-cost model over every
+timed step of the trace and writes it for `laneserve simulate --cost-model` (a server's `--cost-model-out` holds
+the fit over its last 512 steps: after a run's drain those are decode steps, and a term they never vary keeps the
+prior's value).
 Pure but for the files it writes (open, append, close).
 """
 
@@ -116,14 +118,20 @@ def client_gap(rows: list[dict], records: list[dict]) -> dict[str, list[float]]:
     return out
 
 
-def fit_cost_model(rows: list[dict], prior):
-    """The step-cost model (batcher/cost_model.py) fitted as the server fits it, over every timed step of the trace
-    at once instead of a sliding window: (model, steps it saw)."""
+def fit_cost_model(rows: list[dict], prior, worker: int = 0):
+    """A worker's step-cost model (batcher/cost_model.py) fitted as the server fits it (the same times kept, the
+    draft model's part taken out), over every timed step of the trace at once instead of a sliding window:
+    (model, steps it saw)."""
     from batcher.cost_model import OnlineCostFit
+    from batcher.scheduler import MAX_STEP_S
 
-    features = {(r["worker"], r["step"]): r["features"] for r in rows if r["ev"] == "step"}
-    timed = [(tuple(features[key]), r["execute_ms"]) for r in rows
-             if r["ev"] == "out" and r.get("execute_ms") and (key := (r["worker"], r["step"])) in features]
+    features = {r["step"]: r["features"] for r in rows if r["ev"] == "step" and r["worker"] == worker}
+    timed = []
+    for r in rows:
+        if r["ev"] == "out" and r["worker"] == worker and r["step"] in features \
+                and 0.0 < r["execute_ms"] < MAX_STEP_S * 1000.0:
+            draft = r.get("draft_ms", 0.0)
+            timed.append((tuple(features[r["step"]]), r["execute_ms"] - (draft if draft < r["execute_ms"] else 0.0)))
     fit = OnlineCostFit(prior, window=max(len(timed), 1), every=len(timed) + 1)
     for f, ms in timed:
         fit.observe(f, ms)
@@ -146,8 +154,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="the load tester's records.jsonl of runs against the traced server (a sweep's runs/*/): "
                          "for each, the TTFT p95 at the client and at the batcher, and the time outside the batcher")
     ap.add_argument("--fit-cost-model", metavar="OUT",
-                    help="fit the step-cost model over every timed step of the trace (the shipped model as the "
-                         "prior, as a server's fit) and write it here, for laneserve simulate --cost-model")
+                    help="fit worker 0's step-cost model over every timed step of the trace and write it here, for "
+                         "laneserve simulate --cost-model")
+    ap.add_argument("--prior", metavar="FILE",
+                    help="the fit's prior: the server's --cost-model (default: the shipped batcher/cost_model.json; "
+                         "batcher/cost_model_streams.json for a --lanes streams server)")
     try:
         args = ap.parse_args(argv)
     except SystemExit as exc:
@@ -161,9 +172,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.fit_cost_model:
         from batcher.cost_model import CostModel
 
-        model, steps = fit_cost_model(rows, CostModel.load())
         try:
-            model.save(args.fit_cost_model, source=f"{args.file}: every timed step ({steps})")
+            prior = CostModel.load(args.prior) if args.prior else CostModel.load()
+        except (OSError, ValueError) as exc:  # (naming the file)
+            print(f"batcher.trace: --prior: {exc}", file=sys.stderr)
+            return 2
+        model, steps = fit_cost_model(rows, prior)
+        try:
+            model.save(args.fit_cost_model, source=f"{args.file}: worker 0's {steps} timed steps")
         except OSError as exc:
             print(f"batcher.trace: {args.fit_cost_model}: {exc.strerror or exc}", file=sys.stderr)
             return 2

@@ -41,6 +41,10 @@ def test_k_pays_for_the_draft_models_passes_and_learns_their_cost():
     priced = SpecPolicy.draft_work_ms(jobs, cost)
     assert priced == pytest.approx(cost.step_ms(101, 0, 1, 142) + cost.step_ms(0, 0, 1, 102)
                                    + cost.step_ms(0, 0, 1, 103))
+    with_pairs = CostModel(a=4.8, b=0.02, c=0.011, d=2.7e-5, e=1e-6)  # a prompt's attention: its token pairs
+    assert SpecPolicy.draft_work_ms(jobs, with_pairs) == pytest.approx(
+        with_pairs.step_ms(101, 101 * 101 // 2, 1, 142) + with_pairs.step_ms(0, 0, 1, 102)
+        + with_pairs.step_ms(0, 0, 1, 103))
     dear.observe_draft(priced, 0.1 * priced)  # the first measurement replaces the parameter share
     assert dear.draft_ratio == pytest.approx(0.1)
     for _ in range(200):

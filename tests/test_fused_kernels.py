@@ -227,12 +227,15 @@ def test_gemv_is_the_linear_for_small_batches(dtype, m, n, k, config):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fuse", ["norm", "silu", "residual", "bias+norm", "norm+silu", "bias+norm+silu"])
-@pytest.mark.parametrize("m", [1, 3, 8])
-def test_gemv_fuses_the_layers_small_ops(dtype, fuse, m):
+@pytest.mark.parametrize("fuse,config", [("norm", {}), ("silu", {}), ("residual", {}), ("bias+norm", {}),
+                                          ("norm+silu", {}), ("bias+norm+silu", {}), ("bias+silu", {"BLOCK_N": 16}),
+                                          ("silu+residual", {"BLOCK_N": 64})])
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+def test_gemv_fuses_the_layers_small_ops(dtype, fuse, config, m):
     """Each prologue / epilogue the decoder layer's GEMV path uses, against the fallbacks then a linear (the model's
-    math op for op): RMSNorm of x, silu(gate) * up of a merged gate/up weight's output, r += y in place, the bias.
-    Ragged N and K; M of 1, 3 and 8 (the prologue runs on 1, 4 and 8 rows)."""
+    math op for op): RMSNorm of x, silu(gate) * up of a merged gate/up weight's output (a program's gate and up rows:
+    BLOCK_N / 2 of each), r += y in place, the bias. Ragged N and K; M of 1, 2, 3 and 8 (the prologue runs on 1, 2, 4
+    and 8 rows)."""
     from workers.kernels.gemv import gemv
 
     n, k = 70, 300  # (with silu: 35 gate and 35 up rows)
@@ -241,7 +244,7 @@ def test_gemv_fuses_the_layers_small_ops(dtype, fuse, m):
     w = randn(n, k, dtype=dtype, salt=2).to(DEVICE)
     nw = (1 + 0.1 * randn(k, dtype=dtype, salt=3)).to(DEVICE)
     b = randn(n, dtype=dtype, salt=4).to(DEVICE) if "bias" in fuse else None
-    r = randn(m, n, dtype=dtype, salt=5).to(DEVICE)
+    r = randn(m, n // 2 if "silu" in fuse else n, dtype=dtype, salt=5).to(DEVICE)
     with use_triton(False):  # the reference: torch's math on CPU copies
         xin = x.cpu()
         xin = fused.rms_norm(xin, nw.cpu(), eps) if "norm" in fuse else xin
@@ -249,7 +252,7 @@ def test_gemv_fuses_the_layers_small_ops(dtype, fuse, m):
         y = fused.silu_mul(y) if "silu" in fuse else y
         ref = (r.cpu() + y) if "residual" in fuse else y
     r_in = r.clone()
-    got = gemv(x, w, bias=b, norm=(nw, eps) if "norm" in fuse else None, silu="silu" in fuse,
+    got = gemv(x, w, config, bias=b, norm=(nw, eps) if "norm" in fuse else None, silu="silu" in fuse,
                residual=r if "residual" in fuse else None)
     if "residual" in fuse:
         assert got is r  # r += y in place
@@ -263,6 +266,8 @@ def test_gemv_fuses_the_layers_small_ops(dtype, fuse, m):
         gemv(x, w, residual=r[:, :5])
     with pytest.raises(ValueError, match="gemv takes"):
         gemv(x, w[:-1], silu=True)  # (an odd merged gate/up)
+    with pytest.raises(ValueError, match="gemv takes"):
+        gemv(x, w, bias=randn(n // 2, dtype=dtype, salt=4).to(DEVICE), silu=True)  # (the bias is the merged one's)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

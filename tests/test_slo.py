@@ -110,7 +110,7 @@ def random_steps(rng: random.Random, n: int, prefill: bool = True) -> list[tuple
         if prefill and rng.random() < 0.5:
             p = rng.randrange(1, 65) if rng.random() < 0.5 else rng.randrange(64, 8193)
             ctx = rng.randrange(0, 16000)
-            att = p * ctx
+            att = p * ctx + p * p // 2  # (scheduler.step_features' token pairs)
             kv += p + ctx
         rows.append((p, att, decodes, kv, 1 if p else 0))
     return rows

@@ -73,7 +73,7 @@ def test_the_report_joins_the_load_testers_records(make_stack, tmp_path, capsys)
 def test_the_cost_model_fitted_over_the_whole_trace_keeps_what_a_drain_forgets(tmp_path, capsys):
     """--fit-cost-model: a trace whose steps take a known model's time, with chunks over a cached prefix early and
     only decode steps at the end (a run's drain): the fit over every step recovers the model's terms, where the
-    server's fit over its last 512 steps keeps the prior's prefix-attention term."""
+    server's fit over its last 512 steps keeps the prior's attention term."""
     import random
 
     from batcher.cost_model import CostModel, OnlineCostFit
@@ -86,18 +86,32 @@ def test_the_cost_model_fitted_over_the_whole_trace_keeps_what_a_drain_forgets(t
             step += 1
             decodes = rng.randint(1, 64)
             tokens = rng.choice((0, 0, rng.randint(16, 2048))) if phase == "mixed" else 0
-            prefix = tokens * rng.choice((0, rng.randint(16, 4096)))
-            f = [tokens, prefix, decodes, decodes * rng.randint(100, 4000) + tokens, int(tokens > 0)]
+            pairs = tokens * rng.choice((0, rng.randint(16, 4096))) + tokens * tokens // 2
+            f = [tokens, pairs, decodes, decodes * rng.randint(100, 4000) + tokens, int(tokens > 0)]
             rows += [{"ev": "step", "t": step, "worker": 0, "step": step, "features": f},
                      {"ev": "out", "t": step + 0.5, "worker": 0, "step": step, "execute_ms": true.step_ms(*f)}]
+    drain = [r for r in rows[-1200:] if r["ev"] == "step"][-512:]
+    # what the server does not learn from either: another worker's steps, a wild time, a draft model's part
+    f = [512, 512 * 512 // 2, 8, 9000, 1]
+    rows += [{"ev": "step", "t": step + 1, "worker": 1, "step": step + 1, "features": f},
+             {"ev": "out", "t": step + 2, "worker": 1, "step": step + 1, "execute_ms": 1.0},
+             {"ev": "step", "t": step + 3, "worker": 0, "step": step + 1, "features": f},
+             {"ev": "out", "t": step + 4, "worker": 0, "step": step + 1, "execute_ms": 1e9}]
+    for i in range(2, 52):  # 50 steps with a draft model's passes in their device time
+        f = [0, 0, i, 900 * i, 0]
+        rows += [{"ev": "step", "t": step + i, "worker": 0, "step": step + i, "features": f},
+                 {"ev": "out", "t": step + i, "worker": 0, "step": step + i, "execute_ms": true.step_ms(*f) + 30.0,
+                  "draft_ms": 30.0}]
     path, out = tmp_path / "trace.jsonl", tmp_path / "cost.json"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert report([str(path), "--fit-cost-model", str(out), "--prior", str(tmp_path / "none.json")]) == 2
+    assert "--prior" in capsys.readouterr().err
     assert report([str(path), "--fit-cost-model", str(out)]) == 0
-    assert "cost model over 1000 timed steps" in capsys.readouterr().out
+    assert "cost model over 1050 timed steps" in capsys.readouterr().out
     fitted = CostModel.load(out)
     for k in "abcdeg":
         assert abs(getattr(fitted, k) - getattr(true, k)) <= 0.05 * getattr(true, k), (k, fitted)
     window = OnlineCostFit(CostModel.load())  # the server's: the last 512 steps, all decodes
-    for r in rows[-1024::2]:
+    for r in drain:
         window.observe(tuple(r["features"]), true.step_ms(*r["features"]))
     assert window.fit().e == CostModel.load().e != fitted.e

@@ -20,11 +20,10 @@ gate/up + silu, down + residual, the next layer's norm + qkv + RoPE + K/V write)
 
 Launch configs: `GEMV_CONFIGS` holds the best config per weight shape measured on the H200 (2026-12-05,
 `python -m workers.tools.kernel_bench --gemv`, docs/perf.md: 8% faster than cuBLAS over a batch-1 step's weights,
-3.9-4.2 TB/s; no faster at batch 4-8; on an H100 1% faster, where that GPU's own best configs were 5% faster,
-docs/perf.md stop 42); other shapes take `GEMV_CONFIG`. A GPU with less shared memory per block
-(sm_86 / sm_89: 99 KB; an A100's 163 KB holds them) runs them with fewer pipeline stages, as many as fit
-(`_launch`). The CPU tests run it under
-Triton's interpreter.
+3.9-4.2 TB/s; no faster at batch 4-8; on an H100 1% faster at batch 1 and 1% slower at 4-8, where that GPU's own
+best configs were 3-5% faster: docs/perf.md, stop 42); other shapes take `GEMV_CONFIG`. A GPU with less shared
+memory per block (sm_86 / sm_89: 99 KB; an A100's 163 KB holds them) runs them with fewer pipeline stages, as many
+as fit (`_launch`). The CPU tests run it under Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -220,9 +219,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None, *, bias: 
     gemv_config(N, K), run as given (without one, the shape's config sheds pipeline stages to fit the GPU: _launch)."""
     M = x.shape[0]
     N, K = w.shape
-    if M > MAX_M or x.shape[1] != K or w.stride(1) != 1 or x.stride(1) != 1 or silu and N % 2:
-        raise ValueError(f"gemv takes x [M <= {MAX_M}, K] and w [N, K] (silu: N even) contiguous along K, got "
-                         f"{tuple(x.shape)} and {tuple(w.shape)}")
+    if (M > MAX_M or x.shape[1] != K or w.stride(1) != 1 or x.stride(1) != 1 or silu and N % 2
+            or bias is not None and bias.shape != (N,)):
+        raise ValueError(f"gemv takes x [M <= {MAX_M}, K], w [N, K] (silu: N even) contiguous along K and a bias [N], "
+                         f"got {tuple(x.shape)}, {tuple(w.shape)} and "
+                         f"{None if bias is None else tuple(bias.shape)}")
     n_out = N // 2 if silu else N
     if residual is not None and (residual.shape != (M, n_out) or residual.stride(1) != 1 or out is not None):
         raise ValueError(f"gemv: the residual must be [{M}, {n_out}] contiguous along N (and no out), got "

@@ -175,7 +175,7 @@ def held_tensors(min_bytes: int = 2**28) -> str:
         tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
     for obj in tensors:
         if obj.is_cuda and obj.untyped_storage().nbytes() >= min_bytes:
-            owners = sorted({type(r).__qualname__ for r in gc.get_referrers(obj)} - {"list"})
+            owners = sorted({type(r).__qualname__ for r in gc.get_referrers(obj) if r is not tensors})
             found.append(f"{tuple(obj.shape)} <- {', '.join(owners) or '?'}")
     return "; ".join(found[:8]) or "no tensor object (a CUDA graph's pool, or C++)"
 

@@ -35,9 +35,11 @@ if [ "${GEMV:-0}" = 1 ]; then  # issue 25: the fused GEMV path for steps of <= 8
   python3 -m pytest -q -p no:cacheprovider tests/test_fused_kernels.py 2>&1 | tail -3 | tee "$OUT/gemv.txt"
   python3 -m workers.tools.kernel_bench --gemv --out "$OUT/gemv.json" 2>&1 | grep -v "^    gemv" \
     | tee -a "$OUT/gemv.txt"  # (the sweep's per-config lines dropped)
-  for rows in 0 8; do  # (one process each: on an H100 the second runner of one bench process ran out of memory)
-    python3 -m laneserve.cli bench --parts roofline,engine --batches 1,2,4,8,32,128 --contexts 1024 \
-      --decode-gemv-rows $rows --out "$OUT/gemv_engine_$rows.json" 2>&1 | tee -a "$OUT/gemv.txt"
+  # (one process each: on an H100 the second runner of one bench process ran out of memory)
+  for parts_rows in roofline,engine:0 engine:8; do
+    echo "--decode-gemv-rows ${parts_rows#*:}" | tee -a "$OUT/gemv.txt"
+    python3 -m laneserve.cli bench --parts ${parts_rows%:*} --batches 1,2,4,8,32,128 --contexts 1024 \
+      --decode-gemv-rows ${parts_rows#*:} --out "$OUT/gemv_engine_${parts_rows#*:}.json" 2>&1 | tee -a "$OUT/gemv.txt"
   done
 fi
 if [ "${MIXED:-0}" = 1 ]; then  # issue 19's worker lever: the host launch and device time of steps with a prompt chunk
