@@ -85,7 +85,9 @@ class BatcherConfig:
     step_trace: str = field(default="", metadata=flag(
         "write a JSONL timeline here: each request's arrival and first token, each step's composition and output "
         "(the worker's device, launch and idle times); `python -m batcher.trace FILE` splits the time to first "
-        "token into queueing, waiting behind other steps and the step itself (batcher/trace.py); '' = don't"))
+        "token into queueing, waiting behind other steps and the step itself, and its `--fit-cost-model OUT` fits "
+        "the step-cost model over every step (for `laneserve simulate --cost-model`; batcher/trace.py); '' = "
+        "don't"))
     # reliability (docs/reliability.md)
     on_worker_loss: str = field(default="fail", metadata=flag(
         "what happens to a lost worker's requests: fail (an ERROR finish, the client sees an error) | requeue "

@@ -19,8 +19,7 @@ request, and "gw" splits it again: the gateway to the batcher, and the rest (the
 AddRequest, and the first token's way back). `--fit-cost-model OUT` fits worker 0's step-cost model over every
 timed step of the trace and writes it for `laneserve simulate --cost-model` (a server's `--cost-model-out` holds
 the fit over its last 512 steps: after a run's drain those are decode steps, and a term they never vary keeps the
-prior's value).
-Pure but for the files it writes (open, append, close).
+prior's value). Pure but for the files it writes (open, append, close).
 """
 
 from __future__ import annotations
