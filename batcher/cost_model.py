@@ -40,6 +40,12 @@ def default_cost_model(lanes: str) -> Path:
 Features = tuple[int, int, int, int, int]  # prefill_tokens, attention_pairs, decode_seqs, kv_tokens_read, mixed
 
 
+def attention_pairs(tokens: int, context: int) -> int:
+    """The attention_pairs term of a chunk of `tokens` after `context` computed ones: each token over the context
+    and, causally, the chunk's tokens before it."""
+    return tokens * context + tokens * tokens // 2
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Step time in ms: a + g*mixed + b*prefill_tokens + e*attention_pairs + c*decode_seqs + d*kv_tokens_read.
@@ -89,7 +95,7 @@ class CostModel:
 
     def chunk_ms(self, tokens: int, context: int) -> float:
         """What `tokens` prefill tokens after `context` computed ones add to a step (g apart: once per step)."""
-        return (self.b + self.d) * tokens + self.e * tokens * (context + tokens / 2) + self.d * context
+        return (self.b + self.d) * tokens + self.e * attention_pairs(tokens, context) + self.d * context
 
     def affordable(self, ms: float, context: int) -> int:
         """The most prefill tokens after `context` that fit in ms (0 if none): chunk_ms(t, context) <= ms, a

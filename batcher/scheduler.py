@@ -28,7 +28,7 @@ import msgspec
 from batcher.block_manager import BlockManager
 from batcher.burst import LongPromptGate
 from batcher.config import BatcherConfig, load_warm_prefixes, parse_buckets
-from batcher.cost_model import CostModel, Features, OnlineCostFit, default_cost_model
+from batcher.cost_model import CostModel, Features, OnlineCostFit, attention_pairs, default_cost_model
 from batcher.grammar import GrammarError, Grammars, follow
 from batcher.request import Request, Status, blocks_for
 from batcher.slo import ADMISSION_MARGIN, MIN_PREFILL_TOKENS, SloPolicy
@@ -79,7 +79,7 @@ def step_features(flight: list[Scheduled], drafts: dict[str, list[int]] | None =
             decodes += 1
         else:
             prefill += n
-            attention += n * (done - n) + n * n // 2
+            attention += attention_pairs(n, done - n)
     return prefill, attention, decodes, kv, 1 if prefill else 0
 
 

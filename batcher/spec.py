@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from batcher.cost_model import CostModel
+from batcher.cost_model import CostModel, attention_pairs
 from laneserve.wire.protocol import DraftJob
 
 PRIOR_ACCEPTANCE = 0.5  # the acceptance rate assumed before any draft was verified
@@ -202,7 +202,7 @@ class SpecPolicy:
                 rows += 1
             else:
                 prefill += n
-                attention += n * j.start + n * n // 2
+                attention += attention_pairs(n, j.start)
         ms = cost.step_ms(prefill, attention, rows, kv)
         for d in range(1, max((j.k for j in jobs), default=0)):
             live = [j for j in jobs if j.k > d]

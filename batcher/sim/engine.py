@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from batcher.config import BatcherConfig
-from batcher.cost_model import CostModel
+from batcher.cost_model import CostModel, attention_pairs
 from batcher.router import pick_worker
 from batcher.scheduler import Scheduled, Scheduler
 from batcher.trace import percentile
@@ -177,7 +177,7 @@ class SimWorker:
                 decode_seqs += 1
             else:
                 prefill_tokens += n
-                attention += n * done + n * n // 2  # (step_features' token pairs)
+                attention += attention_pairs(n, done)
             if drafts:  # greedy verification: the drafts that match the model's next token, then its next token
                 toks = st[0]
                 new: list[int] = []
