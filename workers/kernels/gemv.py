@@ -210,6 +210,13 @@ def gemv_config(n: int, k: int) -> dict:
     return GEMV_CONFIGS.get((n, k), GEMV_CONFIG)
 
 
+def qkv_rope_config(n: int, k: int) -> dict:
+    """qkv_rope_gemv's launch config for a merged qkv weight of [n, k]: gemv_config's with BLOCK_K <= 256 (at 512
+    the RoPE epilogue spills registers, and ran slower on an H100)."""
+    c = gemv_config(n, k)
+    return {**c, "BLOCK_K": min(c["BLOCK_K"], 256)}
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None, *, bias: torch.Tensor | None = None,
          norm: tuple[torch.Tensor, float] | None = None, silu: bool = False, residual: torch.Tensor | None = None,
          out: torch.Tensor | None = None) -> torch.Tensor:
@@ -232,8 +239,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None, *, bias: 
     y = residual if residual is not None else (out if out is not None else
                                                torch.empty(M, n_out, dtype=x.dtype, device=x.device))
     norm_w, eps = norm if norm is not None else (None, 0.0)
-    rows = c["BLOCK_N"] // 2 if silu else c["BLOCK_N"]  # output columns a program writes
-    _launch(_gemv, (triton.cdiv(n_out, rows),),
+    cols = c["BLOCK_N"] // 2 if silu else c["BLOCK_N"]  # output columns a program writes
+    _launch(_gemv, (triton.cdiv(n_out, cols),),
             (x, w, bias if bias is not None else w, norm_w if norm_w is not None else w, y, M, n_out, K, x.stride(0),
              w.stride(0), y.stride(0), eps), M, c, x.dtype, config is None, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
             NORMED=norm is not None, SILU=silu, BIAS=bias is not None, RESIDUAL=residual is not None)
@@ -258,8 +265,7 @@ def qkv_rope_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n
         raise ValueError(f"qkv_rope_gemv takes x [M <= {MAX_M}, K] and a merged qkv weight of {num_heads} + 2 x "
                          f"{num_kv_heads} heads, contiguous along K, and a pool that is not int8, got {tuple(x.shape)} "
                          f"and {tuple(w.shape)}")
-    c = gemv_config(N, K)  # BLOCK_K <= 256: at 512 the RoPE epilogue spills registers (and ran slower on an H100)
-    c = {**c, "BLOCK_K": min(c["BLOCK_K"], 256), **(config or {})}
+    c = {**qkv_rope_config(N, K), **(config or {})}
     block_n = next((b for b in (c["BLOCK_N"], 32, 16) if D % b == 0 and b <= D), None)
     if block_n is None:
         raise ValueError(f"qkv_rope_gemv: head_dim {D} is not a multiple of 16")

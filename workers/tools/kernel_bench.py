@@ -200,11 +200,11 @@ def bench_gemv(copy: float) -> dict:
 
 
 def bench_qkv_rope_sweep() -> dict:
-    """The fused norm + qkv + RoPE + K/V-write GEMV (`qkv_rope_gemv`) over GEMV_GRID at batch 1 on the qkv shape:
-    its prologue and epilogue need more registers than the plain GEMV the per-shape configs were swept for (on
-    sm_90 the qkv config's variant spills 120 bytes at 255 registers; `python -m workers.tools.compile_check
-    --resources`), so its best config may differ."""
-    from workers.kernels.gemv import GEMV_GRID, gemv_config, qkv_rope_gemv
+    """The fused norm + qkv + RoPE + K/V-write GEMV (`qkv_rope_gemv`) over GEMV_GRID at batch 1 on the qkv shape,
+    against the config it runs with (`qkv_rope_config`): its epilogue needs more registers than the plain GEMV the
+    per-shape configs were swept for (`python -m workers.tools.compile_check` lists the variants that spill), so its
+    best config may differ."""
+    from workers.kernels.gemv import GEMV_GRID, qkv_rope_config, qkv_rope_gemv
 
     n, k = GEMV_SHAPES["qkv"]
     kv_heads = (n // DIM - k // DIM) // 2
@@ -221,8 +221,8 @@ def bench_qkv_rope_sweep() -> dict:
                                            slots, config=c)) * 1e3
         return {"config": c, "us": us, "neg_us": -us}
 
-    tuned = run(gemv_config(n, k))
-    print(f"  qkv_rope with the qkv shape's config {tuned['config']}: {tuned['us']:.1f} us", flush=True)
+    tuned = run(qkv_rope_config(n, k))
+    print(f"  qkv_rope with its config {tuned['config']}: {tuned['us']:.1f} us", flush=True)
     best = sweep(run, GEMV_GRID, "neg_us", "qkv_rope")
     return {"tuned": tuned, "best": best}
 
