@@ -20,13 +20,16 @@ gate/up + silu, down + residual, the next layer's norm + qkv + RoPE + K/V write)
 
 Launch configs: `GEMV_CONFIGS` holds the best config per weight shape measured on the H200 (2026-12-05,
 `python -m workers.tools.kernel_bench --gemv`, docs/perf.md: 8% faster than cuBLAS over a batch-1 step's weights,
-3.9-4.2 TB/s; no faster at batch 4-8; on an H100 1% faster at batch 1 and 1% slower at 4-8, where that GPU's own
-best configs were 3-5% faster: docs/perf.md, stop 42); other shapes take `GEMV_CONFIG`. A GPU with less shared
+3.9-4.2 TB/s; no faster at batch 4-8); an H100 takes its own (`GEMV_CONFIGS_BY_GPU`: with the H200's it was 1%
+faster than cuBLAS at batch 1 and 1% slower at 4-8, with its own 3-5% faster: docs/perf.md, stop 42); other shapes
+take `GEMV_CONFIG`. A GPU with less shared
 memory per block (sm_86 / sm_89: 99 KB; an A100's 163 KB holds them) runs them with fewer pipeline stages, as many
 as fit (`_launch`). The CPU tests run it under Triton's interpreter.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -52,6 +55,15 @@ GEMV_CONFIGS = {
     (4096, 14336): {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 5},
     (32000, 4096): {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
 }
+# the same shapes' best at batch 1 on an H100 80GB HBM3 (2026-12-05, stop 42: 4.864 ms for a batch-1 step's weights
+# against 5.066 with the H200's configs and 5.131 with cuBLAS); chosen by the device's name
+GEMV_CONFIGS_BY_GPU = {"H100": {
+    (6144, 4096): {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
+    (4096, 4096): {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 4, "num_stages": 5},
+    (28672, 4096): {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 4, "num_stages": 5},
+    (4096, 14336): {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3},
+    (32000, 4096): {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3},
+}}
 
 if triton is not None:
     @triton.jit
@@ -205,9 +217,17 @@ def _launch(kernel, grid: tuple, args: tuple, m: int, config: dict, dtype: torch
     _STAGES[key] = stages
 
 
+@functools.cache
+def _tuned_configs() -> dict:
+    """GEMV_CONFIGS_BY_GPU's table for this process's GPU (by name), else GEMV_CONFIGS (the H200's; the CPU's)."""
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    return next((t for gpu, t in GEMV_CONFIGS_BY_GPU.items() if gpu in name), GEMV_CONFIGS)
+
+
 def gemv_config(n: int, k: int) -> dict:
-    """The launch config for a weight of [n, k]: GEMV_CONFIGS' entry for that shape, else GEMV_CONFIG."""
-    return GEMV_CONFIGS.get((n, k), GEMV_CONFIG)
+    """The launch config for a weight of [n, k]: the tuned table's entry for that shape (_tuned_configs), else
+    GEMV_CONFIG."""
+    return _tuned_configs().get((n, k), GEMV_CONFIG)
 
 
 def qkv_rope_config(n: int, k: int) -> dict:
