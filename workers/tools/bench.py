@@ -493,12 +493,12 @@ def main(argv: list[str] | None = None) -> int:
                 "sizes": runner.graphs.sizes}
             print(f"decode graphs: {len(runner.graphs.sizes)} sizes captured in {runner.graphs.capture_seconds:.1f}s, "
                   f"{runner.graphs.capture_bytes / 2**20:.0f} MiB", flush=True)
-        if runner.pieces is not None:
-            pw = runner.pieces
+        if runner.pieces is not None:  # (no local name for it: one would keep the runner's model and pool alive)
             result.setdefault("piecewise_capture", {})[name] = {
-                "seconds": pw.capture_seconds, "mib": pw.capture_bytes / 2**20, "sizes": pw.sizes}
-            print(f"piecewise graphs: {len(pw.sizes)} token counts up to {pw.sizes[-1]} captured in "
-                  f"{pw.capture_seconds:.1f}s, {pw.capture_bytes / 2**20:.0f} MiB", flush=True)
+                "seconds": runner.pieces.capture_seconds, "mib": runner.pieces.capture_bytes / 2**20,
+                "sizes": runner.pieces.sizes}
+            print(f"piecewise graphs: {len(runner.pieces.sizes)} token counts up to {runner.pieces.sizes[-1]} captured "
+                  f"in {runner.pieces.capture_seconds:.1f}s, {runner.pieces.capture_bytes / 2**20:.0f} MiB", flush=True)
         vocab = min(runner.model_config.vocab_size, 32000)
         weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
         if bw and not roofline:
