@@ -40,6 +40,19 @@ def default_cost_model(lanes: str) -> Path:
 Features = tuple[int, int, int, int, int]  # prefill_tokens, attention_pairs, decode_seqs, kv_tokens_read, mixed
 
 
+MAX_STEP_MS = 60_000.0  # a step time reported above this is not learned from (a stall, or a bogus figure)
+
+
+def learned_ms(execute_ms: float, draft_ms: float = 0.0) -> float | None:
+    """What the fit learns from a step that took execute_ms, draft_ms of it the draft model's (the model prices the
+    target's work; the draft's is priced apart): None for a time not to learn from (not in (0, MAX_STEP_MS): a NaN,
+    a stall, a bogus figure), else execute_ms less the draft's part where that is a share of it. The scheduler's
+    live fit and `python -m batcher.trace --fit-cost-model` both take this."""
+    if not 0.0 < execute_ms < MAX_STEP_MS:
+        return None
+    return execute_ms - draft_ms if 0.0 < draft_ms < execute_ms else execute_ms
+
+
 def attention_pairs(tokens: int, context: int) -> int:
     """The attention_pairs term of a chunk of `tokens` after `context` computed ones: each token over the context
     and, causally, the chunk's tokens before it."""

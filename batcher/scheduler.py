@@ -28,7 +28,8 @@ import msgspec
 from batcher.block_manager import BlockManager
 from batcher.burst import LongPromptGate
 from batcher.config import BatcherConfig, load_warm_prefixes, parse_buckets
-from batcher.cost_model import CostModel, Features, OnlineCostFit, attention_pairs, default_cost_model
+from batcher.cost_model import (MAX_STEP_MS, CostModel, Features, OnlineCostFit, attention_pairs, default_cost_model,
+                                 learned_ms)
 from batcher.grammar import GrammarError, Grammars, follow
 from batcher.request import Request, Status, blocks_for
 from batcher.slo import ADMISSION_MARGIN, MIN_PREFILL_TOKENS, SloPolicy
@@ -38,7 +39,7 @@ from laneserve.wire.protocol import (ITERATION_TOKENS_BUCKETS, LANE_DECODE, LANE
                                      StepOutput, TokenDelta)
 
 WARM_PREFIX_ID = "__warm__/"  # internal requests that fill the warm prefix pool
-MAX_STEP_S = 60.0  # a step time reported above this is not learned from (a stall, or a bogus figure)
+MAX_STEP_S = MAX_STEP_MS / 1000.0  # a launch or idle time above this is not counted (a stall, or a bogus figure)
 QUEUED, TURNAROUND = 1, 2  # how a step in flight was scheduled: behind another of its lane; on an output, alone
 MAX_INFLIGHT_STEPS = 2  # with --async-scheduling: the worker runs one step while the next one waits in its socket
 LANES = ("auto", "mixed", "streams")  # BatcherConfig.lanes
@@ -791,21 +792,21 @@ class Scheduler:
         if out.error is not None:
             del in_flight[i]
             raise StepFailed(f"worker error: {out.error.splitlines()[-1]}")
-        if 0.0 < out.execute_time < MAX_STEP_S:  # a worker's figure: a NaN or a wild one must not wipe the fit
-            entry = in_flight[i]
-            draft = out.draft_time if entry.draft_priced and 0.0 < out.draft_time < out.execute_time \
-                else 0.0  # (the model's fit learns the step without its draft model's part)
-            if draft:
-                self.spec.observe_draft(entry.draft_priced, draft * 1000.0)
-            self.fit.observe(entry.features, (out.execute_time - draft) * 1000.0)
+        entry = in_flight[i]
+        execute_ms = out.execute_time * 1000.0  # (a worker's figure: a NaN or a wild one must not wipe the fit)
+        learned = learned_ms(execute_ms, out.draft_time * 1000.0 if entry.draft_priced else 0.0)
+        if learned is not None:
+            if learned < execute_ms:  # the draft model's part, priced apart
+                self.spec.observe_draft(entry.draft_priced, execute_ms - learned)
+            self.fit.observe(entry.features, learned)
             if entry.features[4] and 0.0 <= out.launch_time < MAX_STEP_S:  # a step with a prompt chunk: eager
                 self.eager_steps += 1
                 self.eager_launch_ms += out.launch_time * 1000.0
                 self.eager_step_ms += out.execute_time * 1000.0
         if 0.0 < out.idle_time < MAX_STEP_S:
-            if in_flight[i].wait == QUEUED:  # scheduled to queue, yet the worker waited for it
+            if entry.wait == QUEUED:  # scheduled to queue, yet the worker waited for it
                 self.bubble_ms += out.idle_time * 1000.0
-            elif in_flight[i].wait == TURNAROUND:
+            elif entry.wait == TURNAROUND:
                 self.fit.observe_gap(out.idle_time * 1000.0)
         return self._apply(now, out, index=i)
 

@@ -121,16 +121,15 @@ def fit_cost_model(rows: list[dict], prior, worker: int = 0):
     """A worker's step-cost model (batcher/cost_model.py) fitted as the server fits it (the same times kept, the
     draft model's part taken out), over every timed step of the trace at once instead of a sliding window:
     (model, steps it saw)."""
-    from batcher.cost_model import OnlineCostFit
-    from batcher.scheduler import MAX_STEP_S
+    from batcher.cost_model import OnlineCostFit, learned_ms
 
     features = {r["step"]: r["features"] for r in rows if r["ev"] == "step" and r["worker"] == worker}
     timed = []
     for r in rows:
-        if r["ev"] == "out" and r["worker"] == worker and r["step"] in features \
-                and 0.0 < r["execute_ms"] < MAX_STEP_S * 1000.0:
-            draft = r.get("draft_ms", 0.0)
-            timed.append((tuple(features[r["step"]]), r["execute_ms"] - (draft if draft < r["execute_ms"] else 0.0)))
+        if r["ev"] == "out" and r["worker"] == worker and r["step"] in features:
+            ms = learned_ms(r["execute_ms"], r.get("draft_ms", 0.0))
+            if ms is not None:
+                timed.append((tuple(features[r["step"]]), ms))
     fit = OnlineCostFit(prior, window=max(len(timed), 1), every=len(timed) + 1)
     for f, ms in timed:
         fit.observe(f, ms)
