@@ -13,11 +13,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/gpu.txt"
 
 if [ "${SKIP_KERNELS:-0}" != 1 ]; then
-  python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 | tail -5 | tee "$OUT/kernels.txt"
-  # the worker paths on the device (fp32): Triton backend (both decode kernels), the draft model's graph passes, the
-  # runner's (piecewise graphs against eager among them)
+  python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py > "$OUT/kernel_tests.txt" 2>&1
+  tail -5 "$OUT/kernel_tests.txt" | tee "$OUT/kernels.txt"
+  # the worker paths on the device (fp32): Triton backend (both decode kernels; the GEMV path), the draft model's
+  # graph passes, the runner's (piecewise graphs against eager among them)
   WORKER_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_triton_backend.py \
-    tests/test_draft_model.py tests/test_runner.py -k "not stack" 2>&1 | tail -5 | tee -a "$OUT/kernels.txt"
+    tests/test_draft_model.py tests/test_runner.py -k "not stack" > "$OUT/worker_tests.txt" 2>&1
+  tail -5 "$OUT/worker_tests.txt" | tee -a "$OUT/kernels.txt"
 fi
 if [ "${PERSISTENT:-0}" = 1 ]; then  # issue 25: persistent against partitioned decode attention
   python3 -m workers.tools.kernel_bench --persistent --rope-kv --gemv --out "$OUT/persistent.json" 2>&1 \
@@ -32,7 +34,9 @@ if [ "${PERSISTENT:-0}" = 1 ]; then  # issue 25: persistent against partitioned 
   done
 fi
 if [ "${GEMV:-0}" = 1 ]; then  # issue 25: the fused GEMV path for steps of <= 8 tokens (--decode-gemv-rows)
-  python3 -m pytest -q -p no:cacheprovider tests/test_fused_kernels.py 2>&1 | tail -3 | tee "$OUT/gemv.txt"
+  # (the whole log kept: stop 43's call had only the summary line of a failure)
+  python3 -m pytest -q -p no:cacheprovider tests/test_fused_kernels.py > "$OUT/fused_tests.txt" 2>&1
+  tail -3 "$OUT/fused_tests.txt" | tee "$OUT/gemv.txt"
   python3 -m workers.tools.kernel_bench --gemv --out "$OUT/gemv.json" 2>&1 | grep -v "^    gemv" \
     | tee -a "$OUT/gemv.txt"  # (the sweep's per-config lines dropped)
   # (one process each: on an H100 the second runner of one bench process ran out of memory)
