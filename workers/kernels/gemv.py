@@ -20,7 +20,8 @@ gate/up + silu, down + residual, the next layer's norm + qkv + RoPE + K/V write)
 
 Launch configs: `GEMV_CONFIGS` holds the best config per weight shape measured on the H200 (2026-12-05,
 `python -m workers.tools.kernel_bench --gemv`, docs/perf.md: 8% faster than cuBLAS over a batch-1 step's weights,
-3.9-4.2 TB/s; no faster at batch 4-8); an H100 takes its own (`GEMV_CONFIGS_BY_GPU`: with the H200's it was 1%
+3.9-4.2 TB/s; no faster at batch 4-8; on another H200 on 2026-12-06 1.8% faster, and whole decode steps on the
+fused path no faster at batch 1); an H100 takes its own (`GEMV_CONFIGS_BY_GPU`: with the H200's it was 1%
 faster than cuBLAS at batch 1 and 1% slower at 4-8, with its own 3-5% faster: docs/perf.md, stop 42); other shapes
 take `GEMV_CONFIG`. A GPU with less shared
 memory per block (sm_86 / sm_89: 99 KB; an A100's 163 KB holds them) runs them with fewer pipeline stages, as many
