@@ -52,8 +52,9 @@ def constraint(req, parser: str = "") -> Constraint | None:
     param, grammar, source = asked[0]
     if tools is None:
         return Constraint(grammar, param=param, source=source)
-    tools.grammar, tools.param, tools.source = grammar, param, source  # auto: free text held to a grammar, then
-    return tools  # parsed for calls
+    if tools.tools == "auto":  # free text held to a grammar, then parsed for calls
+        tools.grammar, tools.param, tools.source = grammar, param, source
+    return tools  # (required or named: the tools' schemas' grammar, a refusal naming "tools")
 
 
 def _asked(req) -> list[tuple[str, str, str]]:
@@ -183,7 +184,7 @@ def _tool_mode(req, parser: str) -> Constraint | None:
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if not parallel:
             schema["maxItems"] = 1
-        return Constraint(_json_grammar(schema, "tools"), "required", parallel=parallel, param="tool_choice")
+        return Constraint(_json_grammar(schema, "tools"), "required", parallel=parallel, param="tools")
     fn = choice.get("function") if isinstance(choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str) or (isinstance(choice, dict) and choice.get("type", "function") != "function"):
@@ -192,7 +193,7 @@ def _tool_mode(req, parser: str) -> Constraint | None:
     if name not in functions:
         raise bad_request(f"tool_choice names {name!r}, which is not among the tools.", param="tool_choice")
     schema = functions[name].get("parameters") or {"type": "object"}
-    return Constraint(_json_grammar(schema, "tools"), "named", name, parallel, "tool_choice")
+    return Constraint(_json_grammar(schema, "tools"), "named", name, parallel, "tools")
 
 
 def _rebase(schema, prefix: str):
