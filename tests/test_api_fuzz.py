@@ -49,8 +49,27 @@ MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "ass
 # Half the bodies are well-formed with valid values (they must run: 200), half anything at all.
 WELL_FORMED = st.fixed_dictionaries({"prompt": PROMPT, "messages": st.lists(MESSAGE, min_size=1, max_size=3)},
                                     optional=VALID)
+# Structured output, tools and the scheduling fields: small schemas (some that llguidance refuses) and values
+SCHEMA = st.sampled_from([{"type": "string"}, {"type": "integer", "minimum": 0}, {"enum": ["a", 1]}, {"type": "foo"},
+                          {"type": "array", "minItems": -1}, {"$ref": "#/nope"}, {"anyOf": []},
+                          {"type": "object", "properties": {"k": {"type": "boolean"}}}])
+STRUCTURED = {
+    "response_format": st.builds(lambda s: {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}, SCHEMA)
+    | st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "yaml"}]),
+    "guided_regex": st.sampled_from(["[a-c]+", "((", "\\d{1,3}"]),
+    "guided_choice": st.lists(st.text(max_size=3), max_size=3),
+    "tools": st.lists(st.builds(lambda n, s: {"type": "function", "function": {"name": n, "parameters": s}},
+                                st.sampled_from(["f", "g", ""]), SCHEMA), max_size=2),
+    "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]),
+    "logit_bias": st.dictionaries(st.sampled_from(["0", "319", "320", "x"]), st.floats(-150, 150), max_size=2),
+    "priority": st.integers(-(2**32), 2**32),
+    "slo_ttft_ms": st.floats(-1, 1e7),
+    "slo_tpot_ms": st.floats(-1, 1e7),
+    "best_of": st.integers(-1, 4),
+}
 ANYTHING = st.fixed_dictionaries({}, optional={name: v | ANY for name, v in
-                                               {**VALID, "prompt": PROMPT, "messages": st.lists(MESSAGE, max_size=3),
+                                               {**VALID, **STRUCTURED, "prompt": PROMPT,
+                                                "messages": st.lists(MESSAGE, max_size=3),
                                                 "max_completion_tokens": st.integers(-1, 6),
                                                 "stream_options": st.fixed_dictionaries(
                                                     {"include_usage": st.booleans()})}.items()})
