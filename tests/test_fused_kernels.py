@@ -234,8 +234,7 @@ def test_gemv_is_the_linear_for_small_batches(dtype, m, n, k, config):
 def test_gemv_fuses_the_layers_small_ops(dtype, fuse, config, m):
     """Each prologue / epilogue the decoder layer's GEMV path uses, against the fallbacks then a linear (the model's
     math op for op): RMSNorm of x, silu(gate) * up of a merged gate/up weight's output (a program's gate and up rows:
-    BLOCK_N / 2 of each), r += y in place, the bias. Ragged N and K; M of 1, 2, 3 and 8 (the prologue runs on 1, 2, 4
-    and 8 rows)."""
+    BLOCK_N / 2 of each), r += y in place, the bias. Ragged N and K; M of 1, 2, 3 and 8 (rows past M masked)."""
     from workers.kernels.gemv import gemv
 
     n, k = 70, 300  # (with silu: 35 gate and 35 up rows)

@@ -68,37 +68,36 @@ GEMV_CONFIGS_BY_GPU = {"H100": {
 
 if triton is not None:
     @triton.jit
-    def _rstd(x_ptr, M, K, stride_xm, eps, BLOCK_K: tl.constexpr, MP: tl.constexpr):
-        """RMSNorm's 1 / rms of each input row [MP], over all of K."""
-        mp = tl.arange(0, MP)
-        sq = tl.zeros((MP,), tl.float32)
+    def _rstd(x_ptr, M, K, stride_xm, eps, BLOCK_K: tl.constexpr):
+        """RMSNorm's 1 / rms of each input row [16] (rows past M read as zeros), over all of K."""
+        ms = tl.arange(0, 16)
+        sq = tl.zeros((16,), tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            xf = tl.load(x_ptr + mp[:, None] * stride_xm + ks[None, :], mask=(mp < M)[:, None] & (ks[None, :] < K),
+            xf = tl.load(x_ptr + ms[:, None] * stride_xm + ks[None, :], mask=(ms < M)[:, None] & (ks[None, :] < K),
                          other=0.0).to(tl.float32)
             sq += tl.sum(xf * xf, 1)
         return tl.rsqrt(sq / K + eps)
 
     @triton.jit
     def _times_w(acc, x_ptr, w_ptr, nw_ptr, rows, row_ok, M, rstd, K, stride_xm, stride_wn, dtype,
-                 BLOCK_K: tl.constexpr, NORMED: tl.constexpr, MP: tl.constexpr, UPCAST: tl.constexpr,
-                 PRECISION: tl.constexpr):
-        """acc [16, len(rows)] += (x, normalised if NORMED) @ w[rows].T, streaming w along K. The prologue runs on
-        MP rows (M rounded up to a power of two) and the dot on 16 (the tensor cores' least), row r taking input row
-        r % MP: every program reads all of x, so work on padding rows would be repeated in each one."""
-        mp = tl.arange(0, MP)
-        m_ok = mp < M
+                 BLOCK_K: tl.constexpr, NORMED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+        """acc [16, len(rows)] += (x, normalised if NORMED) @ w[rows].T, streaming w along K. x's M rows are loaded
+        as 16 (the tensor cores' least), the rows past M masked to zeros: a masked row reads no memory, and the
+        prologue's arithmetic on it is small next to the dot's. (Broadcasting M rounded up to a power of two to 16
+        instead, 2026-12-05, was slowest at M = 2-4: stop 43 in docs/perf.md.)"""
+        ms = tl.arange(0, 16)
+        m_ok = ms < M
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
             w = tl.load(w_ptr + rows[:, None] * stride_wn + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
                         other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptr + mp[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptr + ms[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             if NORMED:  # normalised in fp32, cast to x's dtype, then * weight (fused.py's _rms_norm_kernel)
                 y = (x.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)
                 nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
                 x = (nw[None, :] * y).to(dtype)
-            x = tl.reshape(tl.broadcast_to(x[None, :, :], (16 // MP, MP, BLOCK_K)), (16, BLOCK_K))
             if UPCAST:  # (Triton's interpreter: its bf16 dot is wrong)
                 x, w = x.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
@@ -107,8 +106,7 @@ if triton is not None:
     @triton.jit
     def _gemv(x_ptr, w_ptr, b_ptr, nw_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, eps,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORMED: tl.constexpr, SILU: tl.constexpr,
-              BIAS: tl.constexpr, RESIDUAL: tl.constexpr, MP: tl.constexpr, UPCAST: tl.constexpr,
-              PRECISION: tl.constexpr):
+              BIAS: tl.constexpr, RESIDUAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
         """Program p owns BLOCK_N rows of w; with SILU (w a merged gate/up weight [2N, K]) BLOCK_N / 2 gate rows and
         the same up rows, and writes silu(gate) * up for those columns."""
         if SILU:
@@ -123,11 +121,11 @@ if triton is not None:
             row_ok = rows < N
         dtype = x_ptr.dtype.element_ty
         if NORMED:
-            rstd = _rstd(x_ptr, M, K, stride_xm, eps, BLOCK_K, MP)
+            rstd = _rstd(x_ptr, M, K, stride_xm, eps, BLOCK_K)
         else:
-            rstd = tl.zeros((MP,), tl.float32)
+            rstd = tl.zeros((16,), tl.float32)
         acc = _times_w(tl.zeros((16, BLOCK_N), tl.float32), x_ptr, w_ptr, nw_ptr, rows, row_ok, M, rstd, K,
-                       stride_xm, stride_wn, dtype, BLOCK_K, NORMED, MP, UPCAST, PRECISION)
+                       stride_xm, stride_wn, dtype, BLOCK_K, NORMED, UPCAST, PRECISION)
         if BIAS:
             acc += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
         out = acc.to(dtype)
@@ -148,7 +146,7 @@ if triton is not None:
     def _qkv_rope(x_ptr, w_ptr, b_ptr, nw_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr,
                   M, K, stride_xm, stride_wn, stride_ym, s_cos, s_cb, s_ct, s_ch, eps, HQ, HK,
                   D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BIAS: tl.constexpr, MP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                  BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
         """RMSNorm + the qkv projection, then RoPE on the q and k heads and the K/V write into a paged pool that is
         not int8. Program p owns BLOCK_N / 2 columns of one head's first half and the same columns of its second
         half (the pairs RoPE rotates together)."""
@@ -161,9 +159,9 @@ if triton is not None:
         ms = tl.arange(0, 16)
         m_ok = ms < M
         dtype = x_ptr.dtype.element_ty
-        rstd = _rstd(x_ptr, M, K, stride_xm, eps, BLOCK_K, MP)
+        rstd = _rstd(x_ptr, M, K, stride_xm, eps, BLOCK_K)
         acc = _times_w(tl.zeros((16, BLOCK_N), tl.float32), x_ptr, w_ptr, nw_ptr, rows, rows >= 0, M, rstd, K,
-                       stride_xm, stride_wn, dtype, BLOCK_K, True, MP, UPCAST, PRECISION)
+                       stride_xm, stride_wn, dtype, BLOCK_K, True, UPCAST, PRECISION)
         if BIAS:
             acc += tl.load(b_ptr + rows).to(tl.float32)[None, :]
         lo, hi = tl.split(tl.permute(tl.reshape(acc.to(dtype), (16, 2, HALF_N)), (0, 2, 1)))
@@ -192,16 +190,15 @@ if triton is not None:
 _STAGES: dict[tuple, int] = {}  # a launch's kernel, dtype and constexprs -> the pipeline stages that fit this GPU
 
 
-def _launch(kernel, grid: tuple, args: tuple, m: int, config: dict, dtype: torch.dtype, fit: bool,
+def _launch(kernel, grid: tuple, args: tuple, config: dict, dtype: torch.dtype, fit: bool,
             **constexprs) -> None:
-    """kernel[grid](*args, **constexprs) with MP (the m input rows rounded up to a power of two), the dot's
-    constexprs for x's dtype (UPCAST under the interpreter, PRECISION) and config's warps and pipeline stages; with
-    fit, fewer stages where the GPU has less shared memory per block than the one the configs were tuned on
+    """kernel[grid](*args, **constexprs) with the dot's constexprs for x's dtype (UPCAST under the interpreter,
+    PRECISION) and config's warps and pipeline stages; with fit, fewer stages where the GPU has less shared memory
+    per block than the one the configs were tuned on
     (GEMV_CONFIGS: the H200's 227 KB; an A100 has 163 KB, sm_86 / sm_89 99 KB): Triton refuses such a launch before
     it starts, so nothing ran. The first launch of each variant finds its stages (the runner's warm-up, before any
     CUDA graph capture). Without fit (a config the caller chose: a benchmark's sweep) the refusal is raised."""
-    constexprs.update(MP=1 << (m - 1).bit_length(), UPCAST=INTERPRETED,
-                      PRECISION="ieee" if dtype == torch.float32 else "tf32")
+    constexprs.update(UPCAST=INTERPRETED, PRECISION="ieee" if dtype == torch.float32 else "tf32")
     if not fit:
         kernel[grid](*args, **constexprs, num_warps=config["num_warps"], num_stages=config["num_stages"])
         return
@@ -263,7 +260,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None, *, bias: 
     cols = c["BLOCK_N"] // 2 if silu else c["BLOCK_N"]  # output columns a program writes
     _launch(_gemv, (triton.cdiv(n_out, cols),),
             (x, w, bias if bias is not None else w, norm_w if norm_w is not None else w, y, M, n_out, K, x.stride(0),
-             w.stride(0), y.stride(0), eps), M, c, x.dtype, config is None, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
+             w.stride(0), y.stride(0), eps), c, x.dtype, config is None, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
             NORMED=norm is not None, SILU=silu, BIAS=bias is not None, RESIDUAL=residual is not None)
     return y
 
@@ -294,6 +291,6 @@ def qkv_rope_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n
     _launch(_qkv_rope, (N // block_n,),
             (x, w, bias if bias is not None else w, norm[0], y, positions, cos, sin, k_cache, v_cache, slots, M, K,
              x.stride(0), w.stride(0), y.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
-             k_cache.stride(2), norm[1], num_heads, num_kv_heads), M, c, x.dtype, config is None, D=D,
+             k_cache.stride(2), norm[1], num_heads, num_kv_heads), c, x.dtype, config is None, D=D,
             PAGE=k_cache.shape[1], BLOCK_N=block_n, BLOCK_K=c["BLOCK_K"], BIAS=bias is not None)
     return y
