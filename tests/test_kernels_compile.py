@@ -36,8 +36,8 @@ def test_every_kernel_compiles_for_sm90_and_sm80():
 
 def test_a_gemv_config_past_the_shared_memory_sheds_stages_unless_the_caller_chose_it():
     """On an sm_86 / sm_89 GPU (99 KB a block) the H200-swept qkv config (3 stages) runs with 2; a config passed
-    explicitly (a benchmark's sweep) runs as given, so Triton's refusal reaches the caller. (An A100's 163 KB held
-    it at 3 stages once the prologue ran on M's rows instead of 16, stop 42: 182 KB before.)"""
+    explicitly (a benchmark's sweep) runs as given, so Triton's refusal reaches the caller. (An A100's 163 KB runs
+    it with 2 as well: x's 16 rows take a stage's room beside w's.)"""
     script = """
 from workers.tools.compile_check import install
 install(86)

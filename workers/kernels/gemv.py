@@ -23,9 +23,9 @@ Launch configs: `GEMV_CONFIGS` holds the best config per weight shape measured o
 3.9-4.2 TB/s; no faster at batch 4-8; on another H200 on 2026-12-06 1.8% faster, and whole decode steps on the
 fused path no faster at batch 1); an H100 takes its own (`GEMV_CONFIGS_BY_GPU`: with the H200's it was 1%
 faster than cuBLAS at batch 1 and 1% slower at 4-8, with its own 3-5% faster: docs/perf.md, stop 42); other shapes
-take `GEMV_CONFIG`. A GPU with less shared
-memory per block (sm_86 / sm_89: 99 KB; an A100's 163 KB holds them) runs them with fewer pipeline stages, as many
-as fit (`_launch`). The CPU tests run it under Triton's interpreter.
+take `GEMV_CONFIG`. A GPU with less shared memory per block (an A100's 163 KB: the qkv and o
+shapes' configs lose a stage; sm_86 / sm_89: 99 KB) runs them with fewer pipeline stages, as many as fit
+(`_launch`). The CPU tests run it under Triton's interpreter.
 """
 
 from __future__ import annotations
