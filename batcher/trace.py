@@ -29,6 +29,8 @@ import math
 import sys
 import time
 
+from batcher.cost_model import CostModel, OnlineCostFit, learned_ms
+
 
 class StepTrace:
     def __init__(self, path: str):
@@ -117,12 +119,10 @@ def client_gap(rows: list[dict], records: list[dict]) -> dict[str, list[float]]:
     return out
 
 
-def fit_cost_model(rows: list[dict], prior, worker: int = 0):
+def fit_cost_model(rows: list[dict], prior: CostModel, worker: int = 0) -> tuple[CostModel, int]:
     """A worker's step-cost model (batcher/cost_model.py) fitted as the server fits it (the same times kept, the
     draft model's part taken out), over every timed step of the trace at once instead of a sliding window:
     (model, steps it saw)."""
-    from batcher.cost_model import OnlineCostFit, learned_ms
-
     features = {r["step"]: r["features"] for r in rows if r["ev"] == "step" and r["worker"] == worker}
     timed = []
     for r in rows:
@@ -168,8 +168,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"batcher.trace: {exc}", file=sys.stderr)
         return 2
     if args.fit_cost_model:
-        from batcher.cost_model import CostModel
-
         try:
             prior = CostModel.load(args.prior) if args.prior else CostModel.load()
         except (OSError, ValueError) as exc:  # (naming the file)
