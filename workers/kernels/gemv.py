@@ -23,9 +23,9 @@ Launch configs: `GEMV_CONFIGS` holds the best config per weight shape measured o
 3.9-4.2 TB/s; no faster at batch 4-8; on another H200 on 2026-12-06 1.8% faster, and whole decode steps on the
 fused path no faster at batch 1); an H100 takes its own (`GEMV_CONFIGS_BY_GPU`: with the H200's it was 1%
 faster than cuBLAS at batch 1 and 1% slower at 4-8, with its own 3-5% faster: docs/perf.md, stop 42); other shapes
-take `GEMV_CONFIG`. A GPU with less shared memory per block (an A100's 163 KB: the qkv and o
-shapes' configs lose a stage; sm_86 / sm_89: 99 KB) runs them with fewer pipeline stages, as many as fit
-(`_launch`). The CPU tests run it under Triton's interpreter.
+take `GEMV_CONFIG`. A GPU with less shared memory per block (an A100's 163 KB: the qkv and o shapes' configs lose
+a stage; sm_86 / sm_89: 99 KB) runs them with fewer pipeline stages, as many as fit (`_launch`). The CPU tests run
+it under Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -190,14 +190,13 @@ if triton is not None:
 _STAGES: dict[tuple, int] = {}  # a launch's kernel, dtype and constexprs -> the pipeline stages that fit this GPU
 
 
-def _launch(kernel, grid: tuple, args: tuple, config: dict, dtype: torch.dtype, fit: bool,
-            **constexprs) -> None:
+def _launch(kernel, grid: tuple, args: tuple, config: dict, dtype: torch.dtype, fit: bool, **constexprs) -> None:
     """kernel[grid](*args, **constexprs) with the dot's constexprs for x's dtype (UPCAST under the interpreter,
-    PRECISION) and config's warps and pipeline stages; with fit, fewer stages where the GPU has less shared memory
-    per block than the one the configs were tuned on
-    (GEMV_CONFIGS: the H200's 227 KB; an A100 has 163 KB, sm_86 / sm_89 99 KB): Triton refuses such a launch before
-    it starts, so nothing ran. The first launch of each variant finds its stages (the runner's warm-up, before any
-    CUDA graph capture). Without fit (a config the caller chose: a benchmark's sweep) the refusal is raised."""
+    PRECISION) and config's warps and pipeline stages; with fit, fewer stages where the GPU
+    has less shared memory per block than the one the configs were tuned on (GEMV_CONFIGS: the H200's 227 KB; an
+    A100 has 163 KB, sm_86 / sm_89 99 KB): Triton refuses such a launch before it starts, so nothing ran. The first
+    launch of each variant finds its stages (the runner's warm-up, before any CUDA graph capture). Without fit (a
+    config the caller chose: a benchmark's sweep) the refusal is raised."""
     constexprs.update(UPCAST=INTERPRETED, PRECISION="ieee" if dtype == torch.float32 else "tf32")
     if not fit:
         kernel[grid](*args, **constexprs, num_warps=config["num_warps"], num_stages=config["num_stages"])
