@@ -68,16 +68,20 @@ GEMV_CONFIGS_BY_GPU = {"H100": {
 
 if triton is not None:
     @triton.jit
-    def _rstd(x_ptr, M, K, stride_xm, eps, BLOCK_K: tl.constexpr):
-        """RMSNorm's 1 / rms of each input row [16] (rows past M read as zeros), over all of K."""
+    def _rstd(x_ptr, M, K, stride_xm, eps, RSTD_K: tl.constexpr):
+        """RMSNorm's 1 / rms of each input row [16] (rows past M: 0), over all of K: a row at a time, RSTD_K of it per
+        load (all of a hidden size up to 4,096 in one load; in the GEMV's BLOCK_K tiles of 16 rows, 2026-12-06, the
+        gate/up config's 128 made it a chain of 32 loads before the weights streamed)."""
         ms = tl.arange(0, 16)
-        sq = tl.zeros((16,), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            xf = tl.load(x_ptr + ms[:, None] * stride_xm + ks[None, :], mask=(ms < M)[:, None] & (ks[None, :] < K),
-                         other=0.0).to(tl.float32)
-            sq += tl.sum(xf * xf, 1)
-        return tl.rsqrt(sq / K + eps)
+        rstd = tl.zeros((16,), tl.float32)
+        for m in range(0, M):
+            sq = tl.zeros((RSTD_K,), tl.float32)
+            for k0 in range(0, K, RSTD_K):
+                ks = k0 + tl.arange(0, RSTD_K)
+                xf = tl.load(x_ptr + m * stride_xm + ks, mask=ks < K, other=0.0).to(tl.float32)
+                sq += xf * xf
+            rstd = tl.where(ms == m, tl.rsqrt(tl.sum(sq, 0) / K + eps), rstd)
+        return rstd
 
     @triton.jit
     def _times_w(acc, x_ptr, w_ptr, nw_ptr, rows, row_ok, M, rstd, K, stride_xm, stride_wn, dtype,
@@ -105,8 +109,9 @@ if triton is not None:
 
     @triton.jit
     def _gemv(x_ptr, w_ptr, b_ptr, nw_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, eps,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORMED: tl.constexpr, SILU: tl.constexpr,
-              BIAS: tl.constexpr, RESIDUAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RSTD_K: tl.constexpr, NORMED: tl.constexpr,
+              SILU: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, UPCAST: tl.constexpr,
+              PRECISION: tl.constexpr):
         """Program p owns BLOCK_N rows of w; with SILU (w a merged gate/up weight [2N, K]) BLOCK_N / 2 gate rows and
         the same up rows, and writes silu(gate) * up for those columns."""
         if SILU:
@@ -121,7 +126,7 @@ if triton is not None:
             row_ok = rows < N
         dtype = x_ptr.dtype.element_ty
         if NORMED:
-            rstd = _rstd(x_ptr, M, K, stride_xm, eps, BLOCK_K)
+            rstd = _rstd(x_ptr, M, K, stride_xm, eps, RSTD_K)
         else:
             rstd = tl.zeros((16,), tl.float32)
         acc = _times_w(tl.zeros((16, BLOCK_N), tl.float32), x_ptr, w_ptr, nw_ptr, rows, row_ok, M, rstd, K,
@@ -146,7 +151,7 @@ if triton is not None:
     def _qkv_rope(x_ptr, w_ptr, b_ptr, nw_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr,
                   M, K, stride_xm, stride_wn, stride_ym, s_cos, s_cb, s_ct, s_ch, eps, HQ, HK,
                   D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                  RSTD_K: tl.constexpr, BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
         """RMSNorm + the qkv projection, then RoPE on the q and k heads and the K/V write into a paged pool that is
         not int8. Program p owns BLOCK_N / 2 columns of one head's first half and the same columns of its second
         half (the pairs RoPE rotates together)."""
@@ -159,7 +164,7 @@ if triton is not None:
         ms = tl.arange(0, 16)
         m_ok = ms < M
         dtype = x_ptr.dtype.element_ty
-        rstd = _rstd(x_ptr, M, K, stride_xm, eps, BLOCK_K)
+        rstd = _rstd(x_ptr, M, K, stride_xm, eps, RSTD_K)
         acc = _times_w(tl.zeros((16, BLOCK_N), tl.float32), x_ptr, w_ptr, nw_ptr, rows, rows >= 0, M, rstd, K,
                        stride_xm, stride_wn, dtype, BLOCK_K, True, UPCAST, PRECISION)
         if BIAS:
@@ -214,6 +219,11 @@ def _launch(kernel, grid: tuple, args: tuple, config: dict, dtype: torch.dtype, 
     _STAGES[key] = stages
 
 
+def _rstd_k(k: int) -> int:
+    """The norm's first pass reads this much of a row per load (_rstd)."""
+    return min(triton.next_power_of_2(k), 4096)
+
+
 @functools.cache
 def _tuned_configs() -> dict:
     """GEMV_CONFIGS_BY_GPU's table for this process's GPU (by name), else GEMV_CONFIGS (the H200's; the CPU's)."""
@@ -260,7 +270,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None, *, bias: 
     _launch(_gemv, (triton.cdiv(n_out, cols),),
             (x, w, bias if bias is not None else w, norm_w if norm_w is not None else w, y, M, n_out, K, x.stride(0),
              w.stride(0), y.stride(0), eps), c, x.dtype, config is None, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
-            NORMED=norm is not None, SILU=silu, BIAS=bias is not None, RESIDUAL=residual is not None)
+            RSTD_K=_rstd_k(K) if norm is not None else 16, NORMED=norm is not None, SILU=silu, BIAS=bias is not None,
+            RESIDUAL=residual is not None)
     return y
 
 
@@ -291,5 +302,5 @@ def qkv_rope_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n
             (x, w, bias if bias is not None else w, norm[0], y, positions, cos, sin, k_cache, v_cache, slots, M, K,
              x.stride(0), w.stride(0), y.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
              k_cache.stride(2), norm[1], num_heads, num_kv_heads), c, x.dtype, config is None, D=D,
-            PAGE=k_cache.shape[1], BLOCK_N=block_n, BLOCK_K=c["BLOCK_K"], BIAS=bias is not None)
+            PAGE=k_cache.shape[1], BLOCK_N=block_n, BLOCK_K=c["BLOCK_K"], RSTD_K=_rstd_k(K), BIAS=bias is not None)
     return y
