@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -87,6 +88,73 @@ def test_paged_decode_sliding_window():
         out = paged_decode(q, kc, vc, bt, lens, 32 ** -0.5, num_parts=parts, window=40)
         ref = reference_decode(q, kc, vc, bt, lens, 32 ** -0.5, window=40)
         assert rel_err(out, ref) < (1e-2 if ON_GPU else 1e-5)
+
+
+# ---------------------------------------------------------------------------------------- cascade decode
+def shared_case(groups, heads, kv_heads, dim, seed):
+    """Decodes in groups that share leading pages (groups: [(shared prefix tokens, [each member's context])]):
+    each group's members take the same first blocks, then blocks of their own."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [n for _, ns in groups for n in ns]
+    width = max(-(-n // PAGE) for n in lens)
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    free = iter(torch.randperm(len(lens) * width + 8, generator=g).tolist())
+    row = 0
+    for shared, ns in groups:
+        common = [next(free) for _ in range(shared // PAGE)]
+        for n in ns:
+            own = [next(free) for _ in range(-(-n // PAGE) - len(common))]
+            tables[row, :len(common) + len(own)] = torch.tensor(common + own, dtype=torch.int32)
+            row += 1
+    blocks = len(lens) * width + 8
+    q = torch.randn(len(lens), heads, dim, generator=g).to(DTYPE)
+    kc = torch.randn(blocks, PAGE, kv_heads, dim, generator=g).to(DTYPE)
+    vc = torch.randn(blocks, PAGE, kv_heads, dim, generator=g).to(DTYPE)
+    return (q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), tables.to(DEVICE),
+            torch.tensor(lens, dtype=torch.int32).to(DEVICE))
+
+
+CASCADE_CASES = [  # groups (shared tokens, member contexts), q heads, KV heads, head dim
+    ([(320, [330, 400, 321, 500]), (0, [70]), (256, [300, 290])], 8, 2, 32),
+    ([(384, [390] * 20), (0, [33, 17])], 4, 4, 16),  # 20 members of 4 heads: two work items of 16 and 4
+    ([(512, [600, 513, 700])], 7, 1, 32),  # G 7: 9 members per item
+]
+
+
+@pytest.mark.parametrize("groups,heads,kv_heads,dim", CASCADE_CASES)
+@pytest.mark.parametrize("parts", [1, 2])
+def test_cascade_decode_matches_reference(groups, heads, kv_heads, dim, parts):
+    """Shared prefixes computed once per group (_prefix_kernel) and merged with each member's own partitions;
+    sequences outside a group and the CUDA-graph padding rows (planned as no group) as without cascade."""
+    q, kc, vc, bt, lens = shared_case(groups, heads, kv_heads, dim, seed=len(groups) + heads)
+    buffers = pa.CascadeBuffers(len(lens) + 3, heads // kv_heads, DEVICE)
+    grouped = buffers.fill(bt.cpu().numpy(), lens.cpu().numpy(), PAGE)
+    assert grouped == sum(len(ns) for shared, ns in groups if shared >= pa.CASCADE_MIN_PREFIX)
+    out = torch.full_like(q, float("nan"))
+    paged_decode(q, kc, vc, bt, lens, dim ** -0.5, num_parts=parts, out=out, cascade=buffers)
+    ref = reference_decode(q, kc, vc, bt, lens, dim ** -0.5)
+    assert not torch.isnan(out).any()
+    assert rel_err(out, ref) < (1e-2 if ON_GPU else 1e-5)
+
+
+def test_cascade_plan_groups_decodes_by_their_shared_whole_pages():
+    """The pages every member agrees on, before each one's last page, rounded down to 64 keys; groups of one, or
+    with less than the minimum shared, left out; work items of at most per_item members; max_items respected."""
+    t = np.array([[5, 6, 7, 8, 9, 40, 0],  # group of first page 5: pages 5-9 shared by the first two ...
+                  [5, 6, 7, 8, 9, 41, 0],
+                  [5, 6, 7, 8, 30, 31, 0],  # ... the third shares 5-8 only: the group's prefix is 4 pages
+                  [3, 4, 0, 0, 0, 0, 0],  # alone
+                  [1, 2, 10, 11, 12, 13, 14],  # group of first page 1: all its 5 pages before the last one ...
+                  [1, 2, 10, 11, 12, 15, 0]], dtype=np.int32)  # ... shared, but this member's last page is its 6th
+    lens = np.array([90, 85, 96, 20, 112, 81])
+    prefix, members, items = pa.cascade_plan(t, lens, 16, per_item=2, max_items=8, min_prefix=64)
+    assert prefix.tolist() == [64, 64, 64, 0, 64, 64]  # (5 pages = 80 keys -> 64)
+    assert sorted(members[:2].tolist()) == [4, 5] and sorted(members[2:].tolist()) == [0, 1, 2]
+    assert items.tolist() == [[0, 2, 64], [2, 2, 64], [4, 1, 64]]
+    prefix, members, items = pa.cascade_plan(t, lens, 16, per_item=2, max_items=2, min_prefix=64)
+    assert prefix.tolist() == [0, 0, 0, 0, 64, 64] and items.tolist() == [[0, 2, 64]]  # the 2nd group: no room
+    prefix, _, items = pa.cascade_plan(t, lens, 16, per_item=2, max_items=8, min_prefix=128)
+    assert not prefix.any() and items.shape == (0, 3)
 
 
 # ---------------------------------------------------------------------------------------- persistent decode

@@ -47,6 +47,44 @@ def test_triton_backend_matches_hf_greedy_in_a_chunked_batch(arch, decode, fused
     assert bool(qkv_ropes) == bool(gemv_rows) and all(rows <= gemv_rows for rows in qkv_ropes)  # RoPE + K/V in it
 
 
+def test_cascade_attention_gives_hf_greedy_tokens_for_decodes_sharing_a_cached_prefix(tmp_path, monkeypatch):
+    """--cascade-attention: three requests whose prompts start with the same 80 tokens, cached by a first one (the
+    prefix cache's shared blocks), decode together with their shared 64 keys computed once per group; HF's tokens."""
+    from workers.attention import triton_backend as tb
+    from workers.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "CASCADE_MIN_PREFIX", 64)
+    planned = []
+    monkeypatch.setattr(tb.CascadeBuffers, "fill", lambda self, *a, _f=tb.CascadeBuffers.fill: planned.append(
+        _f(self, *a)) or planned[-1])
+    hf = make_checkpoint(str(tmp_path), "llama", seed=3)
+    runner = ModelRunner(WorkerConfig(model=str(tmp_path), device=DEVICE, dtype="float32", kv_cache_memory="2MiB",
+                                      max_model_len=512, attention_backend="triton", decode_attention="partitioned",
+                                      max_num_seqs=8, cascade_attention=True))
+    shared = random_prompt(80, seed=7)
+    sim = Sim(runner)
+    sim.add("first", shared + random_prompt(5, seed=8), greedy(2), keep_blocks=True)
+    sim.run()
+    cached = sim.done["first"].blocks[:5]
+    prompts = {f"r{i}": shared + random_prompt(n, seed=20 + i) for i, n in enumerate((3, 17, 30))}
+    for rid, p in prompts.items():
+        sim.add(rid, p, greedy(N_NEW), cached_blocks=cached, num_cached_tokens=80)
+    out = sim.run()
+    for rid, p in prompts.items():
+        assert out[rid] == hf_greedy(hf, p, N_NEW), rid
+    assert max(planned) == 3  # the three decoded as one group
+
+
+def test_cascade_attention_is_refused_where_it_cannot_run(tmp_path):
+    with pytest.raises(ValueError, match="--cascade-attention is a Triton kernel"):
+        ModelRunner(WorkerConfig(model="tiny", device="cpu", attention_backend="torch", cascade_attention=True))
+    for arch, kv in (("mistral", "auto"), ("llama", "int8")):  # (mistral: a sliding window)
+        make_checkpoint(str(tmp_path / arch), arch, seed=3)
+        with pytest.raises(ValueError, match="--cascade-attention needs a K/V cache that is not int8 and a model wi"):
+            ModelRunner(WorkerConfig(model=str(tmp_path / arch), device=DEVICE, dtype="float32", kv_cache_dtype=kv,
+                                     max_model_len=512, attention_backend="triton", cascade_attention=True))
+
+
 def test_persistent_decode_attention_needs_the_triton_backend():
     """auto, the default, picks among the Triton backend's kernels: with the torch backend (a CPU's) there are none."""
     assert ModelRunner(WorkerConfig(model="tiny", device="cpu", decode_attention="auto")).backend.name == "torch"

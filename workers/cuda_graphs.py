@@ -161,6 +161,8 @@ class DecodeGraphs:
         self.copied[turn] = event = self.copied[turn] or torch.cuda.Event()
         event.record()
         self.last = bs, graph_variant(self.variants, self.backend, seq_lens[:n])
+        if getattr(self.backend, "cascade", False) and not self.last[1]:  # (partitioned decode attention)
+            self.backend.fill_graph_cascade(tables_np[:n], np.asarray(seq_lens[:n]), self.block_size)
         self.graphs[self.last].replay()
         return self.logits[self.last][:n]
 

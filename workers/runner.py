@@ -164,6 +164,9 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype)
         self.model_config = load_model_config(cfg.model)
         self.model_name = cfg.model
+        if cfg.cascade_attention and (self.kv_dtype == torch.int8 or self.model_config.sliding_window):
+            raise ValueError("--cascade-attention needs a K/V cache that is not int8 and a model without a sliding "
+                             "window")
         if self.tp_size != 1:
             check_shardable(self.model_config, self.tp_size)
             if not dist.is_initialized() or dist.get_world_size() != self.tp_size:
@@ -176,7 +179,7 @@ class ModelRunner:
         self.model = load_model(cfg.model, mc, self.dtype, self.device, cfg.load_format, cfg.seed,
                                 tp_rank, self.tp_size)
         self.backend = get_backend(cfg.attention_backend, self.device, self.num_kv_heads, cfg.decode_attention,
-                                   cfg.max_num_seqs)
+                                   cfg.max_num_seqs, cfg.cascade_attention)
         self.model.gemv_rows = gemv_rows
         self.drafter: Drafter | None = None  # --draft-model: loaded before the pool is sized, which holds its K/V too
         if cfg.draft_model:

@@ -12,10 +12,11 @@ DECODE_KERNELS = ("partitioned", "persistent", "auto")  # the Triton backend's (
 
 
 def get_backend(name: str, device: torch.device, num_kv_heads: int, decode: str = "auto",
-                max_batch: int = 256) -> AttentionBackend:
+                max_batch: int = 256, cascade: bool = False) -> AttentionBackend:
     """`auto`: Triton (paged decode kernel, CUDA-graph safe) on CUDA, the torch reference elsewhere.
     `triton` on CPU runs the same kernels under Triton's interpreter (tests only: slow). decode: the Triton
-    backend's decode kernel (`--decode-attention`), for at most max_batch decodes a step."""
+    backend's decode kernel (`--decode-attention`), for at most max_batch decodes a step; cascade: its shared
+    prefixes once per group (`--cascade-attention`)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name not in BACKENDS:
@@ -25,13 +26,16 @@ def get_backend(name: str, device: torch.device, num_kv_heads: int, decode: str 
     if name == "torch" and decode == "persistent":  # (auto, the default, picks among Triton kernels: none here)
         raise ValueError(f"--decode-attention {decode} is a Triton kernel: it needs --attention-backend triton (the "
                          "default on CUDA)")
+    if name == "torch" and cascade:
+        raise ValueError("--cascade-attention is a Triton kernel: it needs --attention-backend triton (the default on "
+                         "CUDA)")
     if name == "torch":
         return TorchAttentionBackend()
     # imported here, not at the top: Triton is optional, and the torch backend must work without it
     from workers.attention.triton_backend import TritonAttentionBackend
 
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    return TritonAttentionBackend(num_kv_heads, sms, decode, max_batch)
+    return TritonAttentionBackend(num_kv_heads, sms, decode, max_batch, cascade)
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "get_backend"]

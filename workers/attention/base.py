@@ -31,6 +31,7 @@ class AttentionMetadata:
     # host copies, so backends can plan without a device sync
     query_lens_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
+    block_tables_cpu: np.ndarray | None = None  # the block tables on the host (None in a decode graph's capture)
     # filled by AttentionBackend.prepare(); backend-private, computed once per step for all layers
     plan: object = None
 
@@ -66,7 +67,8 @@ class AttentionMetadata:
                    seq_lens=to_device(seq_lens, torch.int32, device),
                    block_tables=to_device(torch.from_numpy(block_tables), torch.int32, device),
                    slot_mapping=to_device(torch.from_numpy(slots), torch.int64, device),
-                   num_decodes=decodes, query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+                   num_decodes=decodes, query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
+                   block_tables_cpu=block_tables)
         return meta, ids, positions
 
     @property

@@ -15,9 +15,9 @@ import torch
 
 from workers.attention.base import AttentionBackend, AttentionMetadata, Rope
 from workers.kernels.fused import rope_, rope_write_kv_, triton_kernels
-from workers.kernels.paged_attention import (MAX_PARTITIONS, PersistentDecodeBuffers, num_partitions, paged_decode,
-                                             paged_decode_persistent, paged_prefill, plan_persistent_decode,
-                                             target_chunks, write_kv)
+from workers.kernels.paged_attention import (MAX_PARTITIONS, CascadeBuffers, PersistentDecodeBuffers, num_partitions,
+                                             paged_decode, paged_decode_persistent, paged_prefill,
+                                             plan_persistent_decode, target_chunks, write_kv)
 from workers.kv_cache import LayerScales
 
 # --decode-attention auto (the default): the persistent kernel for a decode batch whose longest context is at least
@@ -42,6 +42,11 @@ class _Plan:
     max_prefill_len: int  # longest prefill chunk: sizes the prefill grid
     persistent: bool = False  # the decodes run the persistent kernel
     replan: bool = False  # persistent decode: the next layer builds the work plan (the first of each forward)
+    # cascade decode: the decodes' host block tables and lengths to group (planned in the first layer's forward,
+    # which knows the heads per KV head), or a decode graph's capture (it reads graph_cascade); then the buffers
+    cascade_rows: tuple | None = None
+    cascade_graph: bool = False
+    cascade: CascadeBuffers | None = None
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -49,12 +54,19 @@ class TritonAttentionBackend(AttentionBackend):
     the batch size and longest context; or `persistent` (issue 25), a fixed grid over a work plan the device builds
     from the context lengths once per forward (begin()), for batches of at most max_batch decodes (larger eager
     ones fall back to partitioned); or `auto`: the persistent kernel for skewed batches (`skewed`), the
-    partitioned one otherwise (the decode CUDA graphs are captured with each, workers/cuda_graphs.py)."""
+    partitioned one otherwise (the decode CUDA graphs are captured with each, workers/cuda_graphs.py).
+    cascade (`--cascade-attention`): where the partitioned kernel runs, decodes whose contexts start with the same
+    pages read them once per group (paged_attention's cascade decode); the decode CUDA graphs read one set of
+    buffers (graph_cascade), which the graph runner fills before each replay (fill_graph_cascade)."""
 
     name = "triton"
 
-    def __init__(self, num_kv_heads: int, num_sms: int, decode: str = "partitioned", max_batch: int = 256):
+    def __init__(self, num_kv_heads: int, num_sms: int, decode: str = "partitioned", max_batch: int = 256,
+                 cascade: bool = False):
         self.num_kv_heads = num_kv_heads
+        self.cascade = cascade
+        self.cascade_buffers: dict[int | None, CascadeBuffers] = {}  # eager steps', per CUDA stream
+        self.graph_cascade: CascadeBuffers | None = None  # the decode graphs' (allocated at their capture)
         self.num_sms = num_sms
         self.window: int | None = None
         self.mode = decode
@@ -78,6 +90,11 @@ class TritonAttentionBackend(AttentionBackend):
                 parts = num_partitions(nd, self.num_kv_heads, max(meta.seq_lens_cpu[:nd]), self.num_sms)
         prefill_lens = meta.query_lens_cpu[nd:]
         meta.plan = _Plan(parts, len(prefill_lens), max(prefill_lens, default=0), use)
+        if self.cascade and nd and not use:
+            if meta.block_tables_cpu is None:  # a decode graph's capture: the graph runner fills them per replay
+                meta.plan.cascade_graph = True
+            elif 1 < nd <= self.max_batch:
+                meta.plan.cascade_rows = (meta.block_tables_cpu[:nd], meta.seq_lens_cpu[:nd], block_size)
 
     def decode_persistent(self, lens) -> bool:
         """Whether decodes with these context lengths run the persistent kernel (else the partitioned one)."""
@@ -87,6 +104,28 @@ class TritonAttentionBackend(AttentionBackend):
 
     def begin(self, meta: AttentionMetadata) -> None:
         meta.plan.replan = True
+
+    def _plan_cascade(self, plan: _Plan, q: torch.Tensor) -> None:
+        """The first layer's forward: the decodes' groups into their buffers (plan.cascade; None: no group)."""
+        group = q.shape[1] // self.num_kv_heads
+        if plan.cascade_graph:
+            plan.cascade_graph = False
+            if self.graph_cascade is None:
+                self.graph_cascade = CascadeBuffers(self.max_batch, group, q.device)
+            plan.cascade = self.graph_cascade
+        elif plan.cascade_rows is not None:
+            key = torch.cuda.current_stream(q.device).cuda_stream if q.device.type == "cuda" else None
+            if key not in self.cascade_buffers:
+                self.cascade_buffers[key] = CascadeBuffers(self.max_batch, group, q.device)
+            buffers = self.cascade_buffers[key]
+            plan.cascade = buffers if buffers.fill(*plan.cascade_rows) else None
+            plan.cascade_rows = None
+
+    def fill_graph_cascade(self, tables, lens, block_size: int) -> None:
+        """Before a decode graph's replay (partitioned kernel): the groups of its decodes, into the buffers its
+        capture read."""
+        if self.graph_cascade is not None:
+            self.graph_cascade.fill(tables, lens, block_size)
 
     def _persistent_buffers(self, q: torch.Tensor, k_cache: torch.Tensor) -> PersistentDecodeBuffers:
         device = q.device
@@ -107,9 +146,13 @@ class TritonAttentionBackend(AttentionBackend):
         q = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=dev)
         one = torch.ones(1, dtype=torch.int32, device=dev)
         table = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+        cascade = CascadeBuffers(1, num_heads // self.num_kv_heads, dev) if self.cascade else None  # (refused with
+        # an int8 pool or a window: the runner)
         parts = 1
         while parts <= MAX_PARTITIONS:
             paged_decode(q, k_cache, v_cache, table, one, 1.0, num_parts=parts, k_scale=ks, v_scale=vs, window=window)
+            if cascade is not None:
+                paged_decode(q, k_cache, v_cache, table, one, 1.0, num_parts=parts, cascade=cascade)
             parts *= 2
         if self.persistent:  # the plan kernel is compiled per power-of-two batch padding
             pad = 16
@@ -154,8 +197,11 @@ class TritonAttentionBackend(AttentionBackend):
             paged_decode_persistent(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
                                     buffers, self.num_sms, k_scale=ks, v_scale=vs, out=out[:nd], window=self.window)
         elif nd:
+            if plan.cascade_graph or plan.cascade_rows is not None:
+                self._plan_cascade(plan, q)
             paged_decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                         num_parts=plan.num_parts, k_scale=ks, v_scale=vs, out=out[:nd], window=self.window)
+                         num_parts=plan.num_parts, k_scale=ks, v_scale=vs, out=out[:nd], window=self.window,
+                         cascade=plan.cascade)
         if plan.num_prefills:
             paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, nd,
                           plan.num_prefills, plan.max_prefill_len, scale, out, ks, vs, self.window)

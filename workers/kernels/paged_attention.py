@@ -23,6 +23,7 @@ shared-memory load, so the standard layout cost a byte-wise shuffle per V elemen
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -174,13 +175,13 @@ def _window_start(seq_len, WINDOW: tl.constexpr):
 
 @triton.jit(do_not_specialize=["s_btb"])
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, ks_ptr, vs_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, ks_ptr, vs_ptr, pre_ptr,
     out_ptr, po_ptr, pm_ptr, pl_ptr,
     sm_scale,
     s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vh, s_vd, s_btb, s_ob, s_oh,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_PARTS: tl.constexpr, QUANT: tl.constexpr, WINDOW: tl.constexpr, INT8_QK: tl.constexpr,
-    INT8_PV: tl.constexpr,
+    INT8_PV: tl.constexpr, CASCADE: tl.constexpr, SLOTS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -188,8 +189,12 @@ def _decode_kernel(
     seq_len = tl.load(lens_ptr + b)
     lo = _window_start(seq_len, WINDOW)
     # Each sequence splits its own span into NUM_PARTS chunks of whole BLOCK_N tiles, from the tile that
-    # holds lo (tiles start on page boundaries; keys before lo are masked).
+    # holds lo (tiles start on page boundaries; keys before lo are masked). CASCADE: from the end of the shared
+    # prefix that _prefix_kernel computes (pre_ptr[b] keys, a multiple of BLOCK_N; 0: none), whose partial results
+    # fill slots NUM_PARTS .. SLOTS - 1 (part 0 marks them empty for a sequence without one).
     first = lo // BLOCK_N * BLOCK_N
+    if CASCADE:
+        first = tl.maximum(first, tl.load(pre_ptr + b))
     part_len = tl.cdiv(tl.cdiv(seq_len - first, NUM_PARTS), BLOCK_N) * BLOCK_N
     start = first + part * part_len
     end = tl.minimum(start + part_len, seq_len)
@@ -200,30 +205,83 @@ def _decode_kernel(
     offs_d = tl.arange(0, D)
     mask_g = offs_g < G
     heads = kvh * G + offs_g
-    if NUM_PARTS == 1:
+    if NUM_PARTS == 1 and not CASCADE:
         out = acc / l_i[:, None]
         tl.store(out_ptr + b * s_ob + heads[:, None] * s_oh + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=mask_g[:, None])
     else:
-        # partials: po [B, Hq, NUM_PARTS, D], pm/pl [B, Hq, NUM_PARTS] (contiguous)
-        row = (b * (tl.num_programs(1) * G) + heads) * NUM_PARTS + part
+        # partials: po [B, Hq, SLOTS, D], pm/pl [B, Hq, SLOTS] (contiguous)
+        row = (b * (tl.num_programs(1) * G) + heads) * SLOTS + part
         tl.store(pm_ptr + row, m_i, mask=mask_g)
         tl.store(pl_ptr + row, l_i, mask=mask_g)
         tl.store(po_ptr + row[:, None] * D + offs_d[None, :], acc, mask=mask_g[:, None])
+        if CASCADE:
+            if part == 0:
+                if tl.load(pre_ptr + b) == 0:  # no shared prefix: its slots hold nothing
+                    for slot in tl.static_range(NUM_PARTS, SLOTS):
+                        tl.store(pm_ptr + row + slot, tl.full([G_PAD], float("-inf"), tl.float32), mask=mask_g)
+                        tl.store(pl_ptr + row + slot, tl.zeros([G_PAD], tl.float32), mask=mask_g)
+                        tl.store(po_ptr + (row + slot)[:, None] * D + offs_d[None, :], tl.zeros([G_PAD, D],
+                                 tl.float32), mask=mask_g[:, None])
+
+
+@triton.jit(do_not_specialize=["s_btb"])
+def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, items_ptr, members_ptr, po_ptr, pm_ptr, pl_ptr, sm_scale,
+                   s_qb, s_qh, s_kb, s_kt, s_kh, s_btb, H,
+                   G: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, NUM_PARTS: tl.constexpr, SLOTS: tl.constexpr):
+    """Cascade attention's shared part: work item i (items [i] = first member, members, prefix keys: a group of
+    decodes whose first `prefix keys` K/V are the same pages; 0 members: nothing to do) x KV head x chunk c of that
+    prefix. The members' query heads of the KV head are the rows of one tile (ROWS // G members of G heads), so each
+    K/V tile is read once for all of them instead of once per sequence; the online softmax's partial result goes
+    to slot NUM_PARTS + c of each member, beside the partitions over the rest of its context (_decode_kernel)."""
+    item = tl.program_id(0)
+    kvh = tl.program_id(1)
+    chunk = tl.program_id(2)
+    first = tl.load(items_ptr + item * 3)
+    count = tl.load(items_ptr + item * 3 + 1)
+    plen = tl.load(items_ptr + item * 3 + 2)
+    if count > 0:
+        part_len = tl.cdiv(tl.cdiv(plen, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        start = chunk * part_len
+        end = tl.minimum(start + part_len, plen)
+        r = tl.arange(0, ROWS)
+        member = r // G
+        ok = (member < count) & (r < ROWS // G * G)
+        seq = tl.load(members_ptr + first + member, mask=ok, other=0)
+        heads = kvh * G + r % G
+        offs_d = tl.arange(0, D)
+        q = tl.load(q_ptr + seq[:, None] * s_qb + heads[:, None] * s_qh + offs_d[None, :], mask=ok[:, None],
+                    other=0.0)
+        q_scale = tl.full([ROWS], sm_scale * 1.4426950408889634, tl.float32)  # exp2 domain
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, D], tl.float32)
+        bt_row_ptr = bt_ptr + tl.load(members_ptr + first) * s_btb  # (the members' tables agree over the prefix)
+        for n0 in range(start, end, BLOCK_N):  # (whole tiles: the prefix is a multiple of BLOCK_N)
+            m_i, l_i, acc = _decode_tile(q, q_scale, m_i, l_i, acc, n0, 0, end, k_ptr, v_ptr, bt_row_ptr, kvh, s_kb,
+                                         s_kt, s_kh, s_kb, s_kh, 1, D, PAGE, BLOCK_N, False, False, False, False, 0,
+                                         q_ptr.dtype.element_ty)
+        row = (seq * H + heads) * SLOTS + NUM_PARTS + chunk
+        tl.store(pm_ptr + row, m_i, mask=ok)
+        tl.store(pl_ptr + row, l_i, mask=ok)
+        tl.store(po_ptr + row[:, None] * D + offs_d[None, :], acc, mask=ok[:, None])
 
 
 @triton.jit
-def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, s_ob, s_oh, H, D: tl.constexpr, NUM_PARTS: tl.constexpr):
+def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, s_ob, s_oh, H, D: tl.constexpr, SLOTS: tl.constexpr,
+                   SLOTS_P2: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    offs_p = tl.arange(0, NUM_PARTS)
+    offs_p = tl.arange(0, SLOTS_P2)
+    ok = offs_p < SLOTS
     offs_d = tl.arange(0, D)
-    row = (b * H + h) * NUM_PARTS + offs_p
-    m = tl.load(pm_ptr + row)
-    l = tl.load(pl_ptr + row)
+    row = (b * H + h) * SLOTS + offs_p
+    m = tl.load(pm_ptr + row, mask=ok, other=float("-inf"))
+    l = tl.load(pl_ptr + row, mask=ok, other=0.0)
     m_max = tl.max(m, 0)
     w = tl.where(l > 0, tl.exp2(m - m_max), 0.0)
-    acc = tl.load(po_ptr + row[:, None] * D + offs_d[None, :])
+    acc = tl.load(po_ptr + row[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
     tl.store(out_ptr + b * s_ob + h * s_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
@@ -419,20 +477,24 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  seq_lens: torch.Tensor, sm_scale: float, num_parts: int = 1,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, window: int | None = None,
-                 config: dict | None = None) -> torch.Tensor:
+                 config: dict | None = None, cascade: CascadeBuffers | None = None) -> torch.Tensor:
     """q [B, Hq, D]; k_cache [num_blocks, page, Hkv, D], v_cache the same or, int8, [num_blocks, Hkv, D, page];
     block_tables [B, max_blocks] int32;
     seq_lens [B] int32 (context length incl. the new token, already written). Returns [B, Hq, D].
-    config: BLOCK_N / num_warps / num_stages overrides (the kernel bench sweeps them)."""
+    config: BLOCK_N / num_warps / num_stages overrides (the kernel bench sweeps them). cascade: shared prefixes
+    computed once per group (CascadeBuffers, filled by fill(); not with an int8 pool or a window)."""
     batch, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     quant = k_cache.dtype == torch.int8
+    if cascade is not None and (quant or window):
+        raise ValueError("cascade decode attention takes a pool that is not int8 and no sliding window")
+    slots = num_parts + (CASCADE_CHUNKS if cascade is not None else 0)
     if out is None:
         out = torch.empty_like(q)
-    if num_parts > 1:
-        po = torch.empty(batch, num_heads, num_parts, head_dim, dtype=torch.float32, device=q.device)
-        pm = torch.empty(batch, num_heads, num_parts, dtype=torch.float32, device=q.device)
+    if slots > 1:
+        po = torch.empty(batch, num_heads, slots, head_dim, dtype=torch.float32, device=q.device)
+        pm = torch.empty(batch, num_heads, slots, dtype=torch.float32, device=q.device)
         pl = torch.empty_like(pm)
     else:
         po = pm = pl = out
@@ -442,16 +504,103 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     dummy = seq_lens
     _decode_kernel[(batch, num_kv_heads, num_parts)](
         q, k_cache, v_cache, block_tables, seq_lens, k_scale if quant else dummy, v_scale if quant else dummy,
-        out, po, pm, pl, sm_scale,
+        cascade.prefix_lens if cascade is not None else dummy, out, po, pm, pl, sm_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *_v_strides(v_cache),
         block_tables.stride(0), out.stride(0), out.stride(1),
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=head_dim, PAGE=page, NUM_PARTS=num_parts,
-        QUANT=quant, WINDOW=window or 0, INT8_QK=int8_qk, INT8_PV=int8_pv, **cfg,
+        QUANT=quant, WINDOW=window or 0, INT8_QK=int8_qk, INT8_PV=int8_pv, CASCADE=cascade is not None,
+        SLOTS=slots, **cfg,
     )
-    if num_parts > 1:
+    if cascade is not None:
+        c = {**(CASCADE_CONFIG_CPU if INTERPRETED else CASCADE_CONFIG)}
+        _prefix_kernel[(cascade.items.shape[0], num_kv_heads, CASCADE_CHUNKS)](
+            q, k_cache, v_cache, block_tables, cascade.items, cascade.members, po, pm, pl, sm_scale,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            num_heads, G=group, ROWS=cascade.rows, D=head_dim, PAGE=page, NUM_PARTS=num_parts, SLOTS=slots, **c)
+    if slots > 1:
         _reduce_kernel[(batch, num_heads)](po, pm, pl, out, out.stride(0), out.stride(1), num_heads,
-                                           D=head_dim, NUM_PARTS=num_parts, num_warps=4)
+                                           D=head_dim, SLOTS=slots, SLOTS_P2=triton.next_power_of_2(slots),
+                                           num_warps=4)
     return out
+
+
+# ---------------------------------------------------------------------------------------- cascade decode
+# `paged_decode(..., cascade=buffers)` (`--cascade-attention`): decodes whose contexts start with the same K/V pages
+# (the prefix cache's shared blocks: a RAG document or system prompt behind many requests) read those pages once
+# per group instead of once per sequence. _prefix_kernel computes each group's shared prefix for all its members'
+# query heads at once (CASCADE_CHUNKS programs per KV head split it), _decode_kernel the rest of each context, and
+# the reduce merges both, as it merges partitions. The groups are found on the host from the block tables
+# (cascade_plan) and reach the device in fixed-size buffers, so a CUDA graph replays any grouping.
+CASCADE_CHUNKS = 4  # programs per (group item, KV head) over the shared prefix
+CASCADE_ROWS = 64  # query rows (members x heads per KV head) of one work item's tile
+CASCADE_MIN_PREFIX = 256  # shorter shared prefixes are left to the per-sequence kernel
+CASCADE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+CASCADE_CONFIG_CPU = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
+
+
+def cascade_plan(tables: np.ndarray, lens: np.ndarray, block_size: int, per_item: int, max_items: int,
+                 min_prefix: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Groups of decodes that share leading K/V pages, from their block tables [n, width] (int32) and context
+    lengths [n]: (prefix [n]: the keys the group's prefix covers, a multiple of 64, 0 outside a group; members [n]:
+    sequence indices, each group's together; items [k, 3]: (first index into members, members <= per_item, prefix
+    keys), at most max_items). Only whole pages before each member's last one count (a shared page is a full
+    page of the prefix cache; the page a decode writes is its own); a group is the decodes whose first page is
+    the same, sharing the pages all of them agree on, if that is at least min_prefix keys (CASCADE_MIN_PREFIX)."""
+    min_prefix = CASCADE_MIN_PREFIX if min_prefix is None else min_prefix
+    n = len(lens)
+    prefix = np.zeros(n, dtype=np.int32)
+    members: list[int] = []
+    items: list[tuple[int, int, int]] = []
+    order = np.argsort(tables[:, 0], kind="stable")
+    firsts = tables[order, 0]
+    starts = np.flatnonzero(np.r_[True, firsts[1:] != firsts[:-1]])
+    for s, e in zip(starts, np.r_[starts[1:], n]):
+        if e - s < 2:
+            continue
+        m = order[s:e]
+        full = int(np.min((lens[m] - 1) // block_size))  # pages before each member's last one
+        same = (tables[m, :full] == tables[m[0], :full]).all(0)
+        pages = int(np.argmin(same)) if not same.all() else full
+        keys = pages * block_size // 64 * 64
+        need = -(-len(m) // per_item)
+        if keys < min_prefix or len(items) + need > max_items:
+            continue
+        prefix[m] = keys
+        items += [(len(members) + i, min(per_item, len(m) - i), keys) for i in range(0, len(m), per_item)]
+        members += m.tolist()
+    return prefix, np.array(members, dtype=np.int32), np.array(items, dtype=np.int32).reshape(-1, 3)
+
+
+class CascadeBuffers:
+    """cascade_plan's arrays on the device, allocated once for up to max_batch decodes (CUDA-graph safe: fill()
+    copies into them on the current stream, behind the work that reads their previous contents)."""
+
+    def __init__(self, max_batch: int, group_size: int, device):
+        self.max_batch = max_batch
+        self.rows = CASCADE_ROWS
+        self.per_item = max(1, CASCADE_ROWS // group_size)  # members of one work item
+        self.max_items = -(-max_batch // self.per_item) + 32  # (a group's last item may be part-full: 32 groups)
+        self.prefix_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        self.members = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        self.items = torch.zeros(self.max_items, 3, dtype=torch.int32, device=device)
+        self.groups = 0  # decodes in a group at the last fill()
+
+    def fill(self, tables: np.ndarray, lens: np.ndarray, block_size: int) -> int:
+        """Plans the decodes with these block tables and context lengths (at most max_batch); returns how many
+        are in a group (0: the kernels compute every context in full)."""
+        from workers.sampling import to_device
+
+        prefix, members, items = cascade_plan(tables, np.asarray(lens), block_size, self.per_item, self.max_items)
+        host = np.zeros(2 * self.max_batch + 3 * self.max_items, dtype=np.int32)
+        host[:len(prefix)] = prefix
+        host[self.max_batch:self.max_batch + len(members)] = members
+        host[2 * self.max_batch:2 * self.max_batch + items.size] = items.ravel()
+        staged = to_device(torch.from_numpy(host), torch.int32, self.prefix_lens.device)
+        self.prefix_lens.copy_(staged[:self.max_batch])
+        self.members.copy_(staged[self.max_batch:2 * self.max_batch])
+        self.items.copy_(staged[2 * self.max_batch:].view(self.max_items, 3))
+        self.groups = len(members)
+        return self.groups
 
 
 @triton.jit

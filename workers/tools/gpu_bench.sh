@@ -5,7 +5,8 @@
 # Usage (repo root, on the GPU machine): OUT=dir bash workers/tools/gpu_bench.sh [bench args...]
 # Optional: PERSISTENT=1 (issue 25: persistent decode, fused RoPE + K/V write, small-batch GEMV), GEMV=1 (issue 25:
 # the fused GEMV path, kernels to whole steps), DRAFT=1 (issue 22's draft-model step costs), MIXED=1 (steps with a
-# prompt chunk, piecewise CUDA graphs against eager); SKIP_*=1 skip.
+# prompt chunk, piecewise CUDA graphs against eager), CASCADE=1 (decodes sharing a prefix: --cascade-attention's kernel
+# against the partitioned one); SKIP_*=1 skip.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 source "$(dirname "$0")/device_env.sh"
@@ -43,6 +44,14 @@ if [ "${GEMV:-0}" = 1 ]; then  # issue 25: the fused GEMV path for steps of <= 8
   # piecewise graphs, and with them its model, under a local name; fixed in bench.py, which warns if it recurs)
   python3 -m laneserve.cli bench --parts roofline,engine --batches 1,2,4,8,32,128 --contexts 1024 \
     --decode-gemv-rows 0,8 --out "$OUT/gemv_engine.json" 2>&1 | tee -a "$OUT/gemv.txt"
+fi
+if [ "${CASCADE:-0}" = 1 ]; then  # issue 19's worker lever: decodes sharing a prefix read it once (--cascade-attention)
+  python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k cascade > "$OUT/cascade_tests.txt" 2>&1
+  WORKER_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_triton_backend.py -k cascade \
+    >> "$OUT/cascade_tests.txt" 2>&1
+  grep -E "passed|failed" "$OUT/cascade_tests.txt" | tee "$OUT/cascade.txt"
+  python3 -m workers.tools.kernel_bench --cascade --out "$OUT/cascade.json" 2>&1 | grep -E "cascade|Error" \
+    | tee -a "$OUT/cascade.txt"
 fi
 if [ "${MIXED:-0}" = 1 ]; then  # issue 19's worker lever: the host launch and device time of steps with a prompt chunk
   python3 -m laneserve.cli bench --parts mixed --batches 1,64 --contexts 1024 --chunks 256,1024,1920 --steps 10 \

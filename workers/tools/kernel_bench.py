@@ -8,7 +8,8 @@ prints the best; workers/kernels/paged_attention.py holds the chosen defaults. -
 decode kernel (issue 25) against the partitioned one on skewed and uniform batches (SKEWED below); --rope-kv the
 RoPE + K/V write in one launch against today's two; --gemv the small-batch linear (workers/kernels/gemv.py) against
 cuBLAS on the 7B's weight shapes, as bytes of weights read per second against the copy bandwidth, then a whole
-step's weights layer by layer with the decoder layer's small ops fused into the GEMVs (`--decode-gemv-rows`).
+step's weights layer by layer with the decoder layer's small ops fused into the GEMVs (`--decode-gemv-rows`);
+--cascade decodes that share a prefix (`--cascade-attention`) against the partitioned kernel reading it per sequence.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from workers.kernels.paged_attention import (DECODE_CONFIG, PREFILL_CONFIG, PersistentDecodeBuffers, num_partitions,
+from workers.kernels.paged_attention import (DECODE_CONFIG, PREFILL_CONFIG, CascadeBuffers, PersistentDecodeBuffers,
+                                             num_partitions,
                                              paged_decode, paged_decode_persistent, paged_prefill,
                                              plan_persistent_decode, target_chunks)
 from workers.kv_cache import transpose_v_pages
@@ -35,6 +37,9 @@ INT8_GRID = {"INT8_PV": [True, False], "BLOCK_N": [32, 64, 128], "num_warps": [1
 PARTS_SHAPES = [(1, 1024), (1, 2048), (4, 2048), (8, 1024), (32, 1024), (64, 1024), (32, 2048), (64, 2048),
                 (128, 1024), (128, 2048), (256, 1024)]
 # issue 25's batches: (count, context) groups; the first three skewed, the last two uniform
+# (groups, each of members x shared prefix, then each member's own tokens): the shared-prefix replay's decode batch at
+# ~50 req/s (one 1,536-token document), a 16-document RAG batch, a small batch, and no sharing (the graph's cost)
+CASCADE_SHAPES = [[(192, 1536, 370)], [(4, 1536, 400)] * 16, [(16, 1536, 300)], [(1, 0, 1900)] * 128]
 SKEWED = [[(1, 32768), (63, 512)], [(8, 16384), (120, 256)], [(1, 8192), (7, 128)], [(32, 1024)], [(128, 2048)]]
 # the Mistral-7B shape's weights [N, K]: merged qkv, o, merged gate/up, down (each x 32 layers), lm_head
 GEMV_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
@@ -340,6 +345,44 @@ def sweep(run, space: dict, key: str, label: str) -> dict:
     return best
 
 
+def bench_cascade(groups: list[tuple[int, int, int]]) -> dict:
+    """One layer's decode attention (bf16) over groups of (members, shared prefix tokens, own tokens each): the
+    partitioned kernel at the backend's partition count, reading each context in full, against the cascade
+    (the shared prefixes once per group; its host plan, made once per step for every layer, timed apart)."""
+    import time
+
+    lens_list, rows = [], []
+    torch.manual_seed(len(groups))
+    n_blocks = sum(-(-shared // PAGE) + members * -(-own // PAGE) for members, shared, own in groups) + 1
+    k, v, _, _ = pages(1, n_blocks * PAGE, torch.bfloat16)
+    perm = iter(torch.randperm(n_blocks).tolist())
+    for members, shared, own in groups:
+        common = [next(perm) for _ in range(shared // PAGE)]
+        for _ in range(members):
+            rows.append(common + [next(perm) for _ in range(-(-(shared + own) // PAGE) - len(common))])
+            lens_list.append(shared + own)
+    batch = len(rows)
+    bt_host = torch.zeros(batch, max(map(len, rows)), dtype=torch.int32)
+    for i, r in enumerate(rows):
+        bt_host[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
+    bt = bt_host.cuda()
+    q = torch.randn(batch, HEADS, DIM, dtype=torch.bfloat16, device="cuda")
+    lens = torch.tensor(lens_list, dtype=torch.int32, device="cuda")
+    parts = num_partitions(batch, KV_HEADS, max(lens_list))
+    out_a, out_b = torch.empty_like(q), torch.empty_like(q)
+    buffers = CascadeBuffers(batch, HEADS // KV_HEADS, "cuda")
+    t0 = time.perf_counter()
+    grouped = buffers.fill(bt_host.numpy(), torch.tensor(lens_list).numpy(), PAGE)
+    plan_us = (time.perf_counter() - t0) * 1e6
+    partitioned = time_ms(lambda: paged_decode(q, k, v, bt, lens, DIM ** -0.5, num_parts=parts, out=out_a))
+    cascade = time_ms(lambda: paged_decode(q, k, v, bt, lens, DIM ** -0.5, num_parts=parts, out=out_b,
+                                           cascade=buffers))
+    err = ((out_a.float() - out_b.float()).abs().max() / out_a.float().abs().max()).item()
+    return {"groups": groups, "batch": batch, "grouped": grouped, "parts": parts, "partitioned_us": partitioned * 1e3,
+            "cascade_us": cascade * 1e3, "plan_us": plan_us, "speedup": partitioned / cascade,
+            "rel_err_vs_partitioned": err}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m workers.tools.kernel_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="sweep launch configs (slow: compiles each)")
@@ -351,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
                     "launches the model makes (issue 25)")
     ap.add_argument("--gemv", action="store_true", help="the small-batch linear against cuBLAS on the 7B's weight "
                     "shapes (issue 25)")
+    ap.add_argument("--cascade", action="store_true", help="decodes sharing a prefix: cascade against partitioned")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -364,6 +408,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  persistent {row['kv']:9} {' + '.join(f'{c}x{n}' for c, n in groups):16}: partitioned "
                   f"({row['parts']} parts) {row['partitioned_us']:8.1f} us, persistent {row['persistent_us']:8.1f} us "
                   f"(+ plan {row['plan_us']:.1f} us per step; {row['chunks']} chunks of {row['chunk']}): "
+                  f"{row['speedup']:.2f}x, err {row['rel_err_vs_partitioned']:.1e}", flush=True)
+    if args.cascade:
+        result["cascade"] = []
+        for groups in CASCADE_SHAPES:
+            row = bench_cascade(groups)
+            result["cascade"].append(row)
+            shape = f"{len(groups)} x " if len(groups) > 1 else ""
+            print(f"  cascade {shape}{groups[0][0]} x ({groups[0][1]} shared + {groups[0][2]}): partitioned "
+                  f"({row['parts']} parts) {row['partitioned_us']:8.1f} us, cascade {row['cascade_us']:8.1f} us "
+                  f"({row['grouped']} of {row['batch']} grouped; host plan {row['plan_us']:.0f} us per step): "
                   f"{row['speedup']:.2f}x, err {row['rel_err_vs_partitioned']:.1e}", flush=True)
     if args.rope_kv:
         result["rope_kv"] = []
