@@ -78,6 +78,9 @@ def test_cascade_attention_gives_hf_greedy_tokens_for_decodes_sharing_a_cached_p
 def test_cascade_attention_is_refused_where_it_cannot_run(tmp_path):
     with pytest.raises(ValueError, match="--cascade-attention is a Triton kernel"):
         ModelRunner(WorkerConfig(model="tiny", device="cpu", attention_backend="torch", cascade_attention=True))
+    with pytest.raises(ValueError, match="needs --decode-attention auto or partitioned"):
+        ModelRunner(WorkerConfig(model="tiny", device="cpu", attention_backend="triton", decode_attention="persistent",
+                                 cascade_attention=True))
     for arch, kv in (("mistral", "auto"), ("llama", "int8")):  # (mistral: a sliding window)
         make_checkpoint(str(tmp_path / arch), arch, seed=3)
         with pytest.raises(ValueError, match="--cascade-attention needs a K/V cache that is not int8 and a model wi"):
@@ -131,14 +134,20 @@ def test_auto_decode_attention_takes_the_persistent_kernel_for_skewed_batches_on
     assert all(calls.values()), calls
 
 
-@pytest.mark.parametrize("decode", ["partitioned", "persistent", "auto"])
-def test_the_decode_graphs_replay_a_variant_they_captured(decode):
+@pytest.mark.parametrize("decode,cascade", [("partitioned", False), ("persistent", False), ("auto", False),
+                                            ("partitioned", True), ("auto", True)])
+def test_the_decode_graphs_replay_a_variant_they_captured(decode, cascade):
     """workers/cuda_graphs.py captures one decode graph per (batch size, variant in graph_variants) and replays
     the one graph_variant picks: with `persistent` alone that is the persistent one (it once asked for the
-    partitioned graph, never captured: a KeyError on the GPU)."""
+    partitioned graph, never captured: a KeyError on the GPU); with cascade, the cascade graph only for a batch
+    with a group (a batch without one replays the plain graph, which skips the prefix kernel and the reduce)."""
     from workers.attention.triton_backend import TritonAttentionBackend
     from workers.cuda_graphs import graph_variant
 
-    backend = TritonAttentionBackend(8, 4, decode=decode)
-    picked = {graph_variant(backend.graph_variants, backend, lens) for lens in ([1024] * 32, [32768] + [512] * 63)}
+    backend = TritonAttentionBackend(8, 4, decode=decode, cascade=cascade)
+    picked = {graph_variant(backend.graph_variants, backend, lens, grouped)
+              for lens in ([1024] * 32, [32768] + [512] * 63) for grouped in (0, 32)}
     assert picked == set(backend.graph_variants)  # auto: each batch its own kernel's graph
+    if cascade:
+        assert graph_variant(backend.graph_variants, backend, [1024] * 32, 0) == "partitioned"
+        assert graph_variant(backend.graph_variants, backend, [1024] * 32, 32) == "cascade"

@@ -35,10 +35,12 @@ from workers.attention.base import AttentionMetadata
 log = logging.getLogger("laneserve.worker")
 
 
-def graph_variant(variants: tuple[bool, ...], backend, lens) -> bool:
-    """Which of the captured variants (persistent decode attention or not) a batch with these context lengths
-    replays: the only one, or the backend's choice when both were captured (`--decode-attention auto`)."""
-    return variants[0] if len(variants) == 1 else backend.decode_persistent(lens)
+def graph_variant(variants: tuple[str, ...], backend, lens, grouped: int = 0) -> str:
+    """Which of the captured variants (the decode-attention kernel: `partitioned`, `persistent`, or `cascade`, the
+    partitioned one with shared prefixes once per group) a batch with these context lengths replays, `grouped` of
+    its decodes in a cascade group: the only one, or the backend's choice (`--decode-attention auto`,
+    `--cascade-attention`)."""
+    return variants[0] if len(variants) == 1 else backend.decode_variant(lens, grouped)
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -71,10 +73,10 @@ class DecodeGraphs:
         self.host_tables = [torch.zeros(n, self.max_blocks, dtype=i32, pin_memory=True) for _ in range(2)]
         self.copied: list[torch.cuda.Event | None] = [None, None]
         self.turn = 0
-        self.variants = getattr(backend, "graph_variants", (False,))  # persistent decode kernel or not
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (batch size, persistent) -> graph
-        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
-        self.last: tuple[int, bool] | None = None  # the graph the last run() replayed
+        self.variants = getattr(backend, "graph_variants", ("partitioned",))  # decode-attention kernels
+        self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}  # (batch size, variant) -> graph
+        self.logits: dict[tuple[int, str], torch.Tensor] = {}
+        self.last: tuple[int, str] | None = None  # the graph the last run() replayed
         self.capture_seconds = 0.0
         self.capture_bytes = 0
 
@@ -92,10 +94,7 @@ class DecodeGraphs:
             for bs in reversed(self.sizes):  # largest first: later graphs reuse its memory pool
                 for variant in self.variants:
                     meta = self.meta(bs)
-                    if len(self.variants) > 1:
-                        self.backend.prepare(meta, self.block_size, window, persistent=variant)
-                    else:
-                        self.backend.prepare(meta, self.block_size, window)
+                    self.backend.prepare(meta, self.block_size, window, variant=variant)
                     for _ in range(2):  # warm-up: autotuning and lazy init stay out of the graph
                         self.model.compute_logits(self.model(self.input_ids[:bs], self.positions[:bs], meta))
                     torch.cuda.synchronize()
@@ -160,9 +159,10 @@ class DecodeGraphs:
         self.block_tables[:n, :width].copy_(host_tables[:n, :width], non_blocking=True)
         self.copied[turn] = event = self.copied[turn] or torch.cuda.Event()
         event.record()
-        self.last = bs, graph_variant(self.variants, self.backend, seq_lens[:n])
-        if getattr(self.backend, "cascade", False) and not self.last[1]:  # (partitioned decode attention)
-            self.backend.fill_graph_cascade(tables_np[:n], np.asarray(seq_lens[:n]), self.block_size)
+        grouped = 0
+        if "cascade" in self.variants and not self.backend.decode_persistent(seq_lens[:n]):
+            grouped = self.backend.fill_graph_cascade(tables_np[:n], np.asarray(seq_lens[:n]), self.block_size)
+        self.last = bs, graph_variant(self.variants, self.backend, seq_lens[:n], grouped)
         self.graphs[self.last].replay()
         return self.logits[self.last][:n]
 

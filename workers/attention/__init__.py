@@ -26,6 +26,9 @@ def get_backend(name: str, device: torch.device, num_kv_heads: int, decode: str 
     if name == "torch" and decode == "persistent":  # (auto, the default, picks among Triton kernels: none here)
         raise ValueError(f"--decode-attention {decode} is a Triton kernel: it needs --attention-backend triton (the "
                          "default on CUDA)")
+    if cascade and decode == "persistent":
+        raise ValueError("--cascade-attention runs with the partitioned decode kernel: it needs --decode-attention "
+                         "auto or partitioned")
     if name == "torch" and cascade:
         raise ValueError("--cascade-attention is a Triton kernel: it needs --attention-backend triton (the default on "
                          "CUDA)")

@@ -56,8 +56,9 @@ class TritonAttentionBackend(AttentionBackend):
     ones fall back to partitioned); or `auto`: the persistent kernel for skewed batches (`skewed`), the
     partitioned one otherwise (the decode CUDA graphs are captured with each, workers/cuda_graphs.py).
     cascade (`--cascade-attention`): where the partitioned kernel runs, decodes whose contexts start with the same
-    pages read them once per group (paged_attention's cascade decode); the decode CUDA graphs read one set of
-    buffers (graph_cascade), which the graph runner fills before each replay (fill_graph_cascade)."""
+    pages read them once per group (paged_attention's cascade decode); the decode CUDA graphs are also captured as
+    `cascade`, which reads one set of buffers (graph_cascade) that the graph runner fills before each replay
+    (fill_graph_cascade), and a batch with no group replays the plain graph."""
 
     name = "triton"
 
@@ -71,30 +72,37 @@ class TritonAttentionBackend(AttentionBackend):
         self.window: int | None = None
         self.mode = decode
         self.persistent = decode != "partitioned"  # the persistent kernel may run
-        self.graph_variants = {"partitioned": (False,), "persistent": (True,), "auto": (False, True)}[decode]
+        self.graph_variants = {"partitioned": ("partitioned",), "persistent": ("persistent",),
+                               "auto": ("partitioned", "persistent")}[decode] + (("cascade",) if cascade else ())
         self.max_batch = max_batch
         # per CUDA stream (two lanes' steps may both hold decode rows at once): allocated once, never replaced, as
         # CUDA graphs keep their addresses
         self.buffers: dict[int | None, PersistentDecodeBuffers] = {}
 
     def prepare(self, meta: AttentionMetadata, block_size: int, sliding_window: int | None,
-                persistent: bool | None = None) -> None:
-        """persistent: the decode kernel to plan for (a CUDA graph's capture); None: decode_persistent() decides."""
+                variant: str | None = None) -> None:
+        """variant: the decode kernel to plan for (a CUDA graph's capture: graph_variants); None: the step's own
+        (decode_persistent() decides, and an eager step's cascade groups are planned in its first layer)."""
         self.window = sliding_window
         nd = meta.num_decodes
         parts = 1
         use = False
         if nd:
-            use = self.decode_persistent(meta.seq_lens_cpu[:nd]) if persistent is None else persistent
+            use = self.decode_persistent(meta.seq_lens_cpu[:nd]) if variant is None else variant == "persistent"
             if not use:
                 parts = num_partitions(nd, self.num_kv_heads, max(meta.seq_lens_cpu[:nd]), self.num_sms)
         prefill_lens = meta.query_lens_cpu[nd:]
         meta.plan = _Plan(parts, len(prefill_lens), max(prefill_lens, default=0), use)
-        if self.cascade and nd and not use:
-            if meta.block_tables_cpu is None:  # a decode graph's capture: the graph runner fills them per replay
-                meta.plan.cascade_graph = True
-            elif 1 < nd <= self.max_batch:
-                meta.plan.cascade_rows = (meta.block_tables_cpu[:nd], meta.seq_lens_cpu[:nd], block_size)
+        if variant == "cascade":  # the graph runner fills its buffers before each replay
+            meta.plan.cascade_graph = True
+        elif variant is None and self.cascade and not use and 1 < nd <= self.max_batch:
+            meta.plan.cascade_rows = (meta.block_tables_cpu[:nd], meta.seq_lens_cpu[:nd], block_size)
+
+    def decode_variant(self, lens, grouped: int) -> str:
+        """The captured decode graph for decodes of these context lengths, `grouped` of them in cascade groups."""
+        if self.decode_persistent(lens):
+            return "persistent"
+        return "cascade" if grouped and self.cascade else "partitioned"
 
     def decode_persistent(self, lens) -> bool:
         """Whether decodes with these context lengths run the persistent kernel (else the partitioned one)."""
@@ -121,11 +129,10 @@ class TritonAttentionBackend(AttentionBackend):
             plan.cascade = buffers if buffers.fill(*plan.cascade_rows) else None
             plan.cascade_rows = None
 
-    def fill_graph_cascade(self, tables, lens, block_size: int) -> None:
-        """Before a decode graph's replay (partitioned kernel): the groups of its decodes, into the buffers its
-        capture read."""
-        if self.graph_cascade is not None:
-            self.graph_cascade.fill(tables, lens, block_size)
+    def fill_graph_cascade(self, tables, lens, block_size: int) -> int:
+        """Before a decode graph's replay: the groups of its decodes, into the buffers the `cascade` graphs read;
+        returns how many decodes are grouped (0: replay the `partitioned` graph)."""
+        return self.graph_cascade.fill(tables, lens, block_size) if self.graph_cascade is not None else 0
 
     def _persistent_buffers(self, q: torch.Tensor, k_cache: torch.Tensor) -> PersistentDecodeBuffers:
         device = q.device

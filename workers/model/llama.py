@@ -239,11 +239,12 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.backend = backend
             layer.self_attn.kv_scales = kv_scales[i] if kv_scales is not None else None
 
-    def compile_attention(self) -> None:
+    def compile_attention(self, any_device: bool = False) -> None:
         """After bind(), on CUDA with the Triton backend: JIT-compile every attention kernel variant a step can pick
-        for this model's shapes and pool (a compile mid-serving stalls that step ~1 s)."""
+        for this model's shapes and pool (a compile mid-serving stalls that step ~1 s). any_device: on the CPU too
+        (workers/tools/compile_check.py, which compiles for a GPU without running)."""
         attn = self.model.layers[0].self_attn
-        if self.backend.name == "triton" and attn.k_cache.device.type == "cuda":
+        if self.backend.name == "triton" and (any_device or attn.k_cache.device.type == "cuda"):
             self.backend.compile_kernels(attn.num_heads, attn.head_dim, self.model.embed_tokens.weight.dtype,
                                          attn.k_cache, attn.v_cache, attn.kv_scales, self.sliding_window)
 
