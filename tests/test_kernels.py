@@ -149,12 +149,32 @@ def test_cascade_plan_groups_decodes_by_their_shared_whole_pages():
     lens = np.array([90, 85, 96, 20, 112, 81])
     prefix, members, items = pa.cascade_plan(t, lens, 16, per_item=2, max_items=8, min_prefix=64)
     assert prefix.tolist() == [64, 64, 64, 0, 64, 64]  # (5 pages = 80 keys -> 64)
-    assert sorted(members[:2].tolist()) == [4, 5] and sorted(members[2:].tolist()) == [0, 1, 2]
-    assert items.tolist() == [[0, 2, 64], [2, 2, 64], [4, 1, 64]]
+    # the three first: 2 x 64 reads saved (rows 0-1 alone would share 5 pages, 64 keys too: 1 x 64)
+    assert sorted(members[:3].tolist()) == [0, 1, 2] and sorted(members[3:].tolist()) == [4, 5]
+    assert items.tolist() == [[0, 2, 64], [2, 1, 64], [3, 2, 64]]
     prefix, members, items = pa.cascade_plan(t, lens, 16, per_item=2, max_items=2, min_prefix=64)
-    assert prefix.tolist() == [0, 0, 0, 0, 64, 64] and items.tolist() == [[0, 2, 64]]  # the 2nd group: no room
+    assert prefix.tolist() == [64, 64, 64, 0, 0, 0] and items.tolist() == [[0, 2, 64], [2, 1, 64]]  # no room left
     prefix, _, items = pa.cascade_plan(t, lens, 16, per_item=2, max_items=8, min_prefix=128)
     assert not prefix.any() and items.shape == (0, 3)
+
+
+def test_cascade_plan_groups_by_documents_behind_a_prefix_every_decode_shares():
+    """A chat template's page shared by every decode, then two documents shared by some: sharing only the template
+    (16 keys) saves nothing worth a group, the documents' groups do; a shorter context is grouped as far as it goes
+    (row 2 ends within document A's pages: A's group shares what all three have, 2 x 320 reads saved, more than
+    1 x 448 for rows 0-1 alone)."""
+    template, doc_a, doc_b = [100], list(range(1, 31)), list(range(40, 70))
+    rows = [template + doc_a + [200 + i] for i in range(2)] + [template + doc_a[:20] + [210]]
+    rows += [template + doc_b + [220 + i] for i in range(2)] + [template + [230]]
+    t = np.zeros((len(rows), 33), dtype=np.int32)
+    for i, r in enumerate(rows):
+        t[i, :len(r)] = r
+    lens = np.array([len(r) * 16 - 3 for r in rows])
+    prefix, members, items = pa.cascade_plan(t, lens, 16, per_item=16, max_items=8, min_prefix=256)
+    assert prefix.tolist() == [320, 320, 320, 448, 448, 0]  # (21 pages: 336 keys -> 320; 31: 496 -> 448)
+    assert sorted(members[:3].tolist()) == [0, 1, 2] and items[:, 1].tolist() == [3, 2]
+    prefix, _, _ = pa.cascade_plan(t[[0, 1, 3, 4]], lens[[0, 1, 3, 4]], 16, per_item=16, max_items=8, min_prefix=256)
+    assert prefix.tolist() == [448] * 4  # (without row 2)
 
 
 # ---------------------------------------------------------------------------------------- persistent decode

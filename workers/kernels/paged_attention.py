@@ -538,36 +538,55 @@ CASCADE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 CASCADE_CONFIG_CPU = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
 
 
+def _shared_groups(tables: np.ndarray, own: np.ndarray, m: np.ndarray, depth: int, block_size: int,
+                   min_prefix: int) -> tuple[list[tuple[np.ndarray, int]], int]:
+    """Decodes m (sharing their first `depth` pages; own[i]: decode i's whole pages before its last one) -> the
+    grouping of them that saves the most K/V reads, [(members, shared keys)], and those reads: either all of m
+    over the pages they all share, or, split by the first page they do not all share, the best grouping of each
+    part (a chat template shared by every request, then documents shared by some: the documents' groups)."""
+    full = int(own[m].min())
+    same = (tables[m, depth:full] == tables[m[0], depth:full]).all(0)
+    common = depth + (int(np.argmin(same)) if not same.all() else full - depth)
+    keys = common * block_size // 64 * 64
+    best = ([(m, keys)], (len(m) - 1) * keys) if len(m) > 1 and keys >= min_prefix else ([], 0)
+    deeper = m[own[m] > common]  # (the others end at the common pages)
+    if len(deeper) < 2:
+        return best
+    order = deeper[np.argsort(tables[deeper, common], kind="stable")]
+    page = tables[order, common]
+    starts = np.flatnonzero(np.r_[True, page[1:] != page[:-1]])
+    split: list[tuple[np.ndarray, int]] = []
+    saved = 0
+    for s, e in zip(starts, np.r_[starts[1:], len(order)]):
+        if e - s > 1:
+            groups, reads = _shared_groups(tables, own, order[s:e], common + 1, block_size, min_prefix)
+            split += groups
+            saved += reads
+    return (split, saved) if saved > best[1] else best
+
+
 def cascade_plan(tables: np.ndarray, lens: np.ndarray, block_size: int, per_item: int, max_items: int,
                  min_prefix: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Groups of decodes that share leading K/V pages, from their block tables [n, width] (int32) and context
     lengths [n]: (prefix [n]: the keys the group's prefix covers, a multiple of 64, 0 outside a group; members [n]:
     sequence indices, each group's together; items [k, 3]: (first index into members, members <= per_item, prefix
-    keys), at most max_items). Only whole pages before each member's last one count (a shared page is a full
-    page of the prefix cache; the page a decode writes is its own); a group is the decodes whose first page is
-    the same, sharing the pages all of them agree on, if that is at least min_prefix keys (CASCADE_MIN_PREFIX)."""
+    keys), at most max_items, the groups that save the most reads first). Only whole pages before each member's
+    last one count (a shared page is a full page of the prefix cache; the page a decode writes is its own); a group
+    shares at least min_prefix keys (CASCADE_MIN_PREFIX); _shared_groups chooses them."""
     min_prefix = CASCADE_MIN_PREFIX if min_prefix is None else min_prefix
     n = len(lens)
     prefix = np.zeros(n, dtype=np.int32)
     members: list[int] = []
     items: list[tuple[int, int, int]] = []
-    order = np.argsort(tables[:, 0], kind="stable")
-    firsts = tables[order, 0]
-    starts = np.flatnonzero(np.r_[True, firsts[1:] != firsts[:-1]])
-    for s, e in zip(starts, np.r_[starts[1:], n]):
-        if e - s < 2:
-            continue
-        m = order[s:e]
-        full = int(np.min((lens[m] - 1) // block_size))  # pages before each member's last one
-        same = (tables[m, :full] == tables[m[0], :full]).all(0)
-        pages = int(np.argmin(same)) if not same.all() else full
-        keys = pages * block_size // 64 * 64
-        need = -(-len(m) // per_item)
-        if keys < min_prefix or len(items) + need > max_items:
-            continue
-        prefix[m] = keys
-        items += [(len(members) + i, min(per_item, len(m) - i), keys) for i in range(0, len(m), per_item)]
-        members += m.tolist()
+    if n > 1:
+        own = (np.asarray(lens) - 1) // block_size
+        groups, _ = _shared_groups(tables, own, np.arange(n), 0, block_size, min_prefix)
+        for m, keys in sorted(groups, key=lambda g: -(len(g[0]) - 1) * g[1]):
+            if len(items) + -(-len(m) // per_item) > max_items:
+                continue
+            prefix[m] = keys
+            items += [(len(members) + i, min(per_item, len(m) - i), keys) for i in range(0, len(m), per_item)]
+            members += m.tolist()
     return prefix, np.array(members, dtype=np.int32), np.array(items, dtype=np.int32).reshape(-1, 3)
 
 
