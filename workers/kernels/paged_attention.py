@@ -512,7 +512,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         SLOTS=slots, **cfg,
     )
     if cascade is not None:
-        c = {**(CASCADE_CONFIG_CPU if INTERPRETED else CASCADE_CONFIG)}
+        c = CASCADE_CONFIG_CPU if INTERPRETED else CASCADE_CONFIG
         _prefix_kernel[(cascade.items.shape[0], num_kv_heads, CASCADE_CHUNKS)](
             q, k_cache, v_cache, block_tables, cascade.items, cascade.members, po, pm, pl, sm_scale,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
