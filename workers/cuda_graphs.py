@@ -160,7 +160,7 @@ class DecodeGraphs:
         self.copied[turn] = event = self.copied[turn] or torch.cuda.Event()
         event.record()
         grouped = 0
-        if "cascade" in self.variants and not self.backend.decode_persistent(seq_lens[:n]):
+        if n > 1 and "cascade" in self.variants and not self.backend.decode_persistent(seq_lens[:n]):
             grouped = self.backend.fill_graph_cascade(tables_np[:n], np.asarray(seq_lens[:n]), self.block_size)
         self.last = bs, graph_variant(self.variants, self.backend, seq_lens[:n], grouped)
         self.graphs[self.last].replay()
