@@ -135,6 +135,8 @@ def test_cascade_decode_matches_reference(groups, heads, kv_heads, dim, parts):
     ref = reference_decode(q, kc, vc, bt, lens, dim ** -0.5)
     assert not torch.isnan(out).any()
     assert rel_err(out, ref) < (1e-2 if ON_GPU else 1e-5)
+    with pytest.raises(ValueError, match="at most 2 decodes"):
+        paged_decode(q, kc, vc, bt, lens, dim ** -0.5, cascade=pa.CascadeBuffers(2, heads // kv_heads, DEVICE))
 
 
 def test_cascade_plan_groups_decodes_by_their_shared_whole_pages():
@@ -147,15 +149,18 @@ def test_cascade_plan_groups_decodes_by_their_shared_whole_pages():
                   [1, 2, 10, 11, 12, 13, 14],  # group of first page 1: all its 5 pages before the last one ...
                   [1, 2, 10, 11, 12, 15, 0]], dtype=np.int32)  # ... shared, but this member's last page is its 6th
     lens = np.array([90, 85, 96, 20, 112, 81])
-    prefix, members, items = pa.cascade_plan(t, lens, 16, per_item=2, max_items=8, min_prefix=64)
+    prefix, members, items = pa.cascade_plan(t, lens, 16, per_item=3, max_items=8, min_prefix=64)
     assert prefix.tolist() == [64, 64, 64, 0, 64, 64]  # (5 pages = 80 keys -> 64)
-    # the three first: 2 x 64 reads saved (rows 0-1 alone would share 5 pages, 64 keys too: 1 x 64)
+    # the three first: one work item reads 64 keys for three, 2 x 64 saved (rows 0-1 alone: 1 x 64)
     assert sorted(members[:3].tolist()) == [0, 1, 2] and sorted(members[3:].tolist()) == [4, 5]
-    assert items.tolist() == [[0, 2, 64], [2, 1, 64], [3, 2, 64]]
-    prefix, members, items = pa.cascade_plan(t, lens, 16, per_item=2, max_items=2, min_prefix=64)
-    assert prefix.tolist() == [64, 64, 64, 0, 0, 0] and items.tolist() == [[0, 2, 64], [2, 1, 64]]  # no room left
-    prefix, _, items = pa.cascade_plan(t, lens, 16, per_item=2, max_items=8, min_prefix=128)
-    assert not prefix.any() and items.shape == (0, 3)
+    assert items.tolist() == [[0, 3, 64], [3, 2, 64]]
+    prefix, members, items = pa.cascade_plan(t, lens, 16, per_item=3, max_items=1, min_prefix=64)
+    assert prefix.tolist() == [64, 64, 64, 0, 0, 0] and items.tolist() == [[0, 3, 64]]  # no room left
+    prefix, _, items = pa.cascade_plan(t, lens, 16, per_item=2, max_items=8, min_prefix=64)
+    assert items[:, 1].tolist() == [2, 2, 1]  # (rows 4-5, then the three in two items: 1 x 64 saved each)
+    for per_item, min_prefix in ((3, 128), (1, 64)):  # too short a prefix; one member an item (a head group > 32)
+        prefix, _, items = pa.cascade_plan(t, lens, 16, per_item=per_item, max_items=8, min_prefix=min_prefix)
+        assert not prefix.any() and items.shape == (0, 3)
 
 
 def test_cascade_plan_groups_by_documents_behind_a_prefix_every_decode_shares():

@@ -45,8 +45,9 @@ class WorkerConfig:
         "neither: auto and partitioned mean its own"))
     cascade_attention: bool = field(default=False, metadata=flag(
         "Triton backend, partitioned decode kernel: decodes whose contexts start with the same K/V pages (the prefix "
-        "cache's: a shared document or system prompt) read those pages once per group instead of once per sequence "
-        "(docs/architecture.md); not with an int8 K/V cache, a sliding window or --decode-attention persistent"))
+        "cache's: a shared document or system prompt) read those pages once per 64 query heads of the group instead "
+        "of once per sequence (docs/architecture.md); not with an int8 K/V cache, a sliding window or "
+        "--decode-attention persistent"))
     decode_gemv_rows: int = field(default=0, metadata=flag(
         "CUDA, tensor-parallel size 1: steps of at most this many tokens (1-8) run the model's linear layers as "
         "weight-streaming GEMV kernels with the RMSNorms, SiLU * up, the residual adds and (Triton attention, a pool "

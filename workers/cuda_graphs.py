@@ -6,9 +6,10 @@ whole batch padded to that one size; the padding rows write no K/V (slot -1) and
 logits are dropped. The size list is fixed (1, 2, 4, 8, then every 8 to 64, every 16 to
 128, every 32 after): every batch size up to max_num_seqs maps onto one of few graphs,
 captured once at start. Only n matters: the rows' order and context lengths don't (the
-kernel reads each row's length from the device buffers), except with --decode-attention auto, where each size is
-captured twice, with the partitioned and with the persistent decode kernel, and a step replays the one its
-context lengths call for (the backend's decode_persistent).
+kernel reads each row's length from the device buffers), except where each size is captured in more than one
+variant of the decode-attention kernel: with --decode-attention auto the partitioned and the persistent one, and
+with --cascade-attention also the cascade (not for one sequence), and a step replays the one its context lengths
+and shared prefixes call for (graph_variant).
 Host inputs go through pinned buffers with non-blocking copies.
 
 PiecewiseGraphs runs the other steps (prompt chunks, with or without decodes; drafts to verify) of up to
@@ -93,6 +94,8 @@ class DecodeGraphs:
         with torch.inference_mode():
             for bs in reversed(self.sizes):  # largest first: later graphs reuse its memory pool
                 for variant in self.variants:
+                    if variant == "cascade" and bs == 1:  # (one sequence shares with nobody: never replayed)
+                        continue
                     meta = self.meta(bs)
                     self.backend.prepare(meta, self.block_size, window, variant=variant)
                     for _ in range(2):  # warm-up: autotuning and lazy init stay out of the graph

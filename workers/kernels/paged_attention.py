@@ -487,8 +487,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     quant = k_cache.dtype == torch.int8
-    if cascade is not None and (quant or window):
-        raise ValueError("cascade decode attention takes a pool that is not int8 and no sliding window")
+    if cascade is not None and (quant or window or batch > cascade.max_batch):
+        raise ValueError(f"cascade decode attention takes a pool that is not int8, no sliding window and at most "
+                         f"{cascade.max_batch} decodes, got {batch}")
     slots = num_parts + (CASCADE_CHUNKS if cascade is not None else 0)
     if out is None:
         out = torch.empty_like(q)
@@ -536,21 +537,26 @@ CASCADE_ROWS = 64  # query rows (members x heads per KV head) of one work item's
 CASCADE_MIN_PREFIX = 256  # shorter shared prefixes are left to the per-sequence kernel
 CASCADE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 CASCADE_CONFIG_CPU = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
+CASCADE_ALIGN = 64  # a shared prefix is a multiple of this many keys: the configs' BLOCK_N (the prefix kernel's
+# tiles are whole, unmasked)
+CASCADE_MAX_SPLITS = 64  # _shared_groups splits this deep at most (its recursion)
 
 
 def _shared_groups(tables: np.ndarray, own: np.ndarray, m: np.ndarray, depth: int, block_size: int,
-                   min_prefix: int) -> tuple[list[tuple[np.ndarray, int]], int]:
+                   min_prefix: int, per_item: int, splits: int = 0) -> tuple[list[tuple[np.ndarray, int]], int]:
     """Decodes m (sharing their first `depth` pages; own[i]: decode i's whole pages before its last one) -> the
-    grouping of them that saves the most K/V reads, [(members, shared keys)], and those reads: either all of m
-    over the pages they all share, or, split by the first page they do not all share, the best grouping of each
-    part (a chat template shared by every request, then documents shared by some: the documents' groups)."""
+    grouping of them that saves the most K/V reads, [(members, shared keys)], and those reads (a group's prefix is
+    read once per work item of per_item members): either all of m over the pages they all share, or, split by the
+    first page they do not all share, the best grouping of each part (a chat template shared by every request, then
+    documents shared by some: the documents' groups); splits: how deep this call is."""
     full = int(own[m].min())
     same = (tables[m, depth:full] == tables[m[0], depth:full]).all(0)
     common = depth + (int(np.argmin(same)) if not same.all() else full - depth)
-    keys = common * block_size // 64 * 64
-    best = ([(m, keys)], (len(m) - 1) * keys) if len(m) > 1 and keys >= min_prefix else ([], 0)
+    keys = common * block_size // CASCADE_ALIGN * CASCADE_ALIGN
+    reads = (len(m) - -(-len(m) // per_item)) * keys
+    best = ([(m, keys)], reads) if reads > 0 and keys >= min_prefix else ([], 0)
     deeper = m[own[m] > common]  # (the others end at the common pages)
-    if len(deeper) < 2:
+    if len(deeper) < 2 or splits >= CASCADE_MAX_SPLITS:
         return best
     order = deeper[np.argsort(tables[deeper, common], kind="stable")]
     page = tables[order, common]
@@ -559,7 +565,8 @@ def _shared_groups(tables: np.ndarray, own: np.ndarray, m: np.ndarray, depth: in
     saved = 0
     for s, e in zip(starts, np.r_[starts[1:], len(order)]):
         if e - s > 1:
-            groups, reads = _shared_groups(tables, own, order[s:e], common + 1, block_size, min_prefix)
+            groups, reads = _shared_groups(tables, own, order[s:e], common + 1, block_size, min_prefix, per_item,
+                                           splits + 1)
             split += groups
             saved += reads
     return (split, saved) if saved > best[1] else best
@@ -568,7 +575,8 @@ def _shared_groups(tables: np.ndarray, own: np.ndarray, m: np.ndarray, depth: in
 def cascade_plan(tables: np.ndarray, lens: np.ndarray, block_size: int, per_item: int, max_items: int,
                  min_prefix: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Groups of decodes that share leading K/V pages, from their block tables [n, width] (int32) and context
-    lengths [n]: (prefix [n]: the keys the group's prefix covers, a multiple of 64, 0 outside a group; members [n]:
+    lengths [n]: (prefix [n]: the keys the group's prefix covers, a multiple of CASCADE_ALIGN, 0 outside a group;
+    members [n]:
     sequence indices, each group's together; items [k, 3]: (first index into members, members <= per_item, prefix
     keys), at most max_items, the groups that save the most reads first). Only whole pages before each member's
     last one count (a shared page is a full page of the prefix cache; the page a decode writes is its own); a group
@@ -578,10 +586,10 @@ def cascade_plan(tables: np.ndarray, lens: np.ndarray, block_size: int, per_item
     prefix = np.zeros(n, dtype=np.int32)
     members: list[int] = []
     items: list[tuple[int, int, int]] = []
-    if n > 1:
+    if n > 1 and per_item > 1:  # (one member per work item reads the prefix once per member: nothing saved)
         own = (np.asarray(lens) - 1) // block_size
-        groups, _ = _shared_groups(tables, own, np.arange(n), 0, block_size, min_prefix)
-        for m, keys in sorted(groups, key=lambda g: -(len(g[0]) - 1) * g[1]):
+        groups, _ = _shared_groups(tables, own, np.arange(n), 0, block_size, min_prefix, per_item)
+        for m, keys in sorted(groups, key=lambda g: -(len(g[0]) - -(-len(g[0]) // per_item)) * g[1]):
             if len(items) + -(-len(m) // per_item) > max_items:
                 continue
             prefix[m] = keys
