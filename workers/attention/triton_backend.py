@@ -35,6 +35,11 @@ def skewed(lens) -> bool:
     return longest >= SKEW_MIN_LEN and longest * len(lens) >= SKEW_RATIO * sum(lens)
 
 
+def _stream_key(device: torch.device) -> int | None:
+    """The current CUDA stream's handle (None off CUDA): the backend's per-stream buffers are keyed by it."""
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+
+
 @dataclass
 class _Plan:
     num_parts: int  # decode partitions (flash-decoding)
@@ -122,7 +127,7 @@ class TritonAttentionBackend(AttentionBackend):
                 self.graph_cascade = CascadeBuffers(self.max_batch, group, q.device)
             plan.cascade = self.graph_cascade
         elif plan.cascade_rows is not None:
-            key = torch.cuda.current_stream(q.device).cuda_stream if q.device.type == "cuda" else None
+            key = _stream_key(q.device)
             if key not in self.cascade_buffers:
                 self.cascade_buffers[key] = CascadeBuffers(self.max_batch, group, q.device)
             buffers = self.cascade_buffers[key]
@@ -135,10 +140,9 @@ class TritonAttentionBackend(AttentionBackend):
         return self.graph_cascade.fill(tables, lens, block_size) if self.graph_cascade is not None else 0
 
     def _persistent_buffers(self, q: torch.Tensor, k_cache: torch.Tensor) -> PersistentDecodeBuffers:
-        device = q.device
-        key = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+        key = _stream_key(q.device)
         if key not in self.buffers:
-            self.buffers[key] = PersistentDecodeBuffers(self.max_batch, q.shape[1], q.shape[2], device,
+            self.buffers[key] = PersistentDecodeBuffers(self.max_batch, q.shape[1], q.shape[2], q.device,
                                                         target_chunks(self.num_sms, self.num_kv_heads),
                                                         quant=k_cache.dtype == torch.int8)
         return self.buffers[key]

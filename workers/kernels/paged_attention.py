@@ -607,9 +607,11 @@ class CascadeBuffers:
         self.rows = CASCADE_ROWS
         self.per_item = max(1, CASCADE_ROWS // group_size)  # members of one work item
         self.max_items = -(-max_batch // self.per_item) + 32  # (a group's last item may be part-full: 32 groups)
-        self.prefix_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
-        self.members = torch.zeros(max_batch, dtype=torch.int32, device=device)
-        self.items = torch.zeros(self.max_items, 3, dtype=torch.int32, device=device)
+        # one device buffer (fill() copies into it at once): the prefix lengths, the members, the items
+        self.flat = torch.zeros(2 * max_batch + 3 * self.max_items, dtype=torch.int32, device=device)
+        self.prefix_lens = self.flat[:max_batch]
+        self.members = self.flat[max_batch:2 * max_batch]
+        self.items = self.flat[2 * max_batch:].view(self.max_items, 3)
         self.groups = 0  # decodes in a group at the last fill()
 
     def fill(self, tables: np.ndarray, lens: np.ndarray, block_size: int) -> int:
@@ -618,14 +620,11 @@ class CascadeBuffers:
         from workers.sampling import to_device
 
         prefix, members, items = cascade_plan(tables, np.asarray(lens), block_size, self.per_item, self.max_items)
-        host = np.zeros(2 * self.max_batch + 3 * self.max_items, dtype=np.int32)
+        host = np.zeros(self.flat.shape[0], dtype=np.int32)
         host[:len(prefix)] = prefix
         host[self.max_batch:self.max_batch + len(members)] = members
         host[2 * self.max_batch:2 * self.max_batch + items.size] = items.ravel()
-        staged = to_device(torch.from_numpy(host), torch.int32, self.prefix_lens.device)
-        self.prefix_lens.copy_(staged[:self.max_batch])
-        self.members.copy_(staged[self.max_batch:2 * self.max_batch])
-        self.items.copy_(staged[2 * self.max_batch:].view(self.max_items, 3))
+        self.flat.copy_(to_device(torch.from_numpy(host), torch.int32, self.flat.device))
         self.groups = len(members)
         return self.groups
 
