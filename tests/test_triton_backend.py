@@ -141,13 +141,24 @@ def test_the_decode_graphs_replay_a_variant_they_captured(decode, cascade):
     the one graph_variant picks: with `persistent` alone that is the persistent one (it once asked for the
     partitioned graph, never captured: a KeyError on the GPU); with cascade, the cascade graph only for a batch
     with a group (a batch without one replays the plain graph, which skips the prefix kernel and the reduce)."""
-    from workers.attention.triton_backend import TritonAttentionBackend
+    import numpy as np
+
+    from workers.attention.triton_backend import CascadeBuffers, TritonAttentionBackend
     from workers.cuda_graphs import graph_variant
 
     backend = TritonAttentionBackend(8, 4, decode=decode, cascade=cascade)
-    picked = {graph_variant(backend.graph_variants, backend, lens, grouped)
-              for lens in ([1024] * 32, [32768] + [512] * 63) for grouped in (0, 32)}
+    if cascade:
+        backend.graph_cascade = CascadeBuffers(backend.max_batch, 4, "cpu")  # (what the capture allocates)
+
+    def tables(lens, shared):  # each sequence's own pages, or its first 32 pages the same as every other's
+        t = np.arange(len(lens) * 2048, dtype=np.int32).reshape(len(lens), 2048)
+        t[:, :32] = t[0, :32] if shared else t[:, :32]
+        return t
+
+    uniform, skew = [1024] * 32, [32768] + [512] * 63
+    picked = {graph_variant(backend.graph_variants, backend, lens, tables(lens, shared), 16)
+              for lens in (uniform, skew) for shared in (False, True)}
     assert picked == set(backend.graph_variants)  # auto: each batch its own kernel's graph
     if cascade:
-        assert graph_variant(backend.graph_variants, backend, [1024] * 32, 0) == "partitioned"
-        assert graph_variant(backend.graph_variants, backend, [1024] * 32, 32) == "cascade"
+        assert graph_variant(backend.graph_variants, backend, uniform, tables(uniform, False), 16) == "partitioned"
+        assert graph_variant(backend.graph_variants, backend, uniform, tables(uniform, True), 16) == "cascade"

@@ -36,12 +36,12 @@ from workers.attention.base import AttentionMetadata
 log = logging.getLogger("laneserve.worker")
 
 
-def graph_variant(variants: tuple[str, ...], backend, lens, grouped: int = 0) -> str:
+def graph_variant(variants: tuple[str, ...], backend, lens, tables: np.ndarray, block_size: int) -> str:
     """Which of the captured variants (the decode-attention kernel: `partitioned`, `persistent`, or `cascade`, the
-    partitioned one with shared prefixes once per group) a batch with these context lengths replays, `grouped` of
-    its decodes in a cascade group: the only one, or the backend's choice (`--decode-attention auto`,
-    `--cascade-attention`)."""
-    return variants[0] if len(variants) == 1 else backend.decode_variant(lens, grouped)
+    partitioned one with shared prefixes once per group) a batch with these context lengths and host block tables
+    replays: the only one, or the backend's choice (`--decode-attention auto`, `--cascade-attention`: the backend's
+    decode_variant, which fills the cascade graphs' buffers when it picks them)."""
+    return variants[0] if len(variants) == 1 else backend.decode_variant(lens, tables, block_size)
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -162,10 +162,7 @@ class DecodeGraphs:
         self.block_tables[:n, :width].copy_(host_tables[:n, :width], non_blocking=True)
         self.copied[turn] = event = self.copied[turn] or torch.cuda.Event()
         event.record()
-        grouped = 0
-        if n > 1 and "cascade" in self.variants and not self.backend.decode_persistent(seq_lens[:n]):
-            grouped = self.backend.fill_graph_cascade(tables_np[:n], np.asarray(seq_lens[:n]), self.block_size)
-        self.last = bs, graph_variant(self.variants, self.backend, seq_lens[:n], grouped)
+        self.last = bs, graph_variant(self.variants, self.backend, seq_lens[:n], tables_np[:n], self.block_size)
         self.graphs[self.last].replay()
         return self.logits[self.last][:n]
 

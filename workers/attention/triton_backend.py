@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from workers.attention.base import AttentionBackend, AttentionMetadata, Rope
@@ -62,8 +63,8 @@ class TritonAttentionBackend(AttentionBackend):
     partitioned one otherwise (the decode CUDA graphs are captured with each, workers/cuda_graphs.py).
     cascade (`--cascade-attention`): where the partitioned kernel runs, decodes whose contexts start with the same
     pages read them once per group (paged_attention's cascade decode); the decode CUDA graphs are also captured as
-    `cascade`, which reads one set of buffers (graph_cascade) that the graph runner fills before each replay
-    (fill_graph_cascade), and a batch with no group replays the plain graph."""
+    `cascade`, which reads one set of buffers (graph_cascade) that decode_variant fills when it picks that graph
+    before a replay; a batch with no group replays the plain graph."""
 
     name = "triton"
 
@@ -98,16 +99,20 @@ class TritonAttentionBackend(AttentionBackend):
                 parts = num_partitions(nd, self.num_kv_heads, max(meta.seq_lens_cpu[:nd]), self.num_sms)
         prefill_lens = meta.query_lens_cpu[nd:]
         meta.plan = _Plan(parts, len(prefill_lens), max(prefill_lens, default=0), use)
-        if variant == "cascade":  # the graph runner fills its buffers before each replay
+        if variant == "cascade":  # decode_variant fills its buffers before each replay
             meta.plan.cascade_graph = True
         elif variant is None and self.cascade and not use and 1 < nd <= self.max_batch:
             meta.plan.cascade_rows = (meta.block_tables_cpu[:nd], meta.seq_lens_cpu[:nd], block_size)
 
-    def decode_variant(self, lens, grouped: int) -> str:
-        """The captured decode graph for decodes of these context lengths, `grouped` of them in cascade groups."""
+    def decode_variant(self, lens, tables: np.ndarray, block_size: int) -> str:
+        """The captured decode graph for decodes of these context lengths and host block tables: `cascade` when a
+        group forms among them (its buffers, graph_cascade, filled here; one sequence shares with nobody)."""
         if self.decode_persistent(lens):
             return "persistent"
-        return "cascade" if grouped and self.cascade else "partitioned"
+        if self.graph_cascade is not None and len(lens) > 1 and self.graph_cascade.fill(tables, np.asarray(lens),
+                                                                                        block_size):
+            return "cascade"
+        return "partitioned"
 
     def decode_persistent(self, lens) -> bool:
         """Whether decodes with these context lengths run the persistent kernel (else the partitioned one)."""
@@ -133,11 +138,6 @@ class TritonAttentionBackend(AttentionBackend):
             buffers = self.cascade_buffers[key]
             plan.cascade = buffers if buffers.fill(*plan.cascade_rows) else None
             plan.cascade_rows = None
-
-    def fill_graph_cascade(self, tables, lens, block_size: int) -> int:
-        """Before a decode graph's replay: the groups of its decodes, into the buffers the `cascade` graphs read;
-        returns how many decodes are grouped (0: replay the `partitioned` graph)."""
-        return self.graph_cascade.fill(tables, lens, block_size) if self.graph_cascade is not None else 0
 
     def _persistent_buffers(self, q: torch.Tensor, k_cache: torch.Tensor) -> PersistentDecodeBuffers:
         key = _stream_key(q.device)
