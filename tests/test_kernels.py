@@ -128,7 +128,7 @@ def test_cascade_decode_matches_reference(groups, heads, kv_heads, dim, parts):
     sequences outside a group and the CUDA-graph padding rows (planned as no group) as without cascade."""
     q, kc, vc, bt, lens = shared_case(groups, heads, kv_heads, dim, seed=len(groups) + heads)
     buffers = pa.CascadeBuffers(len(lens) + 3, heads // kv_heads, DEVICE)
-    grouped = buffers.fill(bt.cpu().numpy(), lens.cpu().numpy(), PAGE)
+    grouped = buffers.fill(bt.cpu().numpy(), lens.cpu().numpy(), PAGE, min_members=2, min_grouped=2)
     assert grouped == sum(len(ns) for shared, ns in groups if shared >= pa.CASCADE_MIN_PREFIX)
     out = torch.full_like(q, float("nan"))
     paged_decode(q, kc, vc, bt, lens, dim ** -0.5, num_parts=parts, out=out, cascade=buffers)
@@ -137,6 +137,27 @@ def test_cascade_decode_matches_reference(groups, heads, kv_heads, dim, parts):
     assert rel_err(out, ref) < (1e-2 if ON_GPU else 1e-5)
     with pytest.raises(ValueError, match="at most 2 decodes"):
         paged_decode(q, kc, vc, bt, lens, dim ** -0.5, cascade=pa.CascadeBuffers(2, heads // kv_heads, DEVICE))
+
+
+def plan(*args, **kwargs):
+    """cascade_plan with groups of two members and up (the defaults' thresholds: the next test)."""
+    return pa.cascade_plan(*args, **{"min_members": 2, "min_grouped": 2, **kwargs})
+
+
+def test_cascade_plan_leaves_small_groups_and_batches_to_the_per_sequence_kernel():
+    """With the defaults, a group of fewer than CASCADE_MIN_MEMBERS decodes is none (16 documents of 2 decodes:
+    the RAG shape's batch, 0.70x on the H100), nor a plan with fewer than CASCADE_MIN_GROUPED decodes in groups."""
+    def case(docs):  # [members of each document]: 1,536 shared keys (96 pages), then a page of each member's own
+        rows = [list(range(d * 100, d * 100 + 96)) + [10_000 + 10 * d + i] for d, n in enumerate(docs)
+                for i in range(n)]
+        lens = np.full(len(rows), 97 * 16 - 5)
+        return pa.cascade_plan(np.array(rows, dtype=np.int32), lens, 16, per_item=16, max_items=64)[0]
+
+    assert pa.CASCADE_MIN_MEMBERS == 8 and pa.CASCADE_MIN_GROUPED == 32
+    assert not case([2] * 16 + [1] * 8).any() and not case([7] * 8).any()  # groups too small
+    assert not case([16] + [1] * 48).any() and not case([31]).any()  # too few grouped
+    assert (case([8] * 4) == 1536).all() and (case([32]) == 1536).all()
+    assert (case([16, 16] + [3] * 4) > 0).sum() == 32  # (the groups of 3 left out)
 
 
 def test_cascade_plan_groups_decodes_by_their_shared_whole_pages():
@@ -149,17 +170,17 @@ def test_cascade_plan_groups_decodes_by_their_shared_whole_pages():
                   [1, 2, 10, 11, 12, 13, 14],  # group of first page 1: all its 5 pages before the last one ...
                   [1, 2, 10, 11, 12, 15, 0]], dtype=np.int32)  # ... shared, but this member's last page is its 6th
     lens = np.array([90, 85, 96, 20, 112, 81])
-    prefix, members, items = pa.cascade_plan(t, lens, 16, per_item=3, max_items=8, min_prefix=64)
+    prefix, members, items = plan(t, lens, 16, per_item=3, max_items=8, min_prefix=64)
     assert prefix.tolist() == [64, 64, 64, 0, 64, 64]  # (5 pages = 80 keys -> 64)
     # the three first: one work item reads 64 keys for three, 2 x 64 saved (rows 0-1 alone: 1 x 64)
     assert sorted(members[:3].tolist()) == [0, 1, 2] and sorted(members[3:].tolist()) == [4, 5]
     assert items.tolist() == [[0, 3, 64], [3, 2, 64]]
-    prefix, members, items = pa.cascade_plan(t, lens, 16, per_item=3, max_items=1, min_prefix=64)
+    prefix, members, items = plan(t, lens, 16, per_item=3, max_items=1, min_prefix=64)
     assert prefix.tolist() == [64, 64, 64, 0, 0, 0] and items.tolist() == [[0, 3, 64]]  # no room left
-    prefix, _, items = pa.cascade_plan(t, lens, 16, per_item=2, max_items=8, min_prefix=64)
+    prefix, _, items = plan(t, lens, 16, per_item=2, max_items=8, min_prefix=64)
     assert items[:, 1].tolist() == [2, 2, 1]  # (rows 4-5, then the three in two items: 1 x 64 saved each)
     for per_item, min_prefix in ((3, 128), (1, 64)):  # too short a prefix; one member an item (a head group > 32)
-        prefix, _, items = pa.cascade_plan(t, lens, 16, per_item=per_item, max_items=8, min_prefix=min_prefix)
+        prefix, _, items = plan(t, lens, 16, per_item=per_item, max_items=8, min_prefix=min_prefix)
         assert not prefix.any() and items.shape == (0, 3)
 
 
@@ -175,10 +196,10 @@ def test_cascade_plan_groups_by_documents_behind_a_prefix_every_decode_shares():
     for i, r in enumerate(rows):
         t[i, :len(r)] = r
     lens = np.array([len(r) * 16 - 3 for r in rows])
-    prefix, members, items = pa.cascade_plan(t, lens, 16, per_item=16, max_items=8, min_prefix=256)
+    prefix, members, items = plan(t, lens, 16, per_item=16, max_items=8, min_prefix=256)
     assert prefix.tolist() == [320, 320, 320, 448, 448, 0]  # (21 pages: 336 keys -> 320; 31: 496 -> 448)
     assert sorted(members[:3].tolist()) == [0, 1, 2] and items[:, 1].tolist() == [3, 2]
-    prefix, _, _ = pa.cascade_plan(t[[0, 1, 3, 4]], lens[[0, 1, 3, 4]], 16, per_item=16, max_items=8, min_prefix=256)
+    prefix, _, _ = plan(t[[0, 1, 3, 4]], lens[[0, 1, 3, 4]], 16, per_item=16, max_items=8, min_prefix=256)
     assert prefix.tolist() == [448] * 4  # (without row 2)
 
 

@@ -53,7 +53,8 @@ def test_cascade_attention_gives_hf_greedy_tokens_for_decodes_sharing_a_cached_p
     from workers.attention import triton_backend as tb
     from workers.kernels import paged_attention as pa
 
-    monkeypatch.setattr(pa, "CASCADE_MIN_PREFIX", 64)
+    for name, value in (("CASCADE_MIN_PREFIX", 64), ("CASCADE_MIN_MEMBERS", 2), ("CASCADE_MIN_GROUPED", 2)):
+        monkeypatch.setattr(pa, name, value)
     planned = []
     monkeypatch.setattr(tb.CascadeBuffers, "fill", lambda self, *a, _f=tb.CascadeBuffers.fill: planned.append(
         _f(self, *a)) or planned[-1])

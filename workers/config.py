@@ -46,8 +46,8 @@ class WorkerConfig:
     cascade_attention: bool = field(default=False, metadata=flag(
         "Triton backend, partitioned decode kernel: decodes whose contexts start with the same K/V pages (the prefix "
         "cache's: a shared document or system prompt) read those pages once per 64 query heads of the group instead "
-        "of once per sequence (docs/architecture.md); not with an int8 K/V cache, a sliding window or "
-        "--decode-attention persistent"))
+        "of once per sequence, where that pays: groups of 8 decodes and up, 32 decodes in groups a step "
+        "(docs/architecture.md); not with an int8 K/V cache, a sliding window or --decode-attention persistent"))
     decode_gemv_rows: int = field(default=0, metadata=flag(
         "CUDA, tensor-parallel size 1: steps of at most this many tokens (1-8) run the model's linear layers as "
         "weight-streaming GEMV kernels with the RMSNorms, SiLU * up, the residual adds and (Triton attention, a pool "

@@ -201,7 +201,7 @@ def _launch(kernel, grid: tuple, args: tuple, config: dict, dtype: torch.dtype, 
     has less shared memory per block than the one the configs were tuned on (GEMV_CONFIGS: the H200's 227 KB; an
     A100 has 163 KB, sm_86 / sm_89 99 KB): Triton refuses such a launch before it starts, so nothing ran. The first
     launch of each variant finds its stages (the runner's warm-up, before any CUDA graph capture). Without fit (a
-    config the caller chose: a benchmark's sweep) the refusal is raised."""
+    config that names its stages: a benchmark's sweep) the refusal is raised."""
     constexprs.update(UPCAST=INTERPRETED, PRECISION="ieee" if dtype == torch.float32 else "tf32")
     if not fit:
         kernel[grid](*args, **constexprs, num_warps=config["num_warps"], num_stages=config["num_stages"])
@@ -250,7 +250,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None, *, bias: 
     """x [M <= 8, K] (rows contiguous along K) @ w.T for w [N, K] contiguous: [M, N] in x's dtype (into out if
     given), with the prologue / epilogue the module docstring lists (silu: w is a merged gate/up weight [2I, K] and
     the result [M, I]); with residual, r += y in place and r is returned. config: launch-config overrides on top of
-    gemv_config(N, K), run as given (without one, the shape's config sheds pipeline stages to fit the GPU: _launch)."""
+    gemv_config(N, K); pipeline stages it names run as given, others are shed where the GPU lacks the shared memory
+    (_launch: a tile of fp32 weights needs twice a bf16 one's)."""
     M = x.shape[0]
     N, K = w.shape
     if (M > MAX_M or x.shape[1] != K or w.stride(1) != 1 or x.stride(1) != 1 or silu and N % 2
@@ -267,9 +268,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None, *, bias: 
                                                torch.empty(M, n_out, dtype=x.dtype, device=x.device))
     norm_w, eps = norm if norm is not None else (None, 0.0)
     cols = c["BLOCK_N"] // 2 if silu else c["BLOCK_N"]  # output columns a program writes
+    fit = "num_stages" not in (config or {})
     _launch(_gemv, (triton.cdiv(n_out, cols),),
             (x, w, bias if bias is not None else w, norm_w if norm_w is not None else w, y, M, n_out, K, x.stride(0),
-             w.stride(0), y.stride(0), eps), c, x.dtype, config is None, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
+             w.stride(0), y.stride(0), eps), c, x.dtype, fit, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
             RSTD_K=_rstd_k(K) if norm is not None else 16, NORMED=norm is not None, SILU=silu, BIAS=bias is not None,
             RESIDUAL=residual is not None)
     return y
@@ -301,6 +303,6 @@ def qkv_rope_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n
     _launch(_qkv_rope, (N // block_n,),
             (x, w, bias if bias is not None else w, norm[0], y, positions, cos, sin, k_cache, v_cache, slots, M, K,
              x.stride(0), w.stride(0), y.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
-             k_cache.stride(2), norm[1], num_heads, num_kv_heads), c, x.dtype, config is None, D=D,
+             k_cache.stride(2), norm[1], num_heads, num_kv_heads), c, x.dtype, "num_stages" not in (config or {}), D=D,
             PAGE=k_cache.shape[1], BLOCK_N=block_n, BLOCK_K=c["BLOCK_K"], RSTD_K=_rstd_k(K), BIAS=bias is not None)
     return y

@@ -535,6 +535,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 CASCADE_CHUNKS = 4  # programs per (group item, KV head) over the shared prefix
 CASCADE_ROWS = 64  # query rows (members x heads per KV head) of one work item's tile
 CASCADE_MIN_PREFIX = 256  # shorter shared prefixes are left to the per-sequence kernel
+# where the cascade pays (kernel_bench --cascade, H100, Mistral-7B shape, 1,536 shared keys): one group of 192 / 96 /
+# 64 / 32 decodes 1.70x / 1.91x / 1.47x / 1.10x, of 16 0.97x; 8 groups of 8 1.27x, 16 of 4 1.06x, 16 of 3 1.02x,
+# 16 of 2 with 8 decodes alone 0.70x (the RAG shape's batch: the prefix kernel runs before the longest context).
+CASCADE_MIN_MEMBERS = 8  # smaller groups are left to the per-sequence kernel ...
+CASCADE_MIN_GROUPED = 32  # ... and so is a batch with fewer decodes in groups
 CASCADE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 CASCADE_CONFIG_CPU = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
 CASCADE_ALIGN = 64  # a shared prefix is a multiple of this many keys: the configs' BLOCK_N (the prefix kernel's
@@ -543,7 +548,8 @@ CASCADE_MAX_SPLITS = 64  # _shared_groups splits this deep at most (its recursio
 
 
 def _shared_groups(tables: np.ndarray, own: np.ndarray, m: np.ndarray, depth: int, block_size: int,
-                   min_prefix: int, per_item: int, splits: int = 0) -> tuple[list[tuple[np.ndarray, int]], int]:
+                   min_prefix: int, min_members: int, per_item: int,
+                   splits: int = 0) -> tuple[list[tuple[np.ndarray, int]], int]:
     """Decodes m (sharing their first `depth` pages; own[i]: decode i's whole pages before its last one) -> the
     grouping of them that saves the most K/V reads, [(members, shared keys)], and those reads (a group's prefix is
     read once per work item of per_item members): either all of m over the pages they all share, or, split by the
@@ -554,9 +560,9 @@ def _shared_groups(tables: np.ndarray, own: np.ndarray, m: np.ndarray, depth: in
     common = depth + (int(np.argmin(same)) if not same.all() else full - depth)
     keys = common * block_size // CASCADE_ALIGN * CASCADE_ALIGN
     reads = (len(m) - -(-len(m) // per_item)) * keys
-    best = ([(m, keys)], reads) if reads > 0 and keys >= min_prefix else ([], 0)
+    best = ([(m, keys)], reads) if reads > 0 and keys >= min_prefix and len(m) >= min_members else ([], 0)
     deeper = m[own[m] > common]  # (the others end at the common pages)
-    if len(deeper) < 2 or splits >= CASCADE_MAX_SPLITS:
+    if len(deeper) < max(2, min_members) or splits >= CASCADE_MAX_SPLITS:
         return best
     order = deeper[np.argsort(tables[deeper, common], kind="stable")]
     page = tables[order, common]
@@ -564,37 +570,44 @@ def _shared_groups(tables: np.ndarray, own: np.ndarray, m: np.ndarray, depth: in
     split: list[tuple[np.ndarray, int]] = []
     saved = 0
     for s, e in zip(starts, np.r_[starts[1:], len(order)]):
-        if e - s > 1:
-            groups, reads = _shared_groups(tables, own, order[s:e], common + 1, block_size, min_prefix, per_item,
-                                           splits + 1)
+        if e - s >= max(2, min_members):
+            groups, reads = _shared_groups(tables, own, order[s:e], common + 1, block_size, min_prefix, min_members,
+                                           per_item, splits + 1)
             split += groups
             saved += reads
     return (split, saved) if saved > best[1] else best
 
 
 def cascade_plan(tables: np.ndarray, lens: np.ndarray, block_size: int, per_item: int, max_items: int,
-                 min_prefix: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                 min_prefix: int | None = None, min_members: int | None = None,
+                 min_grouped: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Groups of decodes that share leading K/V pages, from their block tables [n, width] (int32) and context
     lengths [n]: (prefix [n]: the keys the group's prefix covers, a multiple of CASCADE_ALIGN, 0 outside a group;
     members [n]:
     sequence indices, each group's together; items [k, 3]: (first index into members, members <= per_item, prefix
     keys), at most max_items, the groups that save the most reads first). Only whole pages before each member's
     last one count (a shared page is a full page of the prefix cache; the page a decode writes is its own); a group
-    shares at least min_prefix keys (CASCADE_MIN_PREFIX); _shared_groups chooses them."""
+    shares at least min_prefix keys (CASCADE_MIN_PREFIX) among at least min_members decodes (CASCADE_MIN_MEMBERS),
+    and a plan with fewer than min_grouped decodes in groups (CASCADE_MIN_GROUPED) is none; _shared_groups chooses
+    them."""
     min_prefix = CASCADE_MIN_PREFIX if min_prefix is None else min_prefix
+    min_members = CASCADE_MIN_MEMBERS if min_members is None else min_members
+    min_grouped = CASCADE_MIN_GROUPED if min_grouped is None else min_grouped
     n = len(lens)
     prefix = np.zeros(n, dtype=np.int32)
     members: list[int] = []
     items: list[tuple[int, int, int]] = []
-    if n > 1 and per_item > 1:  # (one member per work item reads the prefix once per member: nothing saved)
+    if n >= max(2, min_grouped) and per_item > 1:  # (one member per work item reads the prefix once per member)
         own = (np.asarray(lens) - 1) // block_size
-        groups, _ = _shared_groups(tables, own, np.arange(n), 0, block_size, min_prefix, per_item)
+        groups, _ = _shared_groups(tables, own, np.arange(n), 0, block_size, min_prefix, min_members, per_item)
         for m, keys in sorted(groups, key=lambda g: -(len(g[0]) - -(-len(g[0]) // per_item)) * g[1]):
             if len(items) + -(-len(m) // per_item) > max_items:
                 continue
             prefix[m] = keys
             items += [(len(members) + i, min(per_item, len(m) - i), keys) for i in range(0, len(m), per_item)]
             members += m.tolist()
+        if len(members) < min_grouped:
+            prefix[:], members, items = 0, [], []
     return prefix, np.array(members, dtype=np.int32), np.array(items, dtype=np.int32).reshape(-1, 3)
 
 
@@ -614,12 +627,13 @@ class CascadeBuffers:
         self.items = self.flat[2 * max_batch:].view(self.max_items, 3)
         self.groups = 0  # decodes in a group at the last fill()
 
-    def fill(self, tables: np.ndarray, lens: np.ndarray, block_size: int) -> int:
-        """Plans the decodes with these block tables and context lengths (at most max_batch); returns how many
-        are in a group (0: the kernels compute every context in full)."""
+    def fill(self, tables: np.ndarray, lens: np.ndarray, block_size: int, **limits) -> int:
+        """Plans the decodes with these block tables and context lengths (at most max_batch; limits: cascade_plan's
+        min_* overrides); returns how many are in a group (0: the kernels compute every context in full)."""
         from workers.sampling import to_device
 
-        prefix, members, items = cascade_plan(tables, np.asarray(lens), block_size, self.per_item, self.max_items)
+        prefix, members, items = cascade_plan(tables, np.asarray(lens), block_size, self.per_item, self.max_items,
+                                              **limits)
         host = np.zeros(self.flat.shape[0], dtype=np.int32)
         host[:len(prefix)] = prefix
         host[self.max_batch:self.max_batch + len(members)] = members
