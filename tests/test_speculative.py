@@ -433,8 +433,8 @@ class EagerGraphs:
                                  seq_lens=torch.tensor(lens, dtype=i32, device=dev),
                                  block_tables=torch.from_numpy(table).to(dev),
                                  slot_mapping=torch.tensor(np.asarray(slots), dtype=i64, device=dev), num_decodes=n,
-                                 query_lens_cpu=[1] * n, seq_lens_cpu=lens)
-        self.backend.prepare(meta, BS, self.window)
+                                 query_lens_cpu=[1] * n, seq_lens_cpu=lens, block_tables_cpu=table)
+        self.backend.prepare(meta, BS, self.window)  # (cascade: planned from the host tables, as for an eager step)
         tokens = torch.tensor(np.asarray(ids), dtype=i64, device=dev)
         if src is not None:
             rows = torch.tensor(src, device=dev)

@@ -76,6 +76,33 @@ def test_cascade_attention_gives_hf_greedy_tokens_for_decodes_sharing_a_cached_p
     assert max(planned) == 3  # the three decoded as one group
 
 
+def test_cascade_attention_with_drafts_gives_hf_greedy_tokens(tmp_path, monkeypatch):
+    """Prompt-lookup drafts are verified as a decode row per position: with cascade, one sequence's rows share its
+    whole pages and form a group (here, with the thresholds at two members: in a server, eight rows and 32 grouped
+    in the step), each row's own keys after the shared ones. The batcher drives the runner; HF's greedy tokens."""
+    import random
+
+    from tests.test_lanes import engine
+    from tests.test_speculative import CHEAP_VERIFY, EagerGraphs
+    from workers.attention import triton_backend as tb
+    from workers.kernels import paged_attention as pa
+
+    for name, value in (("CASCADE_MIN_PREFIX", 64), ("CASCADE_MIN_MEMBERS", 2), ("CASCADE_MIN_GROUPED", 2)):
+        monkeypatch.setattr(pa, name, value)
+    planned = []
+    monkeypatch.setattr(tb.CascadeBuffers, "fill", lambda self, *a, _f=tb.CascadeBuffers.fill: planned.append(
+        _f(self, *a)) or planned[-1])
+    hf = make_checkpoint(str(tmp_path), "llama", seed=4)
+    runner = ModelRunner(WorkerConfig(model=str(tmp_path), device=DEVICE, dtype="float32", kv_cache_memory="2MiB",
+                                      max_model_len=512, attention_backend="triton", decode_attention="partitioned",
+                                      max_num_seqs=8, cascade_attention=True))
+    runner.graphs = EagerGraphs(runner.model, runner.backend, None)  # (the verify rows: the decode graphs' path)
+    jobs = {"loop": (random_prompt(6, seed=5) * 14, 20), "b": (random_prompt(70, seed=9), 8)}
+    out, s = engine(runner, "mixed", jobs, random.Random(1), cost=CHEAP_VERIFY, speculative="ngram")
+    assert out == {rid: hf_greedy(hf, prompt, n) for rid, (prompt, n) in jobs.items()}
+    assert s.stats().spec_accepted > 0 and max(planned) >= 2  # (the prompts share nothing: one sequence's rows)
+
+
 def test_cascade_attention_is_refused_where_it_cannot_run(tmp_path):
     with pytest.raises(ValueError, match="--cascade-attention is a Triton kernel"):
         ModelRunner(WorkerConfig(model="tiny", device="cpu", attention_backend="torch", cascade_attention=True))
