@@ -227,15 +227,21 @@ def test_gemv_is_the_linear_for_small_batches(dtype, m, n, k, config):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fuse,config", [("norm", {}), ("silu", {}), ("residual", {}), ("bias+norm", {}),
-                                          ("norm+silu", {}), ("bias+norm+silu", {}), ("bias+silu", {"BLOCK_N": 16}),
-                                          ("silu+residual", {"BLOCK_N": 64})])
-@pytest.mark.parametrize("m", [1, 2, 3, 8])
-def test_gemv_fuses_the_layers_small_ops(dtype, fuse, config, m):
+@pytest.mark.parametrize("fuse,config,m,prologue_rows", [  # (prologue_rows 8: the norm in the prologue at any M)
+    (fuse, config, m, rows) for fuse, config in [
+        ("norm", {}), ("silu", {}), ("residual", {}), ("bias+norm", {}), ("norm+silu", {}), ("bias+norm+silu", {}),
+        ("bias+silu", {"BLOCK_N": 16}), ("silu+residual", {"BLOCK_N": 64})]
+    for m in (1, 2, 3, 8) for rows in (None, 8) if rows is None or "norm" in fuse and m > 1])
+def test_gemv_fuses_the_layers_small_ops(dtype, fuse, config, m, prologue_rows, monkeypatch):
     """Each prologue / epilogue the decoder layer's GEMV path uses, against the fallbacks then a linear (the model's
     math op for op): RMSNorm of x, silu(gate) * up of a merged gate/up weight's output (a program's gate and up rows:
-    BLOCK_N / 2 of each), r += y in place, the bias. Ragged N and K; M of 1, 2, 3 and 8 (rows past M masked)."""
+    BLOCK_N / 2 of each), r += y in place, the bias. Ragged N and K; M of 1, 2, 3 and 8 (rows past M masked); the
+    norm in the prologue for up to NORM_PROLOGUE_ROWS rows, apart above (prologue_rows 8: in the prologue always)."""
+    from workers.kernels import gemv as gemv_module
     from workers.kernels.gemv import gemv
+
+    if prologue_rows is not None:
+        monkeypatch.setattr(gemv_module, "NORM_PROLOGUE_ROWS", prologue_rows)
 
     n, k = 70, 300  # (with silu: 35 gate and 35 up rows)
     eps = 1e-5
@@ -271,14 +277,21 @@ def test_gemv_fuses_the_layers_small_ops(dtype, fuse, config, m):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens,heads,kv_heads,dim,bias", [(1, 4, 2, 32, False), (5, 2, 1, 64, True),
-                                                            (3, 3, 3, 16, False), (8, 2, 2, 80, True)])
-def test_qkv_rope_gemv_is_the_norm_qkv_rope_and_kv_write_in_one_launch(dtype, tokens, heads, kv_heads, dim, bias):
+@pytest.mark.parametrize("tokens,heads,kv_heads,dim,bias,prologue_rows", [
+    (1, 4, 2, 32, False, None), (5, 2, 1, 64, True, None), (3, 3, 3, 16, False, None), (8, 2, 2, 80, True, None),
+    (5, 2, 1, 64, True, 8), (8, 2, 2, 80, True, 8)])  # (prologue_rows 8: the norm in the launch at any M)
+def test_qkv_rope_gemv_is_the_norm_qkv_rope_and_kv_write_in_one_launch(dtype, tokens, heads, kv_heads, dim, bias,
+                                                                        prologue_rows, monkeypatch):
     """The first layer's or the next layer's qkv at <= 8 tokens (--decode-gemv-rows): RMSNorm + the qkv GEMV + RoPE
-    + the K/V write in one launch, against gemv then rope_write_kv_ (their own tests hold those to the model's math):
-    the same qkv rows (q and k rotated) and pool, a padding row (slot -1) written nowhere; head sizes whose half is
-    not a power of two or is under 16 columns."""
+    + the K/V write in one launch (above NORM_PROLOGUE_ROWS tokens the norm apart first; prologue_rows 8: in the
+    launch always), against gemv then rope_write_kv_ (their own tests hold those to the model's math): the same qkv
+    rows (q and k rotated) and pool, a padding row (slot -1) written nowhere; head sizes whose half is not a power
+    of two or is under 16 columns."""
+    from workers.kernels import gemv as gemv_module
     from workers.kernels.gemv import gemv, qkv_rope_gemv
+
+    if prologue_rows is not None:
+        monkeypatch.setattr(gemv_module, "NORM_PROLOGUE_ROWS", prologue_rows)
 
     max_len, page, blocks, hidden = 300, 16, 6, 96
     rope = RotaryEmbedding(dataclasses.replace(TINY_CONFIG, head_dim=dim, rope_theta=10000.0), max_len)

@@ -6,17 +6,18 @@ bytes over the bandwidth the kernel reaches: cuBLAS reads the 7B's weights at 3.
 gives each program BLOCK_N rows of w (contiguous along K, so each row streams in wide loads) and multiplies them with
 the M input rows padded to 16 on the tensor cores (the math is free here; the padding keeps registers for the loads),
 accumulating in fp32. Each program reads all of x (a few KB, from L2), so the op that makes x can run inside it:
-- `norm=(weight, eps)`: x is the residual stream and the product takes RMSNorm(x) (each program computes the rows'
-  rstd in a first pass over x), rounded as workers/kernels/fused.py's norm rounds it;
+- `norm=(weight, eps)`: x is the residual stream and the product takes RMSNorm(x), rounded as
+  workers/kernels/fused.py's norm rounds it: for one row in the GEMV (each program computes the row's rstd in a
+  first pass over x), for more as fused.py's norm kernel first (NORM_PROLOGUE_ROWS);
 - `silu=True`: w is a merged gate/up weight [2I, K]; each program owns matching gate and up rows and writes
   silu(gate) * up [M, I], rounded as `silu_mul` rounds the merged output (the down GEMV then reads half the bytes);
 - `residual=r`: r += y in place (rounded in r's dtype, as `add_rms_norm` adds), returned instead of y;
 - `bias`: added in fp32 before the one rounding.
 `qkv_rope_gemv` is the norm + qkv GEMV that also does what the attention backend would do next: RoPE on the q and
 k heads and the K/V write into the paged pool (each program owns matching columns of a head's two halves, the pairs
-RoPE rotates together). So a decoder layer at batch <= 8 is four launches besides attention (o + residual, norm +
-gate/up + silu, down + residual, the next layer's norm + qkv + RoPE + K/V write) instead of eight
-(workers/model/llama.py, `--decode-gemv-rows`).
+RoPE rotates together). So a decoder layer at batch 1 is four launches besides attention (o + residual, norm +
+gate/up + silu, down + residual, the next layer's norm + qkv + RoPE + K/V write) instead of eight, and at batch 2-8
+six (the two norms apart) (workers/model/llama.py, `--decode-gemv-rows`).
 
 Launch configs: `GEMV_CONFIGS` holds the best config per weight shape measured on the H200 (2026-12-05,
 `python -m workers.tools.kernel_bench --gemv`, docs/perf.md: 8% faster than cuBLAS over a batch-1 step's weights,
@@ -40,11 +41,16 @@ try:
 
     from triton.runtime.errors import OutOfResources
 
-    from workers.kernels.fused import INTERPRETED, rope_rotate
+    from workers.kernels.fused import INTERPRETED, rms_norm, rope_rotate
 except ImportError:  # CPU-only installs
     triton = None
 
 MAX_M = 8
+# The norm runs in the GEMV's prologue for at most this many rows, above as its own kernel first. Every program
+# computes the rows' rstd before streaming its weights, and that pass grows with the rows: on an H100 (2026-12-06,
+# kernel_bench --gemv, a step's layers) the fused path ran 1.02x cuBLAS at one row, 0.88x at 4 and 0.80x at 8, while
+# the GEMV with the norm apart ran 1.02x at all three.
+NORM_PROLOGUE_ROWS = 1
 # (BLOCK_N, BLOCK_K, num_warps, num_stages); the bench sweeps GEMV_GRID and prints the best per shape
 GEMV_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4}
 GEMV_GRID = {"BLOCK_N": [16, 32, 64], "BLOCK_K": [128, 256, 512], "num_warps": [4], "num_stages": [3, 5]}
@@ -151,10 +157,11 @@ if triton is not None:
     def _qkv_rope(x_ptr, w_ptr, b_ptr, nw_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr,
                   M, K, stride_xm, stride_wn, stride_ym, s_cos, s_cb, s_ct, s_ch, eps, HQ, HK,
                   D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  RSTD_K: tl.constexpr, BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-        """RMSNorm + the qkv projection, then RoPE on the q and k heads and the K/V write into a paged pool that is
-        not int8. Program p owns BLOCK_N / 2 columns of one head's first half and the same columns of its second
-        half (the pairs RoPE rotates together)."""
+                  RSTD_K: tl.constexpr, NORMED: tl.constexpr, BIAS: tl.constexpr, UPCAST: tl.constexpr,
+                  PRECISION: tl.constexpr):
+        """RMSNorm (NORMED; else x comes normalised) + the qkv projection, then RoPE on the q and k heads and the
+        K/V write into a paged pool that is not int8. Program p owns BLOCK_N / 2 columns of one head's first half
+        and the same columns of its second half (the pairs RoPE rotates together)."""
         HALF_N: tl.constexpr = BLOCK_N // 2
         chunks: tl.constexpr = D // BLOCK_N
         head = tl.program_id(0) // chunks
@@ -164,9 +171,12 @@ if triton is not None:
         ms = tl.arange(0, 16)
         m_ok = ms < M
         dtype = x_ptr.dtype.element_ty
-        rstd = _rstd(x_ptr, M, K, stride_xm, eps, RSTD_K)
+        if NORMED:
+            rstd = _rstd(x_ptr, M, K, stride_xm, eps, RSTD_K)
+        else:
+            rstd = tl.zeros((16,), tl.float32)
         acc = _times_w(tl.zeros((16, BLOCK_N), tl.float32), x_ptr, w_ptr, nw_ptr, rows, rows >= 0, M, rstd, K,
-                       stride_xm, stride_wn, dtype, BLOCK_K, True, UPCAST, PRECISION)
+                       stride_xm, stride_wn, dtype, BLOCK_K, NORMED, UPCAST, PRECISION)
         if BIAS:
             acc += tl.load(b_ptr + rows).to(tl.float32)[None, :]
         lo, hi = tl.split(tl.permute(tl.reshape(acc.to(dtype), (16, 2, HALF_N)), (0, 2, 1)))
@@ -263,6 +273,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None, *, bias: 
     if residual is not None and (residual.shape != (M, n_out) or residual.stride(1) != 1 or out is not None):
         raise ValueError(f"gemv: the residual must be [{M}, {n_out}] contiguous along N (and no out), got "
                          f"{tuple(residual.shape)}")
+    if norm is not None and M > NORM_PROLOGUE_ROWS:
+        x, norm = rms_norm(x, *norm), None
     c = {**gemv_config(N, K), **(config or {})}
     y = residual if residual is not None else (out if out is not None else
                                                torch.empty(M, n_out, dtype=x.dtype, device=x.device))
@@ -295,6 +307,9 @@ def qkv_rope_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n
         raise ValueError(f"qkv_rope_gemv takes x [M <= {MAX_M}, K] and a merged qkv weight of {num_heads} + 2 x "
                          f"{num_kv_heads} heads, contiguous along K, and a pool that is not int8, got {tuple(x.shape)} "
                          f"and {tuple(w.shape)}")
+    normed = M <= NORM_PROLOGUE_ROWS
+    if not normed:
+        x = rms_norm(x, *norm)
     c = {**qkv_rope_config(N, K), **(config or {})}
     block_n = next((b for b in (c["BLOCK_N"], 32, 16) if D % b == 0 and b <= D), None)
     if block_n is None:
@@ -304,5 +319,6 @@ def qkv_rope_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n
             (x, w, bias if bias is not None else w, norm[0], y, positions, cos, sin, k_cache, v_cache, slots, M, K,
              x.stride(0), w.stride(0), y.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
              k_cache.stride(2), norm[1], num_heads, num_kv_heads), c, x.dtype, "num_stages" not in (config or {}), D=D,
-            PAGE=k_cache.shape[1], BLOCK_N=block_n, BLOCK_K=c["BLOCK_K"], RSTD_K=_rstd_k(K), BIAS=bias is not None)
+            PAGE=k_cache.shape[1], BLOCK_N=block_n, BLOCK_K=c["BLOCK_K"], RSTD_K=_rstd_k(K), NORMED=normed,
+            BIAS=bias is not None)
     return y
