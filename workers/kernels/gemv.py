@@ -49,7 +49,8 @@ MAX_M = 8
 # The norm runs in the GEMV's prologue for at most this many rows, above as its own kernel first. Every program
 # computes the rows' rstd before streaming its weights, and that pass grows with the rows: on an H100 (2026-12-06,
 # kernel_bench --gemv, a step's layers) the fused path ran 1.02x cuBLAS at one row, 0.88x at 4 and 0.80x at 8, while
-# the GEMV with the norm apart ran 1.02x at all three.
+# the GEMV with the norm apart ran 1.02x at all three; with this split, 1.05x at 1, 4 and 8 (whole decode steps
+# 1.07-1.08x at batch 1-8: docs/perf.md, stop 45).
 NORM_PROLOGUE_ROWS = 1
 # (BLOCK_N, BLOCK_K, num_warps, num_stages); the bench sweeps GEMV_GRID and prints the best per shape
 GEMV_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4}
