@@ -47,21 +47,29 @@ def test_triton_backend_matches_hf_greedy_in_a_chunked_batch(arch, decode, fused
     assert bool(qkv_ropes) == bool(gemv_rows) and all(rows <= gemv_rows for rows in qkv_ropes)  # RoPE + K/V in it
 
 
-def test_cascade_attention_gives_hf_greedy_tokens_for_decodes_sharing_a_cached_prefix(tmp_path, monkeypatch):
-    """--cascade-attention: three requests whose prompts start with the same 80 tokens, cached by a first one (the
-    prefix cache's shared blocks), decode together with their shared 64 keys computed once per group; HF's tokens."""
+def cascade_runner(tmp_path, monkeypatch, seed: int):
+    """A llama checkpoint (HF's model) and a runner with --cascade-attention whose groups need two members and 64
+    shared keys (the defaults' 8 members, 32 grouped and 256 keys are a server's); planned: each plan's grouped
+    decodes."""
     from workers.attention import triton_backend as tb
     from workers.kernels import paged_attention as pa
 
     for name, value in (("CASCADE_MIN_PREFIX", 64), ("CASCADE_MIN_MEMBERS", 2), ("CASCADE_MIN_GROUPED", 2)):
         monkeypatch.setattr(pa, name, value)
-    planned = []
+    planned: list[int] = []
     monkeypatch.setattr(tb.CascadeBuffers, "fill", lambda self, *a, _f=tb.CascadeBuffers.fill: planned.append(
         _f(self, *a)) or planned[-1])
-    hf = make_checkpoint(str(tmp_path), "llama", seed=3)
+    hf = make_checkpoint(str(tmp_path), "llama", seed=seed)
     runner = ModelRunner(WorkerConfig(model=str(tmp_path), device=DEVICE, dtype="float32", kv_cache_memory="2MiB",
                                       max_model_len=512, attention_backend="triton", decode_attention="partitioned",
                                       max_num_seqs=8, cascade_attention=True))
+    return hf, runner, planned
+
+
+def test_cascade_attention_gives_hf_greedy_tokens_for_decodes_sharing_a_cached_prefix(tmp_path, monkeypatch):
+    """--cascade-attention: three requests whose prompts start with the same 80 tokens, cached by a first one (the
+    prefix cache's shared blocks), decode together with their shared 64 keys computed once per group; HF's tokens."""
+    hf, runner, planned = cascade_runner(tmp_path, monkeypatch, seed=3)
     shared = random_prompt(80, seed=7)
     sim = Sim(runner)
     sim.add("first", shared + random_prompt(5, seed=8), greedy(2), keep_blocks=True)
@@ -78,24 +86,14 @@ def test_cascade_attention_gives_hf_greedy_tokens_for_decodes_sharing_a_cached_p
 
 def test_cascade_attention_with_drafts_gives_hf_greedy_tokens(tmp_path, monkeypatch):
     """Prompt-lookup drafts are verified as a decode row per position: with cascade, one sequence's rows share its
-    whole pages and form a group (here, with the thresholds at two members: in a server, eight rows and 32 grouped
-    in the step), each row's own keys after the shared ones. The batcher drives the runner; HF's greedy tokens."""
+    whole pages and form a group (in a server: eight rows and up, 32 grouped in the step), each row's own keys after
+    the shared ones. The batcher drives the runner; HF's greedy tokens."""
     import random
 
     from tests.test_lanes import engine
     from tests.test_speculative import CHEAP_VERIFY, EagerGraphs
-    from workers.attention import triton_backend as tb
-    from workers.kernels import paged_attention as pa
 
-    for name, value in (("CASCADE_MIN_PREFIX", 64), ("CASCADE_MIN_MEMBERS", 2), ("CASCADE_MIN_GROUPED", 2)):
-        monkeypatch.setattr(pa, name, value)
-    planned = []
-    monkeypatch.setattr(tb.CascadeBuffers, "fill", lambda self, *a, _f=tb.CascadeBuffers.fill: planned.append(
-        _f(self, *a)) or planned[-1])
-    hf = make_checkpoint(str(tmp_path), "llama", seed=4)
-    runner = ModelRunner(WorkerConfig(model=str(tmp_path), device=DEVICE, dtype="float32", kv_cache_memory="2MiB",
-                                      max_model_len=512, attention_backend="triton", decode_attention="partitioned",
-                                      max_num_seqs=8, cascade_attention=True))
+    hf, runner, planned = cascade_runner(tmp_path, monkeypatch, seed=4)
     runner.graphs = EagerGraphs(runner.model, runner.backend, None)  # (the verify rows: the decode graphs' path)
     jobs = {"loop": (random_prompt(6, seed=5) * 14, 20), "b": (random_prompt(70, seed=9), 8)}
     out, s = engine(runner, "mixed", jobs, random.Random(1), cost=CHEAP_VERIFY, speculative="ngram")
