@@ -190,8 +190,9 @@ def _decode_kernel(
     lo = _window_start(seq_len, WINDOW)
     # Each sequence splits its own span into NUM_PARTS chunks of whole BLOCK_N tiles, from the tile that
     # holds lo (tiles start on page boundaries; keys before lo are masked). CASCADE: from the end of the shared
-    # prefix that _prefix_kernel computes (pre_ptr[b] keys, a multiple of BLOCK_N; 0: none), whose partial results
-    # fill slots NUM_PARTS .. SLOTS - 1 (part 0 marks them empty for a sequence without one).
+    # prefix that _prefix_kernel computed before this launch (pre_ptr[b] keys, a multiple of BLOCK_N; 0: none),
+    # whose partial results fill slots NUM_PARTS .. SLOTS - 1: with one part merged here into the output, else by
+    # the reduce (part 0 marks them empty for a sequence without one).
     first = lo // BLOCK_N * BLOCK_N
     if CASCADE:
         first = tl.maximum(first, tl.load(pre_ptr + b))
@@ -205,7 +206,21 @@ def _decode_kernel(
     offs_d = tl.arange(0, D)
     mask_g = offs_g < G
     heads = kvh * G + offs_g
-    if NUM_PARTS == 1 and not CASCADE:
+    if NUM_PARTS == 1:
+        if CASCADE:  # the shared prefix's chunks (none: masked loads, which change nothing)
+            shared = mask_g & (tl.zeros([G_PAD], tl.int32) + tl.load(pre_ptr + b) > 0)
+            row = (b * (tl.num_programs(1) * G) + heads) * SLOTS
+            for slot in tl.static_range(NUM_PARTS, SLOTS):
+                m_s = tl.load(pm_ptr + row + slot, mask=shared, other=float("-inf"))
+                l_s = tl.load(pl_ptr + row + slot, mask=shared, other=0.0)
+                acc_s = tl.load(po_ptr + (row + slot)[:, None] * D + offs_d[None, :], mask=shared[:, None],
+                                other=0.0)
+                m_new = tl.maximum(m_i, m_s)  # (m_i is finite: a decode's own span holds its new token)
+                alpha = tl.exp2(m_i - m_new)
+                beta = tl.where(l_s > 0, tl.exp2(m_s - m_new), 0.0)
+                acc = acc * alpha[:, None] + acc_s * beta[:, None]
+                l_i = l_i * alpha + l_s * beta
+                m_i = m_new
         out = acc / l_i[:, None]
         tl.store(out_ptr + b * s_ob + heads[:, None] * s_oh + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=mask_g[:, None])
@@ -503,6 +518,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     int8_qk = cfg.pop("INT8_QK") and quant
     int8_pv = cfg.pop("INT8_PV") and quant
     dummy = seq_lens
+    if cascade is not None:  # (first: with one part the decode kernel merges its results into the output)
+        c = CASCADE_CONFIG_CPU if INTERPRETED else CASCADE_CONFIG
+        _prefix_kernel[(cascade.items.shape[0], num_kv_heads, CASCADE_CHUNKS)](
+            q, k_cache, v_cache, block_tables, cascade.items, cascade.members, po, pm, pl, sm_scale,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            num_heads, G=group, ROWS=cascade.rows, D=head_dim, PAGE=page, NUM_PARTS=num_parts, SLOTS=slots, **c)
     _decode_kernel[(batch, num_kv_heads, num_parts)](
         q, k_cache, v_cache, block_tables, seq_lens, k_scale if quant else dummy, v_scale if quant else dummy,
         cascade.prefix_lens if cascade is not None else dummy, out, po, pm, pl, sm_scale,
@@ -512,13 +533,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         QUANT=quant, WINDOW=window or 0, INT8_QK=int8_qk, INT8_PV=int8_pv, CASCADE=cascade is not None,
         SLOTS=slots, **cfg,
     )
-    if cascade is not None:
-        c = CASCADE_CONFIG_CPU if INTERPRETED else CASCADE_CONFIG
-        _prefix_kernel[(cascade.items.shape[0], num_kv_heads, CASCADE_CHUNKS)](
-            q, k_cache, v_cache, block_tables, cascade.items, cascade.members, po, pm, pl, sm_scale,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            num_heads, G=group, ROWS=cascade.rows, D=head_dim, PAGE=page, NUM_PARTS=num_parts, SLOTS=slots, **c)
-    if slots > 1:
+    if num_parts > 1:
         _reduce_kernel[(batch, num_heads)](po, pm, pl, out, out.stride(0), out.stride(1), num_heads,
                                            D=head_dim, SLOTS=slots, SLOTS_P2=triton.next_power_of_2(slots),
                                            num_warps=4)
@@ -529,15 +544,17 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 # `paged_decode(..., cascade=buffers)` (`--cascade-attention`): decodes whose contexts start with the same K/V pages
 # (the prefix cache's shared blocks: a RAG document or system prompt behind many requests) read those pages once
 # per group instead of once per sequence. _prefix_kernel computes each group's shared prefix for all its members'
-# query heads at once (CASCADE_CHUNKS programs per KV head split it), _decode_kernel the rest of each context, and
-# the reduce merges both, as it merges partitions. The groups are found on the host from the block tables
+# query heads at once (CASCADE_CHUNKS programs per KV head split it), then _decode_kernel the rest of each context,
+# merging the prefix's results into its own where it runs in one partition (else the reduce merges both, as it
+# merges partitions). The groups are found on the host from the block tables
 # (cascade_plan) and reach the device in fixed-size buffers, so a CUDA graph replays any grouping.
 CASCADE_CHUNKS = 4  # programs per (group item, KV head) over the shared prefix
 CASCADE_ROWS = 64  # query rows (members x heads per KV head) of one work item's tile
 CASCADE_MIN_PREFIX = 256  # shorter shared prefixes are left to the per-sequence kernel
 # where the cascade pays (kernel_bench --cascade, H100, Mistral-7B shape, 1,536 shared keys): one group of 192 / 96 /
 # 64 / 32 decodes 1.70x / 1.91x / 1.47x / 1.10x, of 16 0.97x; 8 groups of 8 1.27x, 16 of 4 1.06x, 16 of 3 1.02x,
-# 16 of 2 with 8 decodes alone 0.70x (the RAG shape's batch: the prefix kernel runs before the longest context).
+# 16 of 2 with 8 decodes alone 0.70x (the RAG shape's batch: the two kernels run one after the other, and the
+# decode kernel's time is its longest context's either way).
 CASCADE_MIN_MEMBERS = 8  # smaller groups are left to the per-sequence kernel ...
 CASCADE_MIN_GROUPED = 32  # ... and so is a batch with fewer decodes in groups
 CASCADE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
