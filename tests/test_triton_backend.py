@@ -57,8 +57,8 @@ def cascade_runner(tmp_path, monkeypatch, seed: int):
     for name, value in (("CASCADE_MIN_PREFIX", 64), ("CASCADE_MIN_MEMBERS", 2), ("CASCADE_MIN_GROUPED", 2)):
         monkeypatch.setattr(pa, name, value)
     planned: list[int] = []
-    monkeypatch.setattr(tb.CascadeBuffers, "fill", lambda self, *a, _f=tb.CascadeBuffers.fill: planned.append(
-        _f(self, *a)) or planned[-1])
+    monkeypatch.setattr(tb.CascadeBuffers, "fill", lambda self, *a, _f=tb.CascadeBuffers.fill, **k: planned.append(
+        _f(self, *a, **k)) or planned[-1])
     hf = make_checkpoint(str(tmp_path), "llama", seed=seed)
     runner = ModelRunner(WorkerConfig(model=str(tmp_path), device=DEVICE, dtype="float32", kv_cache_memory="2MiB",
                                       max_model_len=512, attention_backend="triton", decode_attention="partitioned",
@@ -92,8 +92,12 @@ def test_cascade_attention_with_drafts_gives_hf_greedy_tokens(tmp_path, monkeypa
 
     from tests.test_lanes import engine
     from tests.test_speculative import CHEAP_VERIFY, EagerGraphs
+    from workers.attention import triton_backend as tb
 
     hf, runner, planned = cascade_runner(tmp_path, monkeypatch, seed=4)
+    # one partition (a server's large batches): the decode kernel merges the prefix's results itself, no reduce
+    # (the test above, at this runner's 8 partitions, takes the reduce)
+    monkeypatch.setattr(tb, "num_partitions", lambda *args: 1)
     runner.graphs = EagerGraphs(runner.model, runner.backend, None)  # (the verify rows: the decode graphs' path)
     jobs = {"loop": (random_prompt(6, seed=5) * 14, 20), "b": (random_prompt(70, seed=9), 8)}
     out, s = engine(runner, "mixed", jobs, random.Random(1), cost=CHEAP_VERIFY, speculative="ngram")

@@ -50,9 +50,9 @@ class WorkerConfig:
         "(docs/architecture.md); not with an int8 K/V cache, a sliding window or --decode-attention persistent"))
     decode_gemv_rows: int = field(default=0, metadata=flag(
         "CUDA, tensor-parallel size 1: steps of at most this many tokens (1-8) run the model's linear layers as "
-        "weight-streaming GEMV kernels with the RMSNorms, SiLU * up, the residual adds and (Triton attention, a pool "
-        "that is not int8) RoPE and the K/V write fused into them (the norms too at one token): four launches per "
-        "layer besides attention at one token, six at 2-8, instead of eight (issue 25); 0 = cuBLAS and the separate "
+        "weight-streaming GEMV kernels with SiLU * up, the residual adds and (Triton attention, a pool that is not "
+        "int8) RoPE and the K/V write fused into them, and the RMSNorms too at one token: four launches per layer "
+        "besides attention at one token, six at 2-8, instead of eight (issue 25); 0 = cuBLAS and the separate "
         "kernels"))
     enforce_eager: bool = field(default=False, metadata=flag(
         "CUDA: run every step eagerly instead of CUDA graphs (decode graphs and piecewise graphs)"))

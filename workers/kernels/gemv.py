@@ -275,7 +275,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None, *, bias: 
         raise ValueError(f"gemv: the residual must be [{M}, {n_out}] contiguous along N (and no out), got "
                          f"{tuple(residual.shape)}")
     if norm is not None and M > NORM_PROLOGUE_ROWS:
-        x, norm = rms_norm(x, *norm), None
+        x, norm = rms_norm(x, *norm).to(x.dtype), None  # (rounded to x's dtype, as the prologue rounds it)
     c = {**gemv_config(N, K), **(config or {})}
     y = residual if residual is not None else (out if out is not None else
                                                torch.empty(M, n_out, dtype=x.dtype, device=x.device))
@@ -310,7 +310,7 @@ def qkv_rope_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n
                          f"and {tuple(w.shape)}")
     normed = M <= NORM_PROLOGUE_ROWS
     if not normed:
-        x = rms_norm(x, *norm)
+        x = rms_norm(x, *norm).to(x.dtype)
     c = {**qkv_rope_config(N, K), **(config or {})}
     block_n = next((b for b in (c["BLOCK_N"], 32, 16) if D % b == 0 and b <= D), None)
     if block_n is None:
@@ -320,6 +320,6 @@ def qkv_rope_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n
             (x, w, bias if bias is not None else w, norm[0], y, positions, cos, sin, k_cache, v_cache, slots, M, K,
              x.stride(0), w.stride(0), y.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
              k_cache.stride(2), norm[1], num_heads, num_kv_heads), c, x.dtype, "num_stages" not in (config or {}), D=D,
-            PAGE=k_cache.shape[1], BLOCK_N=block_n, BLOCK_K=c["BLOCK_K"], RSTD_K=_rstd_k(K), NORMED=normed,
-            BIAS=bias is not None)
+            PAGE=k_cache.shape[1], BLOCK_N=block_n, BLOCK_K=c["BLOCK_K"], RSTD_K=_rstd_k(K) if normed else 16,
+            NORMED=normed, BIAS=bias is not None)
     return y

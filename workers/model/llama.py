@@ -171,7 +171,8 @@ class DecoderLayer(nn.Module):
                   qkv_out: torch.Tensor | None = None, kv: KVWrite | None = None) -> torch.Tensor:
         """tail() at <= 8 tokens in four weight-streaming GEMV launches, each with the small op before or after it
         (workers/kernels/gemv.py): o_proj + the residual add, norm + gate/up + SiLU * up, down_proj + the residual
-        add, the next layer's norm + qkv (with kv: and its RoPE and K/V write). The same math and roundings as
+        add, the next layer's norm + qkv (with kv: and its RoPE and K/V write); at 2-8 tokens each norm is a launch
+        of its own before its GEMV (gemv.NORM_PROLOGUE_ROWS). The same math and roundings as
         tail() (to the GEMM's summation order)."""
         o_proj, mlp, post = self.self_attn.o_proj, self.mlp, self.post_attention_layernorm
         gemv(o, o_proj.weight, bias=o_proj.bias, residual=residual)
@@ -184,8 +185,9 @@ class DecoderLayer(nn.Module):
 
     def qkv_gemv(self, residual: torch.Tensor, out: torch.Tensor | None = None, kv: KVWrite | None = None
                  ) -> torch.Tensor:
-        """This layer's input norm and qkv projection in one GEMV launch; with kv (positions, slots, the RoPE
-        tables) RoPE on q and k and the K/V write into this layer's pool in the same launch."""
+        """This layer's input norm and qkv projection in one GEMV launch (the norm apart at 2-8 tokens); with kv
+        (positions, slots, the RoPE tables) RoPE on q and k and the K/V write into this layer's pool in the same
+        launch."""
         attn, norm = self.self_attn, self.input_layernorm
         qkv = attn.qkv_proj
         if kv is None:
