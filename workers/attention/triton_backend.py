@@ -106,11 +106,10 @@ class TritonAttentionBackend(AttentionBackend):
 
     def decode_variant(self, lens, tables: np.ndarray, block_size: int) -> str:
         """The captured decode graph for decodes of these context lengths and host block tables: `cascade` when a
-        group forms among them (its buffers, graph_cascade, filled here; one sequence shares with nobody)."""
+        group forms among them (its buffers, graph_cascade, filled here)."""
         if self.decode_persistent(lens):
             return "persistent"
-        if self.graph_cascade is not None and len(lens) > 1 and self.graph_cascade.fill(tables, np.asarray(lens),
-                                                                                        block_size):
+        if self.graph_cascade is not None and self.graph_cascade.fill(tables, np.asarray(lens), block_size):
             return "cascade"
         return "partitioned"
 

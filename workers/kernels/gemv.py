@@ -230,6 +230,14 @@ def _launch(kernel, grid: tuple, args: tuple, config: dict, dtype: torch.dtype, 
     _STAGES[key] = stages
 
 
+def _norm_first(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None):
+    """(x, norm) for a GEMV whose prologue may take the norm: as given at up to NORM_PROLOGUE_ROWS rows; above, x
+    normalised by fused.py's kernel first (rounded to x's dtype, as the prologue rounds it) and no norm left."""
+    if norm is None or x.shape[0] <= NORM_PROLOGUE_ROWS:
+        return x, norm
+    return rms_norm(x, *norm).to(x.dtype), None
+
+
 def _rstd_k(k: int) -> int:
     """The norm's first pass reads this much of a row per load (_rstd)."""
     return min(triton.next_power_of_2(k), 4096)
@@ -274,8 +282,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None, *, bias: 
     if residual is not None and (residual.shape != (M, n_out) or residual.stride(1) != 1 or out is not None):
         raise ValueError(f"gemv: the residual must be [{M}, {n_out}] contiguous along N (and no out), got "
                          f"{tuple(residual.shape)}")
-    if norm is not None and M > NORM_PROLOGUE_ROWS:
-        x, norm = rms_norm(x, *norm).to(x.dtype), None  # (rounded to x's dtype, as the prologue rounds it)
+    x, norm = _norm_first(x, norm)
     c = {**gemv_config(N, K), **(config or {})}
     y = residual if residual is not None else (out if out is not None else
                                                torch.empty(M, n_out, dtype=x.dtype, device=x.device))
@@ -308,18 +315,17 @@ def qkv_rope_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n
         raise ValueError(f"qkv_rope_gemv takes x [M <= {MAX_M}, K] and a merged qkv weight of {num_heads} + 2 x "
                          f"{num_kv_heads} heads, contiguous along K, and a pool that is not int8, got {tuple(x.shape)} "
                          f"and {tuple(w.shape)}")
-    normed = M <= NORM_PROLOGUE_ROWS
-    if not normed:
-        x = rms_norm(x, *norm).to(x.dtype)
+    x, norm = _norm_first(x, norm)
     c = {**qkv_rope_config(N, K), **(config or {})}
     block_n = next((b for b in (c["BLOCK_N"], 32, 16) if D % b == 0 and b <= D), None)
     if block_n is None:
         raise ValueError(f"qkv_rope_gemv: head_dim {D} is not a multiple of 16")
     y = out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
+    norm_w, eps = norm if norm is not None else (w, 0.0)
     _launch(_qkv_rope, (N // block_n,),
-            (x, w, bias if bias is not None else w, norm[0], y, positions, cos, sin, k_cache, v_cache, slots, M, K,
+            (x, w, bias if bias is not None else w, norm_w, y, positions, cos, sin, k_cache, v_cache, slots, M, K,
              x.stride(0), w.stride(0), y.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
-             k_cache.stride(2), norm[1], num_heads, num_kv_heads), c, x.dtype, "num_stages" not in (config or {}), D=D,
-            PAGE=k_cache.shape[1], BLOCK_N=block_n, BLOCK_K=c["BLOCK_K"], RSTD_K=_rstd_k(K) if normed else 16,
-            NORMED=normed, BIAS=bias is not None)
+             k_cache.stride(2), eps, num_heads, num_kv_heads), c, x.dtype, "num_stages" not in (config or {}), D=D,
+            PAGE=k_cache.shape[1], BLOCK_N=block_n, BLOCK_K=c["BLOCK_K"], RSTD_K=_rstd_k(K) if norm is not None else 16,
+            NORMED=norm is not None, BIAS=bias is not None)
     return y

@@ -191,8 +191,8 @@ def _decode_kernel(
     # Each sequence splits its own span into NUM_PARTS chunks of whole BLOCK_N tiles, from the tile that
     # holds lo (tiles start on page boundaries; keys before lo are masked). CASCADE: from the end of the shared
     # prefix that _prefix_kernel computed before this launch (pre_ptr[b] keys, a multiple of BLOCK_N; 0: none),
-    # whose partial results fill slots NUM_PARTS .. SLOTS - 1: with one part merged here into the output, else by
-    # the reduce (part 0 marks them empty for a sequence without one).
+    # whose partial results fill slots NUM_PARTS .. SLOTS - 1 (a sequence without one: never written, never read):
+    # with one part merged here into the output, else by the reduce.
     first = lo // BLOCK_N * BLOCK_N
     if CASCADE:
         first = tl.maximum(first, tl.load(pre_ptr + b))
@@ -230,14 +230,6 @@ def _decode_kernel(
         tl.store(pm_ptr + row, m_i, mask=mask_g)
         tl.store(pl_ptr + row, l_i, mask=mask_g)
         tl.store(po_ptr + row[:, None] * D + offs_d[None, :], acc, mask=mask_g[:, None])
-        if CASCADE:
-            if part == 0:
-                if tl.load(pre_ptr + b) == 0:  # no shared prefix: its slots hold nothing
-                    for slot in tl.static_range(NUM_PARTS, SLOTS):
-                        tl.store(pm_ptr + row + slot, tl.full([G_PAD], float("-inf"), tl.float32), mask=mask_g)
-                        tl.store(pl_ptr + row + slot, tl.zeros([G_PAD], tl.float32), mask=mask_g)
-                        tl.store(po_ptr + (row + slot)[:, None] * D + offs_d[None, :], tl.zeros([G_PAD, D],
-                                 tl.float32), mask=mask_g[:, None])
 
 
 @triton.jit(do_not_specialize=["s_btb"])
@@ -284,12 +276,16 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, items_ptr, members_ptr, po_ptr, 
 
 
 @triton.jit
-def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, out_ptr, s_ob, s_oh, H, D: tl.constexpr, SLOTS: tl.constexpr,
-                   SLOTS_P2: tl.constexpr):
+def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, pre_ptr, out_ptr, s_ob, s_oh, H, D: tl.constexpr,
+                   NUM_PARTS: tl.constexpr, SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr, CASCADE: tl.constexpr):
+    """Merges a sequence's partitions and, CASCADE, its shared prefix's chunks (slots NUM_PARTS .. SLOTS - 1, read
+    only where pre_ptr[b] > 0: a sequence outside a group has none written)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_p = tl.arange(0, SLOTS_P2)
-    ok = offs_p < SLOTS
+    ok = offs_p < NUM_PARTS
+    if CASCADE:
+        ok = ok | ((offs_p < SLOTS) & (tl.zeros([SLOTS_P2], tl.int32) + tl.load(pre_ptr + b) > 0))
     offs_d = tl.arange(0, D)
     row = (b * H + h) * SLOTS + offs_p
     m = tl.load(pm_ptr + row, mask=ok, other=float("-inf"))
@@ -534,9 +530,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         SLOTS=slots, **cfg,
     )
     if num_parts > 1:
-        _reduce_kernel[(batch, num_heads)](po, pm, pl, out, out.stride(0), out.stride(1), num_heads,
-                                           D=head_dim, SLOTS=slots, SLOTS_P2=triton.next_power_of_2(slots),
-                                           num_warps=4)
+        _reduce_kernel[(batch, num_heads)](po, pm, pl, cascade.prefix_lens if cascade is not None else dummy, out,
+                                           out.stride(0), out.stride(1), num_heads, D=head_dim, NUM_PARTS=num_parts,
+                                           SLOTS=slots, SLOTS_P2=triton.next_power_of_2(slots),
+                                           CASCADE=cascade is not None, num_warps=4)
     return out
 
 
@@ -642,22 +639,23 @@ class CascadeBuffers:
         self.prefix_lens = self.flat[:max_batch]
         self.members = self.flat[max_batch:2 * max_batch]
         self.items = self.flat[2 * max_batch:].view(self.max_items, 3)
-        self.groups = 0  # decodes in a group at the last fill()
 
     def fill(self, tables: np.ndarray, lens: np.ndarray, block_size: int, **limits) -> int:
         """Plans the decodes with these block tables and context lengths (at most max_batch; limits: cascade_plan's
-        min_* overrides); returns how many are in a group (0: the kernels compute every context in full)."""
+        min_* overrides); returns how many are in a group (0: none, and the buffers still hold the last plan, so no
+        kernel is to read them: the backend then runs the plain decode)."""
         from workers.sampling import to_device
 
         prefix, members, items = cascade_plan(tables, np.asarray(lens), block_size, self.per_item, self.max_items,
                                               **limits)
+        if not len(members):
+            return 0
         host = np.zeros(self.flat.shape[0], dtype=np.int32)
         host[:len(prefix)] = prefix
         host[self.max_batch:self.max_batch + len(members)] = members
         host[2 * self.max_batch:2 * self.max_batch + items.size] = items.ravel()
         self.flat.copy_(to_device(torch.from_numpy(host), torch.int32, self.flat.device))
-        self.groups = len(members)
-        return self.groups
+        return len(members)
 
 
 @triton.jit
