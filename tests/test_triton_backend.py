@@ -62,7 +62,7 @@ def cascade_runner(tmp_path, monkeypatch, seed: int):
     hf = make_checkpoint(str(tmp_path), "llama", seed=seed)
     runner = ModelRunner(WorkerConfig(model=str(tmp_path), device=DEVICE, dtype="float32", kv_cache_memory="2MiB",
                                       max_model_len=512, attention_backend="triton", decode_attention="partitioned",
-                                      max_num_seqs=8, cascade_attention=True))
+                                      max_num_seqs=8, cascade_attention="on"))
     return hf, runner, planned
 
 
@@ -106,16 +106,31 @@ def test_cascade_attention_with_drafts_gives_hf_greedy_tokens(tmp_path, monkeypa
 
 
 def test_cascade_attention_is_refused_where_it_cannot_run(tmp_path):
-    with pytest.raises(ValueError, match="--cascade-attention is a Triton kernel"):
-        ModelRunner(WorkerConfig(model="tiny", device="cpu", attention_backend="torch", cascade_attention=True))
+    with pytest.raises(ValueError, match="--cascade-attention on is a Triton kernel"):
+        ModelRunner(WorkerConfig(model="tiny", device="cpu", attention_backend="torch", cascade_attention="on"))
     with pytest.raises(ValueError, match="needs --decode-attention auto or partitioned"):
         ModelRunner(WorkerConfig(model="tiny", device="cpu", attention_backend="triton", decode_attention="persistent",
-                                 cascade_attention=True))
+                                 cascade_attention="on"))
+    with pytest.raises(ValueError, match="--cascade-attention 'yes': choose from auto, on, off"):
+        ModelRunner(WorkerConfig(model="tiny", device="cpu", cascade_attention="yes"))
     for arch, kv in (("mistral", "auto"), ("llama", "int8")):  # (mistral: a sliding window)
         make_checkpoint(str(tmp_path / arch), arch, seed=3)
-        with pytest.raises(ValueError, match="--cascade-attention needs a K/V cache that is not int8 and a model wi"):
+        with pytest.raises(ValueError, match="--cascade-attention on needs a K/V cache that is not int8 and a model"):
             ModelRunner(WorkerConfig(model=str(tmp_path / arch), device=DEVICE, dtype="float32", kv_cache_dtype=kv,
-                                     max_model_len=512, attention_backend="triton", cascade_attention=True))
+                                     max_model_len=512, attention_backend="triton", cascade_attention="on"))
+
+
+@pytest.mark.parametrize("arch,kv,decode", [("llama", "auto", "auto"), ("mistral", "auto", "auto"),
+                                            ("llama", "int8", "auto"), ("llama", "auto", "persistent")])
+def test_cascade_attention_auto_is_on_only_where_it_can_run(tmp_path, arch, kv, decode):
+    """The default, auto: on for CUDA with the partitioned kernel, a K/V cache that is not int8 and no sliding window
+    (mistral's); off elsewhere, with no error (a CPU worker runs the torch backend)."""
+    backend = "triton" if decode == "persistent" else "auto"  # (the torch backend, a CPU's, has no persistent kernel)
+    make_checkpoint(str(tmp_path / arch), arch, seed=3)
+    runner = ModelRunner(WorkerConfig(model=str(tmp_path / arch), device=DEVICE, dtype="float32", kv_cache_dtype=kv,
+                                      max_model_len=512, attention_backend=backend, decode_attention=decode))
+    want = DEVICE == "cuda" and (arch, kv, decode) == ("llama", "auto", "auto")
+    assert getattr(runner.backend, "cascade", False) is want
 
 
 def test_persistent_decode_attention_needs_the_triton_backend():

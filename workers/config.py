@@ -43,11 +43,13 @@ class WorkerConfig:
         "persistent (a fixed grid taking chunks of one length from a work plan built on the device: long and short "
         "contexts in one batch are balanced; needs the Triton backend). The torch backend (the CPU default) has "
         "neither: auto and partitioned mean its own"))
-    cascade_attention: bool = field(default=False, metadata=flag(
-        "Triton backend, partitioned decode kernel: decodes whose contexts start with the same K/V pages (the prefix "
-        "cache's: a shared document or system prompt) read those pages once per 64 query heads of the group instead "
-        "of once per sequence, where that pays: groups of 8 decodes and up, 32 decodes in groups a step "
-        "(docs/architecture.md); not with an int8 K/V cache, a sliding window or --decode-attention persistent"))
+    cascade_attention: str = field(default="auto", metadata=flag(
+        "auto | on | off: decodes whose contexts start with the same K/V pages (the prefix cache's: a shared "
+        "document or system prompt) read those pages once per 64 query heads of the group instead of once per "
+        "sequence, where that pays: groups of 8 decodes and up, 32 decodes in groups a step (docs/architecture.md). "
+        "Needs the Triton backend's partitioned kernel (--decode-attention auto or partitioned), a K/V cache that "
+        "is not int8 and a model without a sliding window: on refuses to start without them, auto is on where "
+        "they hold on CUDA at tensor-parallel size 1"))
     decode_gemv_rows: int = field(default=0, metadata=flag(
         "CUDA, tensor-parallel size 1: steps of at most this many tokens (1-8) run the model's linear layers as "
         "weight-streaming GEMV kernels with SiLU * up, the residual adds and (Triton attention, a pool that is not "

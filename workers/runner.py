@@ -66,6 +66,7 @@ log = logging.getLogger("laneserve.worker")
 # --overlap-steps: decode = only decode-only steps launch behind the step in flight (as before 2026-12-05; kept
 # to measure against), on = eager ones (a prefill chunk) too
 OVERLAP_MODES = ("auto", "on", "decode", "off")
+CASCADE_MODES = ("auto", "on", "off")
 
 
 @dataclass
@@ -164,9 +165,7 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype)
         self.model_config = load_model_config(cfg.model)
         self.model_name = cfg.model
-        if cfg.cascade_attention and (self.kv_dtype == torch.int8 or self.model_config.sliding_window):
-            raise ValueError("--cascade-attention needs a K/V cache that is not int8 and a model without a sliding "
-                             "window")
+        cascade = self._cascade(cfg)
         if self.tp_size != 1:
             check_shardable(self.model_config, self.tp_size)
             if not dist.is_initialized() or dist.get_world_size() != self.tp_size:
@@ -179,7 +178,7 @@ class ModelRunner:
         self.model = load_model(cfg.model, mc, self.dtype, self.device, cfg.load_format, cfg.seed,
                                 tp_rank, self.tp_size)
         self.backend = get_backend(cfg.attention_backend, self.device, self.num_kv_heads, cfg.decode_attention,
-                                   cfg.max_num_seqs, cfg.cascade_attention)
+                                   cfg.max_num_seqs, cascade)
         self.model.gemv_rows = gemv_rows
         self.drafter: Drafter | None = None  # --draft-model: loaded before the pool is sized, which holds its K/V too
         if cfg.draft_model:
@@ -241,6 +240,20 @@ class ModelRunner:
             raise ValueError(f"--decode-gemv-rows {rows}: its kernels are Triton's and need a GPU; this worker runs on "
                              f"{self.device}")
         return rows
+
+    def _cascade(self, cfg: WorkerConfig) -> bool:
+        """--cascade-attention, checked: on where asked (get_backend refuses the torch backend and the persistent
+        kernel), auto where it can run on CUDA at tensor-parallel size 1."""
+        if cfg.cascade_attention not in CASCADE_MODES:
+            raise ValueError(f"--cascade-attention {cfg.cascade_attention!r}: choose from {', '.join(CASCADE_MODES)}")
+        pool = self.kv_dtype != torch.int8 and not self.model_config.sliding_window
+        if cfg.cascade_attention == "on" and not pool:
+            raise ValueError("--cascade-attention on needs a K/V cache that is not int8 and a model without a sliding "
+                             "window")
+        if cfg.cascade_attention == "auto":
+            return (pool and self.device.type == "cuda" and self.tp_size == 1
+                    and cfg.attention_backend in ("auto", "triton") and cfg.decode_attention != "persistent")
+        return cfg.cascade_attention == "on"
 
     def draft_size(self) -> float:
         """The draft model's parameters over the model's (0: none)."""

@@ -27,11 +27,11 @@ def get_backend(name: str, device: torch.device, num_kv_heads: int, decode: str 
         raise ValueError(f"--decode-attention {decode} is a Triton kernel: it needs --attention-backend triton (the "
                          "default on CUDA)")
     if cascade and decode == "persistent":
-        raise ValueError("--cascade-attention runs with the partitioned decode kernel: it needs --decode-attention "
+        raise ValueError("--cascade-attention on runs with the partitioned decode kernel: it needs --decode-attention "
                          "auto or partitioned")
     if name == "torch" and cascade:
-        raise ValueError("--cascade-attention is a Triton kernel: it needs --attention-backend triton (the default on "
-                         "CUDA)")
+        raise ValueError("--cascade-attention on is a Triton kernel: it needs --attention-backend triton (the default "
+                         "on CUDA)")
     if name == "torch":
         return TorchAttentionBackend()
     # imported here, not at the top: Triton is optional, and the torch backend must work without it

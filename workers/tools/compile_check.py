@@ -134,14 +134,14 @@ def _variants(tmp: str, dtypes: tuple[str, ...]) -> list[tuple[str, dict, str]]:
     gemv = {"decode_gemv_rows": 8}
     return [("mistral, bf16 K/V, partitioned decode, GEMV path", {"decode_attention": "partitioned", **gemv}, mistral),
             ("mistral, bf16 K/V, persistent decode", {"decode_attention": "persistent"}, mistral),
-            ("mistral, bf16 K/V, auto decode, cascade", {"decode_attention": "auto", "cascade_attention": True},
+            ("mistral, bf16 K/V, auto decode, cascade", {"decode_attention": "auto", "cascade_attention": "on"},
              mistral),
             ("mistral, int8 K/V, partitioned decode", {"kv_cache_dtype": "int8", "decode_attention": "partitioned"},
              mistral),
             ("mistral, int8 K/V, persistent decode", {"kv_cache_dtype": "int8", "decode_attention": "persistent"},
              mistral),
             ("qwen2, bf16 K/V, GEMV path (qkv bias), cascade", {"decode_attention": "partitioned",
-                                                                 "cascade_attention": True, **gemv}, qwen2),
+                                                                 "cascade_attention": "on", **gemv}, qwen2),
             ("SmolLM2-135M shape (head_dim 64), GEMV path, auto decode", {"decode_attention": "auto", **gemv},
              smollm2),
             *((f"mistral, {dtype}, GEMV path", {"dtype": dtype, "decode_attention": "partitioned", **gemv}, mistral)
