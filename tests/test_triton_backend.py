@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 from tests.helpers_models import DEVICE, Sim, greedy, hf_greedy, make_checkpoint, random_prompt  # noqa: E402
 from workers.config import WorkerConfig  # noqa: E402
 from workers.kernels import fused  # noqa: E402
-from workers.runner import ModelRunner  # noqa: E402
+from workers.runner import ModelRunner, cascade_attention_on  # noqa: E402
 
 N_NEW = 12
 
@@ -120,17 +120,25 @@ def test_cascade_attention_is_refused_where_it_cannot_run(tmp_path):
                                      max_model_len=512, attention_backend="triton", cascade_attention="on"))
 
 
-@pytest.mark.parametrize("arch,kv,decode", [("llama", "auto", "auto"), ("mistral", "auto", "auto"),
-                                            ("llama", "int8", "auto"), ("llama", "auto", "persistent")])
-def test_cascade_attention_auto_is_on_only_where_it_can_run(tmp_path, arch, kv, decode):
-    """The default, auto: on for CUDA with the partitioned kernel, a K/V cache that is not int8 and no sliding window
-    (mistral's); off elsewhere, with no error (a CPU worker runs the torch backend)."""
-    backend = "triton" if decode == "persistent" else "auto"  # (the torch backend, a CPU's, has no persistent kernel)
+@pytest.mark.parametrize("single_gpu,backend,decode,pool,want", [
+    (True, "auto", "auto", True, True), (True, "triton", "partitioned", True, True),
+    (False, "auto", "auto", True, False),  # a CPU, or tensor parallel
+    (True, "torch", "auto", True, False), (True, "auto", "persistent", True, False),
+    (True, "auto", "auto", False, False)])  # an int8 pool or a sliding window
+def test_cascade_attention_auto_is_on_only_where_it_can_run(single_gpu, backend, decode, pool, want):
+    assert cascade_attention_on("auto", single_gpu, backend, decode, pool) is want
+    assert cascade_attention_on("on", single_gpu, backend, decode, pool)  # (the runner refuses what it cannot run)
+    assert not cascade_attention_on("off", single_gpu, backend, decode, pool)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_a_runner_takes_cascade_attention_by_default_where_it_can_run(tmp_path, arch):
+    """The default, auto: on for one CUDA device with the partitioned kernel and no sliding window (mistral has one);
+    off with no error elsewhere (a CPU worker runs the torch backend)."""
     make_checkpoint(str(tmp_path / arch), arch, seed=3)
-    runner = ModelRunner(WorkerConfig(model=str(tmp_path / arch), device=DEVICE, dtype="float32", kv_cache_dtype=kv,
-                                      max_model_len=512, attention_backend=backend, decode_attention=decode))
-    want = DEVICE == "cuda" and (arch, kv, decode) == ("llama", "auto", "auto")
-    assert getattr(runner.backend, "cascade", False) is want
+    runner = ModelRunner(WorkerConfig(model=str(tmp_path / arch), device=DEVICE, dtype="float32", max_model_len=512,
+                                      kv_cache_memory="64MiB"))
+    assert getattr(runner.backend, "cascade", False) is (DEVICE == "cuda" and arch == "llama")
 
 
 def test_persistent_decode_attention_needs_the_triton_backend():
