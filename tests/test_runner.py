@@ -217,12 +217,16 @@ def test_mixed_steps_launched_behind_read_their_decodes_tokens_from_the_right_ro
     assert behind_decode == [False, True, False, False, False, False, True, True]
 
 
-def test_piecewise_graphs_give_the_eager_tokens():
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_piecewise_graphs_give_the_eager_tokens(backend):
     """Steps with prompt chunks through the pieces between attentions (CUDA graphs on a GPU; on a CPU, where nothing
     is captured, the same pieces and static buffers run eagerly): the eager forward's tokens and logprobs, the
-    steps' rows padded to the captured sizes, launched behind the step in flight."""
-    eager, _, _ = _submit_all(tiny(overlap_steps="on", piecewise_graph_tokens=0), _mixed_behind)
-    r = tiny(overlap_steps="on", max_num_batched_tokens=64)
+    steps' rows padded to the captured sizes, launched behind the step in flight. With the Triton backend each
+    piece ends with the next layer's RoPE and K/V write (the padding rows write nothing), attention then without."""
+    eager, _, _ = _submit_all(tiny(overlap_steps="on", piecewise_graph_tokens=0, attention_backend=backend),
+                              _mixed_behind)
+    r = tiny(overlap_steps="on", max_num_batched_tokens=64, attention_backend=backend)
+    assert r.model.rope_ahead is (backend == "triton" or DEVICE == "cuda")
     if r.pieces is None:
         r.pieces = PiecewiseGraphs(r.model, 64, r.device)
     assert r.pieces.sizes == [16, 32, 48, 64]  # every 16 up to 256

@@ -14,13 +14,15 @@ Host inputs go through pinned buffers with non-blocking copies.
 
 PiecewiseGraphs runs the other steps (prompt chunks, with or without decodes; drafts to verify) of up to
 --piecewise-graph-tokens tokens: the forward's pieces between two attentions (the model's head() and tail(i): the
-GEMMs, norms and activations, ~8 launches a layer) are replayed as CUDA graphs captured per padded token count,
-and each layer's attention (RoPE, the K/V write, the decode and prefill kernels, planned per step) runs eagerly
-between them on the step's real rows. What crosses an attention lives in static buffers (the qkv projection,
-the attention output, the residual stream). A step of T tokens replays the pieces of the smallest captured size
->= T; the padding rows are computed by the pieces and seen by nothing else (attention and the logits read rows
-< T only). This takes the host's launch work of such a step (~330 launches) down to one replay per piece and the
-attention's launches: 15-24 ms -> 6.5-9.3 ms on the H100 (docs/perf.md).
+GEMMs, norms and activations, ~8 launches a layer; with the Triton backend on a pool that is not int8 also the
+next layer's RoPE and K/V write, from static position and slot buffers) are replayed as CUDA graphs captured per
+padded token count, and each layer's attention (the decode and prefill kernels, planned per step; RoPE and the K/V
+write too on an int8 pool) runs eagerly between them on the step's real rows. What crosses an attention lives in
+static buffers (the qkv projection, the attention output, the residual stream). A step of T tokens replays the
+pieces of the smallest captured size >= T; the padding rows are computed by the pieces and seen by nothing else
+(attention and the logits read rows < T only; their slots are -1). This takes the host's launch work of such a
+step (~330 launches) down to one replay per piece and the attention's launches: 15-24 ms -> 6.5-9.3 ms on the H100
+(docs/perf.md), before RoPE and the K/V write moved into the pieces (32 launches fewer; not measured yet).
 """
 
 from __future__ import annotations
@@ -192,6 +194,11 @@ class PiecewiseGraphs:
         self.residual = torch.zeros(n, model.config.hidden_size, dtype=dtype, device=device)
         self.qkv = torch.zeros(n, sum(first.qkv_proj.sizes.values()), dtype=dtype, device=device)
         self.attn = torch.zeros(n, first.num_heads, first.head_dim, dtype=dtype, device=device)
+        # the model's RoPE and K/V write may run ahead of attention (rope_ahead): then each piece ends with the next
+        # layer's, reading the step's positions and slots from these (the padding rows' slots -1: no write)
+        self.rope = model.rope_ahead
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slots = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # padded size -> [head, tail 0, ..., tail L-1]
         self.capture_seconds = 0.0
         self.capture_bytes = 0
@@ -201,11 +208,19 @@ class PiecewiseGraphs:
         return tokens <= self.sizes[-1]
 
     def _pieces(self, size: int) -> list:
-        model, o = self.model, self.attn[:size].flatten(1)
-        pieces = [lambda: model.head(self.input_ids[:size], self.residual[:size], self.qkv[:size])]
-        for i in range(len(model.model.layers)):
-            pieces.append(lambda i=i: model.tail(i, o, self.residual[:size], self.qkv[:size]))
-        return pieces
+        model, o, qkv, layers = self.model, self.attn[:size].flatten(1), self.qkv[:size], len(self.model.model.layers)
+
+        def head():
+            model.head(self.input_ids[:size], self.residual[:size], qkv)
+            if self.rope:
+                model.rope_write(0, qkv, self.positions[:size], self.slots[:size])
+
+        def tail(i: int):
+            model.tail(i, o, self.residual[:size], qkv)
+            if self.rope and i + 1 < layers:
+                model.rope_write(i + 1, qkv, self.positions[:size], self.slots[:size])
+
+        return [head] + [lambda i=i: tail(i) for i in range(layers)]
 
     def capture(self) -> None:
         t0 = time.perf_counter()
@@ -236,12 +251,16 @@ class PiecewiseGraphs:
         model, tokens = self.model, token_ids.shape[0]
         size = next(s for s in self.sizes if s >= tokens)
         self.input_ids[:tokens].copy_(token_ids)
+        if self.rope:
+            self.positions[:tokens].copy_(positions)
+            self.slots[:tokens].copy_(meta.slot_mapping)
+            self.slots[tokens:size].fill_(-1)
         graphs = self.graphs.get(size)
         calls = [g.replay for g in graphs] if graphs else self._pieces(size)
         self.steps += 1
         model.backend.begin(meta)
         calls[0]()
         for i in range(len(model.model.layers)):
-            model.attend(i, self.qkv[:tokens], positions, meta, out=self.attn[:tokens])
+            model.attend(i, self.qkv[:tokens], positions, meta, out=self.attn[:tokens], kv_written=self.rope)
             calls[i + 1]()
         return self.residual[:tokens]

@@ -180,6 +180,22 @@ class TritonAttentionBackend(AttentionBackend):
         qsl = torch.tensor([0, 1], dtype=torch.int32, device=dev)
         paged_prefill(q, k_cache, v_cache, table, one, qsl, 0, 1, 1, 1.0, torch.empty_like(q), ks, vs, window)
 
+    @staticmethod
+    def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slots: torch.Tensor, rope: Rope | None, kv_scales: LayerScales | None = None) -> None:
+        """RoPE (if given) on q and k in place, then k / v into the pool at slots [T] (-1: none): one launch for a
+        pool that is not int8 on a GPU (rope_write_kv_); an int8 pool's scales observe the rotated K first."""
+        if rope is not None and kv_scales is None and triton_kernels(q):
+            rope_write_kv_(q, k, v, *rope, k_cache, v_cache, slots)
+            return
+        if rope is not None:
+            rope_(q, k, *rope)
+        ks = vs = None
+        if kv_scales is not None:
+            kv_scales.observe(k, v)
+            ks, vs = kv_scales.k, kv_scales.v
+        write_kv(k, v, k_cache, v_cache, slots, ks, vs)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 kv_scales: LayerScales | None = None, rope: Rope | None = None,
@@ -188,15 +204,8 @@ class TritonAttentionBackend(AttentionBackend):
         ks = vs = None
         if kv_scales is not None:  # int8 pool: the kernels quantise / dequantise with these [Hkv] scales
             ks, vs = kv_scales.k, kv_scales.v
-        if not kv_written:  # (else the qkv GEMV rotated q and wrote k / v already: qkv_rope_gemv, never an int8 pool)
-            if rope is not None and kv_scales is None and triton_kernels(q):
-                rope_write_kv_(q, k, v, *rope, k_cache, v_cache, meta.slot_mapping)  # RoPE and the K/V write at once
-            else:
-                if rope is not None:
-                    rope_(q, k, *rope)
-                if kv_scales is not None:
-                    kv_scales.observe(k, v)  # (of the rotated K)
-                write_kv(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
+        if not kv_written:  # (else RoPE and the K/V write ran ahead: the qkv GEMV, or the piecewise graphs' pieces)
+            self.rope_write(q, k, v, k_cache, v_cache, meta.slot_mapping, rope, kv_scales)
         out = torch.empty_like(q) if out is None else out
         nd = meta.num_decodes
         if nd and plan.persistent:

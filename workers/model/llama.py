@@ -114,16 +114,27 @@ class Attention(nn.Module):
         self.qkv_proj = MergedLinear({"q_proj": self.q_proj, "k_proj": self.k_proj, "v_proj": self.v_proj})
         del self.q_proj, self.k_proj, self.v_proj
 
+    def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This layer's qkv projection [T, q+k+v] -> q [T, Hq, D], k, v [T, Hkv, D]: views into it (row stride = all
+        heads; backends take strided q/k/v)."""
+        q, k, v = qkv.split(list(self.qkv_proj.sizes.values()), dim=-1)
+        return (q.unflatten(-1, (self.num_heads, self.head_dim)), k.unflatten(-1, (self.num_kv_heads, self.head_dim)),
+                v.unflatten(-1, (self.num_kv_heads, self.head_dim)))
+
+    def rope_write(self, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                   rope: RotaryEmbedding) -> None:
+        """RoPE on this layer's q and k in its qkv projection [T, q+k+v], in place, and the K/V write into its pool
+        at slots [T] (-1: none), as the Triton backend does before attention (one launch on a GPU), so that
+        attend(kv_written=True) follows: for a pool that is not int8 on that backend (LlamaForCausalLM.rope_ahead)."""
+        q, k, v = self.heads(qkv)
+        self.backend.rope_write(q, k, v, self.k_cache, self.v_cache, slots, (positions, rope.cos, rope.sin))
+
     def attend(self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, meta: AttentionMetadata,
                out: torch.Tensor | None = None, kv_written: bool = False) -> torch.Tensor:
         """This layer's qkv projection [T, q+k+v] -> attention output [T, Hq * D] (into out [T, Hq, D] if given):
         RoPE, the K/V write and attention, all in the backend (RoPE with the K/V write: one launch), or with
         kv_written attention alone (the qkv GEMV rotated q and k and wrote the pool: qkv_rope_gemv)."""
-        q, k, v = qkv.split(list(self.qkv_proj.sizes.values()), dim=-1)
-        # views into the qkv output (row stride = all heads): backends take strided q/k/v
-        q = q.unflatten(-1, (self.num_heads, self.head_dim))
-        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        q, k, v = self.heads(qkv)
         o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.kv_scales,
                                  rope=None if kv_written else (positions, rope.cos, rope.sin), out=out,
                                  kv_written=kv_written)
@@ -222,7 +233,9 @@ class LlamaForCausalLM(nn.Module):
         self.backend: AttentionBackend | None = None
         self.sliding_window = cfg.sliding_window
         self.gemv_rows = 0  # --decode-gemv-rows (set by the runner): steps of at most this many tokens take tail_gemv
-        self.rope_in_gemv = False  # bind(): the Triton backend on a pool that is not int8, so the qkv GEMV does RoPE
+        # bind(): the Triton backend on a pool that is not int8, where RoPE and the K/V write may run ahead of attention
+        # (in the qkv GEMV, or in the piecewise graphs' pieces: workers/cuda_graphs.py)
+        self.rope_ahead = False
 
     def small(self, x: torch.Tensor) -> bool:
         """Whether x's rows take the fused GEMV path (--decode-gemv-rows; the runner checked it can run)."""
@@ -235,7 +248,7 @@ class LlamaForCausalLM(nn.Module):
         device = self.model.embed_tokens.weight.device
         self.rope = RotaryEmbedding(self.config, max_len, device)
         self.backend = backend
-        self.rope_in_gemv = backend.name == "triton" and kv_scales is None
+        self.rope_ahead = backend.name == "triton" and kv_scales is None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.model.layers, kv_caches)):
             layer.self_attn.k_cache, layer.self_attn.v_cache = k_cache, v_cache
             layer.self_attn.backend = backend
@@ -255,7 +268,7 @@ class LlamaForCausalLM(nn.Module):
         picks the rows it samples from and hands only those to compute_logits()."""
         self.backend.begin(meta)
         # small steps on the GEMV path: each qkv GEMV also does its layer's RoPE and K/V write
-        kv = (positions, meta.slot_mapping, self.rope) if self.rope_in_gemv and self.small(input_ids) else None
+        kv = (positions, meta.slot_mapping, self.rope) if self.rope_ahead and self.small(input_ids) else None
         x, residual = self.head(input_ids, kv=kv)
         for i in range(len(self.model.layers)):
             x = self.tail(i, self.attend(i, x, positions, meta, kv_written=kv is not None), residual, kv=kv)
@@ -274,6 +287,11 @@ class LlamaForCausalLM(nn.Module):
         if self.small(residual):
             return first.qkv_gemv(residual, qkv_out, kv), residual
         return first.self_attn.qkv_proj(first.input_layernorm(residual), out=qkv_out), residual
+
+    def rope_write(self, i: int, qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Layer i's RoPE and K/V write from its qkv projection, ahead of attend(i, kv_written=True) (rope_ahead
+        models only: Attention.rope_write)."""
+        self.model.layers[i].self_attn.rope_write(qkv, positions, slots, self.rope)
 
     def attend(self, i: int, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                out: torch.Tensor | None = None, kv_written: bool = False) -> torch.Tensor:
