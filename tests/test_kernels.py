@@ -139,6 +139,31 @@ def test_cascade_decode_matches_reference(groups, heads, kv_heads, dim, parts):
         paged_decode(q, kc, vc, bt, lens, dim ** -0.5, cascade=pa.CascadeBuffers(2, heads // kv_heads, DEVICE))
 
 
+@pytest.mark.parametrize("case", [0, 2])  # (head_dim 32: int8 dots need 32 on a GPU)
+@pytest.mark.parametrize("variant", ["EXACT", "default"])
+@pytest.mark.parametrize("parts", [1, 2])
+def test_cascade_decode_on_an_int8_pool(case, variant, parts):
+    """An int8 pool's scales and transposed V pages in the shared prefix too: the same function as the kernel
+    without cascade, dequantised exactly (EXACT) or on int8 dots (q rounded per member's head, p in two digits)."""
+    groups, heads, kv_heads, dim = CASCADE_CASES[case]
+    config = EXACT if variant == "EXACT" else {}
+    q, kc, vc, bt, lens = shared_case(groups, heads, kv_heads, dim, seed=11 + case)
+    k_scale = (kc.float().abs().amax(dim=(0, 1, 3)) / 127).to(DEVICE)
+    v_scale = (vc.float().abs().amax(dim=(0, 1, 3)) / 127).to(DEVICE)
+    kq = torch.zeros(kc.shape, dtype=torch.int8, device=DEVICE)
+    vq = transpose_v_pages(torch.zeros_like(kq))
+    slots = torch.arange(kc.shape[0] * PAGE, device=DEVICE)
+    write_kv(kc.reshape(-1, kv_heads, dim), vc.reshape(-1, kv_heads, dim), kq, vq, slots, k_scale, v_scale)
+    buffers = pa.CascadeBuffers(len(lens), heads // kv_heads, DEVICE)
+    assert buffers.fill(bt.cpu().numpy(), lens.cpu().numpy(), PAGE, min_members=2, min_grouped=2)
+    args = (q, kq, vq, bt, lens, dim ** -0.5)
+    out = paged_decode(*args, num_parts=parts, k_scale=k_scale, v_scale=v_scale, config=config, cascade=buffers)
+    plain = paged_decode(*args, num_parts=parts, k_scale=k_scale, v_scale=v_scale, config=config)
+    ref = reference_decode(q, kq, v_rows(vq), bt, lens, dim ** -0.5, k_scale, v_scale)
+    tol = (1e-2 if ON_GPU else 1e-5) if config is EXACT else 2e-2
+    assert rel_err(out, ref) < tol and rel_err(out, plain) < tol
+
+
 def plan(*args, **kwargs):
     """cascade_plan with groups of two members and up (the defaults' thresholds: the next test)."""
     return pa.cascade_plan(*args, **{"min_members": 2, "min_grouped": 2, **kwargs})

@@ -47,10 +47,10 @@ def test_triton_backend_matches_hf_greedy_in_a_chunked_batch(arch, decode, fused
     assert bool(qkv_ropes) == bool(gemv_rows) and all(rows <= gemv_rows for rows in qkv_ropes)  # RoPE + K/V in it
 
 
-def cascade_runner(tmp_path, monkeypatch, seed: int):
-    """A llama checkpoint (HF's model) and a runner with --cascade-attention whose groups need two members and 64
-    shared keys (the defaults' 8 members, 32 grouped and 256 keys are a server's); planned: each plan's grouped
-    decodes."""
+def cascade_runner(tmp_path, monkeypatch, seed: int, checkpoint: dict | None = None, **cfg):
+    """A llama checkpoint (HF's model; checkpoint: its config's overrides) and a runner with --cascade-attention (cfg:
+    WorkerConfig overrides) whose groups need two members and 64 shared keys (the defaults' 8 members, 32 grouped
+    and 256 keys are a server's); planned: each plan's grouped decodes."""
     from workers.attention import triton_backend as tb
     from workers.kernels import paged_attention as pa
 
@@ -59,17 +59,17 @@ def cascade_runner(tmp_path, monkeypatch, seed: int):
     planned: list[int] = []
     monkeypatch.setattr(tb.CascadeBuffers, "fill", lambda self, *a, _f=tb.CascadeBuffers.fill, **k: planned.append(
         _f(self, *a, **k)) or planned[-1])
-    hf = make_checkpoint(str(tmp_path), "llama", seed=seed)
-    runner = ModelRunner(WorkerConfig(model=str(tmp_path), device=DEVICE, dtype="float32", kv_cache_memory="2MiB",
-                                      max_model_len=512, attention_backend="triton", decode_attention="partitioned",
-                                      max_num_seqs=8, cascade_attention="on"))
+    hf = make_checkpoint(str(tmp_path), "llama", seed=seed, **(checkpoint or {}))
+    runner = ModelRunner(WorkerConfig(**{
+        "model": str(tmp_path), "device": DEVICE, "dtype": "float32", "kv_cache_memory": "2MiB", "max_model_len": 512,
+        "attention_backend": "triton", "decode_attention": "partitioned", "max_num_seqs": 8,
+        "cascade_attention": "on", **cfg}))
     return hf, runner, planned
 
 
-def test_cascade_attention_gives_hf_greedy_tokens_for_decodes_sharing_a_cached_prefix(tmp_path, monkeypatch):
-    """--cascade-attention: three requests whose prompts start with the same 80 tokens, cached by a first one (the
-    prefix cache's shared blocks), decode together with their shared 64 keys computed once per group; HF's tokens."""
-    hf, runner, planned = cascade_runner(tmp_path, monkeypatch, seed=3)
+def shared_prefix_run(runner, n_new: int = N_NEW) -> dict[str, list[int]]:
+    """Three requests whose prompts start with the same 80 tokens, cached by a first one (the prefix cache's shared
+    blocks), decoded together: request id -> (prompt, greedy tokens)."""
     shared = random_prompt(80, seed=7)
     sim = Sim(runner)
     sim.add("first", shared + random_prompt(5, seed=8), greedy(2), keep_blocks=True)
@@ -77,11 +77,30 @@ def test_cascade_attention_gives_hf_greedy_tokens_for_decodes_sharing_a_cached_p
     cached = sim.done["first"].blocks[:5]
     prompts = {f"r{i}": shared + random_prompt(n, seed=20 + i) for i, n in enumerate((3, 17, 30))}
     for rid, p in prompts.items():
-        sim.add(rid, p, greedy(N_NEW), cached_blocks=cached, num_cached_tokens=80)
+        sim.add(rid, p, greedy(n_new), cached_blocks=cached, num_cached_tokens=80)
     out = sim.run()
-    for rid, p in prompts.items():
-        assert out[rid] == hf_greedy(hf, p, N_NEW), rid
+    return {rid: (p, out[rid]) for rid, p in prompts.items()}
+
+
+def test_cascade_attention_gives_hf_greedy_tokens_for_decodes_sharing_a_cached_prefix(tmp_path, monkeypatch):
+    """--cascade-attention: three requests whose prompts start with the same 80 tokens, cached by a first one (the
+    prefix cache's shared blocks), decode together with their shared 64 keys computed once per group; HF's tokens."""
+    hf, runner, planned = cascade_runner(tmp_path, monkeypatch, seed=3)
+    for rid, (p, tokens) in shared_prefix_run(runner).items():
+        assert tokens == hf_greedy(hf, p, N_NEW), rid
     assert max(planned) == 3  # the three decoded as one group
+
+
+def test_cascade_attention_on_an_int8_pool_gives_the_plain_kernels_tokens(tmp_path, monkeypatch):
+    """--cascade-attention on with --kv-cache-dtype int8 (which auto leaves off): the shared prefix read from the
+    int8 pages with their scales gives the greedy tokens of the same int8 pool without cascade (head_dim 32: int8
+    dots need it on a GPU)."""
+    wide = {"hidden_size": 128}
+    _, runner, planned = cascade_runner(tmp_path / "a", monkeypatch, seed=3, checkpoint=wide, kv_cache_dtype="int8")
+    _, plain, _ = cascade_runner(tmp_path / "b", monkeypatch, seed=3, checkpoint=wide, kv_cache_dtype="int8",
+                                 cascade_attention="off")
+    assert shared_prefix_run(runner) == shared_prefix_run(plain)
+    assert max(planned) == 3
 
 
 def test_cascade_attention_with_drafts_gives_hf_greedy_tokens(tmp_path, monkeypatch):
@@ -113,11 +132,10 @@ def test_cascade_attention_is_refused_where_it_cannot_run(tmp_path):
                                  cascade_attention="on"))
     with pytest.raises(ValueError, match="--cascade-attention 'yes': choose from auto, on, off"):
         ModelRunner(WorkerConfig(model="tiny", device="cpu", cascade_attention="yes"))
-    for arch, kv in (("mistral", "auto"), ("llama", "int8")):  # (mistral: a sliding window)
-        make_checkpoint(str(tmp_path / arch), arch, seed=3)
-        with pytest.raises(ValueError, match="--cascade-attention on needs a K/V cache that is not int8 and a model"):
-            ModelRunner(WorkerConfig(model=str(tmp_path / arch), device=DEVICE, dtype="float32", kv_cache_dtype=kv,
-                                     max_model_len=512, attention_backend="triton", cascade_attention="on"))
+    make_checkpoint(str(tmp_path), "mistral", seed=3)  # (a sliding window)
+    with pytest.raises(ValueError, match="--cascade-attention on needs a model without a sliding window"):
+        ModelRunner(WorkerConfig(model=str(tmp_path), device=DEVICE, dtype="float32", max_model_len=512,
+                                 attention_backend="triton", cascade_attention="on"))
 
 
 @pytest.mark.parametrize("single_gpu,backend,decode,pool,want", [

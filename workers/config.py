@@ -47,9 +47,9 @@ class WorkerConfig:
         "auto | on | off: decodes whose contexts start with the same K/V pages (the prefix cache's: a shared "
         "document or system prompt) read those pages once per 64 query heads of the group instead of once per "
         "sequence, where that pays: groups of 8 decodes and up, 32 decodes in groups a step (docs/architecture.md). "
-        "Needs the Triton backend's partitioned kernel (--decode-attention auto or partitioned), a K/V cache that "
-        "is not int8 and a model without a sliding window: on refuses to start without them, auto is on where "
-        "they hold on CUDA at tensor-parallel size 1"))
+        "Needs the Triton backend's partitioned kernel (--decode-attention auto or partitioned) and a model without "
+        "a sliding window: on refuses to start without them; auto is on where they hold on CUDA at tensor-parallel "
+        "size 1 with a K/V cache that is not int8 (an int8 cache takes it with on: not measured on a GPU yet)"))
     decode_gemv_rows: int = field(default=0, metadata=flag(
         "CUDA, tensor-parallel size 1: steps of at most this many tokens (1-8) run the model's linear layers as "
         "weight-streaming GEMV kernels with SiLU * up, the residual adds and (Triton attention, a pool that is not "

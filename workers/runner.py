@@ -146,10 +146,10 @@ class _Verify:
 
 
 def cascade_attention_on(mode: str, single_gpu: bool, backend: str, decode: str, pool: bool) -> bool:
-    """--cascade-attention `on`, or `auto` where it can run: one CUDA device (single_gpu: tensor-parallel size 1),
-    the Triton backend (`auto` is Triton on CUDA), its partitioned kernel (--decode-attention auto or partitioned),
-    a pool that is not int8 and no sliding window (pool). `on` where it cannot run is refused (get_backend,
-    ModelRunner)."""
+    """--cascade-attention `on`, or `auto` where it can run and was measured: one CUDA device (single_gpu:
+    tensor-parallel size 1), the Triton backend (`auto` is Triton on CUDA), its partitioned kernel (--decode-attention
+    auto or partitioned), a pool that is not int8 (int8 runs with `on`, not measured on a GPU) and no sliding window
+    (pool). `on` where it cannot run is refused (get_backend, ModelRunner)."""
     if mode == "auto":
         return single_gpu and backend in ("auto", "triton") and decode != "persistent" and pool
     return mode == "on"
@@ -255,12 +255,11 @@ class ModelRunner:
         """--cascade-attention, checked (cascade_attention_on)."""
         if cfg.cascade_attention not in CASCADE_MODES:
             raise ValueError(f"--cascade-attention {cfg.cascade_attention!r}: choose from {', '.join(CASCADE_MODES)}")
-        pool = self.kv_dtype != torch.int8 and not self.model_config.sliding_window
-        if cfg.cascade_attention == "on" and not pool:
-            raise ValueError("--cascade-attention on needs a K/V cache that is not int8 and a model without a sliding "
-                             "window")
+        if cfg.cascade_attention == "on" and self.model_config.sliding_window:
+            raise ValueError("--cascade-attention on needs a model without a sliding window")
         return cascade_attention_on(cfg.cascade_attention, self.device.type == "cuda" and self.tp_size == 1,
-                                    cfg.attention_backend, cfg.decode_attention, pool)
+                                    cfg.attention_backend, cfg.decode_attention,
+                                    self.kv_dtype != torch.int8 and not self.model_config.sliding_window)
 
     def draft_size(self) -> float:
         """The draft model's parameters over the model's (0: none)."""

@@ -157,12 +157,13 @@ class TritonAttentionBackend(AttentionBackend):
         one = torch.ones(1, dtype=torch.int32, device=dev)
         table = torch.zeros(1, 1, dtype=torch.int32, device=dev)
         cascade = CascadeBuffers(1, num_heads // self.num_kv_heads, dev) if self.cascade else None  # (refused with
-        # an int8 pool or a window: the runner)
+        # a window: the runner)
         parts = 1
         while parts <= MAX_PARTITIONS:
             paged_decode(q, k_cache, v_cache, table, one, 1.0, num_parts=parts, k_scale=ks, v_scale=vs, window=window)
             if cascade is not None:
-                paged_decode(q, k_cache, v_cache, table, one, 1.0, num_parts=parts, cascade=cascade)
+                paged_decode(q, k_cache, v_cache, table, one, 1.0, num_parts=parts, k_scale=ks, v_scale=vs,
+                             cascade=cascade)
             parts *= 2
         if self.persistent:  # the plan kernel is compiled per power-of-two batch padding
             pad = 16

@@ -233,15 +233,17 @@ def _decode_kernel(
 
 
 @triton.jit(do_not_specialize=["s_btb"])
-def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, items_ptr, members_ptr, po_ptr, pm_ptr, pl_ptr, sm_scale,
-                   s_qb, s_qh, s_kb, s_kt, s_kh, s_btb, H,
+def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ks_ptr, vs_ptr, items_ptr, members_ptr, po_ptr, pm_ptr, pl_ptr,
+                   sm_scale, s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vh, s_vd, s_btb, H,
                    G: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, NUM_PARTS: tl.constexpr, SLOTS: tl.constexpr):
+                   BLOCK_N: tl.constexpr, NUM_PARTS: tl.constexpr, SLOTS: tl.constexpr, QUANT: tl.constexpr,
+                   INT8_QK: tl.constexpr, INT8_PV: tl.constexpr):
     """Cascade attention's shared part: work item i (items [i] = first member, members, prefix keys: a group of
     decodes whose first `prefix keys` K/V are the same pages; 0 members: nothing to do) x KV head x chunk c of that
     prefix. The members' query heads of the KV head are the rows of one tile (ROWS // G members of G heads), so each
     K/V tile is read once for all of them instead of once per sequence; the online softmax's partial result goes
-    to slot NUM_PARTS + c of each member, beside the partitions over the rest of its context (_decode_kernel)."""
+    to slot NUM_PARTS + c of each member, beside the partitions over the rest of its context (_decode_kernel), in
+    the same units as those (an int8 pool: q scaled, and rounded per row with INT8_QK, as _decode_span does)."""
     item = tl.program_id(0)
     kvh = tl.program_id(1)
     chunk = tl.program_id(2)
@@ -261,14 +263,24 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, items_ptr, members_ptr, po_ptr, 
         q = tl.load(q_ptr + seq[:, None] * s_qb + heads[:, None] * s_qh + offs_d[None, :], mask=ok[:, None],
                     other=0.0)
         q_scale = tl.full([ROWS], sm_scale * 1.4426950408889634, tl.float32)  # exp2 domain
+        if QUANT:
+            q_scale = q_scale * tl.load(ks_ptr + kvh)
+            if INT8_QK:  # each row (a member's head) to int8 by its absmax, as the decode kernel rounds it
+                qf = q.to(tl.float32)
+                row_scale = tl.maximum(tl.max(tl.abs(qf), 1), 1e-20) / 127.0
+                qf = qf / row_scale[:, None]
+                q = tl.where(qf >= 0, tl.floor(qf + 0.5), -tl.floor(0.5 - qf)).to(tl.int8)
+                q_scale = q_scale * row_scale
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, D], tl.float32)
         bt_row_ptr = bt_ptr + tl.load(members_ptr + first) * s_btb  # (the members' tables agree over the prefix)
         for n0 in range(start, end, BLOCK_N):  # (whole tiles: the prefix is a multiple of BLOCK_N)
             m_i, l_i, acc = _decode_tile(q, q_scale, m_i, l_i, acc, n0, 0, end, k_ptr, v_ptr, bt_row_ptr, kvh, s_kb,
-                                         s_kt, s_kh, s_kb, s_kh, 1, D, PAGE, BLOCK_N, False, False, False, False, 0,
-                                         q_ptr.dtype.element_ty)
+                                         s_kt, s_kh, s_vb, s_vh, s_vd, D, PAGE, BLOCK_N, QUANT, INT8_QK, INT8_PV,
+                                         False, 0, q_ptr.dtype.element_ty)
+        if QUANT:
+            acc = acc * (tl.load(vs_ptr + kvh) / (127.0 * 254.0) if INT8_PV else tl.load(vs_ptr + kvh))
         row = (seq * H + heads) * SLOTS + NUM_PARTS + chunk
         tl.store(pm_ptr + row, m_i, mask=ok)
         tl.store(pl_ptr + row, l_i, mask=ok)
@@ -493,14 +505,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     block_tables [B, max_blocks] int32;
     seq_lens [B] int32 (context length incl. the new token, already written). Returns [B, Hq, D].
     config: BLOCK_N / num_warps / num_stages overrides (the kernel bench sweeps them). cascade: shared prefixes
-    computed once per group (CascadeBuffers, filled by fill(); not with an int8 pool or a window)."""
+    computed once per group (CascadeBuffers, filled by fill(); not with a window)."""
     batch, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     quant = k_cache.dtype == torch.int8
-    if cascade is not None and (quant or window or batch > cascade.max_batch):
-        raise ValueError(f"cascade decode attention takes a pool that is not int8, no sliding window and at most "
-                         f"{cascade.max_batch} decodes, got {batch}")
+    if cascade is not None and (window or batch > cascade.max_batch):
+        raise ValueError(f"cascade decode attention takes no sliding window and at most {cascade.max_batch} decodes, "
+                         f"got {batch}")
     slots = num_parts + (CASCADE_CHUNKS if cascade is not None else 0)
     if out is None:
         out = torch.empty_like(q)
@@ -517,9 +529,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if cascade is not None:  # (first: with one part the decode kernel merges its results into the output)
         c = CASCADE_CONFIG_CPU if INTERPRETED else CASCADE_CONFIG
         _prefix_kernel[(cascade.items.shape[0], num_kv_heads, CASCADE_CHUNKS)](
-            q, k_cache, v_cache, block_tables, cascade.items, cascade.members, po, pm, pl, sm_scale,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            num_heads, G=group, ROWS=cascade.rows, D=head_dim, PAGE=page, NUM_PARTS=num_parts, SLOTS=slots, **c)
+            q, k_cache, v_cache, block_tables, k_scale if quant else dummy, v_scale if quant else dummy,
+            cascade.items, cascade.members, po, pm, pl, sm_scale, q.stride(0), q.stride(1), k_cache.stride(0),
+            k_cache.stride(1), k_cache.stride(2), *_v_strides(v_cache), block_tables.stride(0), num_heads, G=group,
+            ROWS=cascade.rows, D=head_dim, PAGE=page, NUM_PARTS=num_parts, SLOTS=slots, QUANT=quant, INT8_QK=int8_qk,
+            INT8_PV=int8_pv, **c)
     _decode_kernel[(batch, num_kv_heads, num_parts)](
         q, k_cache, v_cache, block_tables, seq_lens, k_scale if quant else dummy, v_scale if quant else dummy,
         cascade.prefix_lens if cascade is not None else dummy, out, po, pm, pl, sm_scale,

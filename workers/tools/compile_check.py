@@ -136,10 +136,9 @@ def _variants(tmp: str, dtypes: tuple[str, ...]) -> list[tuple[str, dict, str]]:
             ("mistral, bf16 K/V, persistent decode", {"decode_attention": "persistent"}, mistral),
             ("mistral, bf16 K/V, auto decode, cascade", {"decode_attention": "auto", "cascade_attention": "on"},
              mistral),
-            ("mistral, int8 K/V, partitioned decode", {"kv_cache_dtype": "int8", "decode_attention": "partitioned"},
-             mistral),
-            ("mistral, int8 K/V, persistent decode", {"kv_cache_dtype": "int8", "decode_attention": "persistent"},
-             mistral),
+            # (auto compiles the partitioned kernel and the persistent one, here with the cascade's)
+            ("mistral, int8 K/V, auto decode, cascade", {"kv_cache_dtype": "int8", "decode_attention": "auto",
+                                                        "cascade_attention": "on"}, mistral),
             ("qwen2, bf16 K/V, GEMV path (qkv bias), cascade", {"decode_attention": "partitioned",
                                                                  "cascade_attention": "on", **gemv}, qwen2),
             ("SmolLM2-135M shape (head_dim 64), GEMV path, auto decode", {"decode_attention": "auto", **gemv},
