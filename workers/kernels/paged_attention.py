@@ -123,6 +123,21 @@ def _decode_tile(q, q_scale, m_i, l_i, acc, n0, lo, end, k_ptr, v_ptr, bt_row_pt
 
 
 @triton.jit
+def _int8_rows(q, q_scale):
+    """q's rows to int8 by each row's absmax (rounded half away from zero), that scale folded into q_scale."""
+    qf = q.to(tl.float32)
+    row_scale = tl.maximum(tl.max(tl.abs(qf), 1), 1e-20) / 127.0
+    qf = qf / row_scale[:, None]
+    return tl.where(qf >= 0, tl.floor(qf + 0.5), -tl.floor(0.5 - qf)).to(tl.int8), q_scale * row_scale
+
+
+@triton.jit
+def _v_units(acc, vs_ptr, kvh, INT8_PV: tl.constexpr):
+    """An int8 pool's p.V accumulator in V's units: its scale, and INT8_PV's two digits of p undone."""
+    return acc * (tl.load(vs_ptr + kvh) / (127.0 * 254.0) if INT8_PV else tl.load(vs_ptr + kvh))
+
+
+@triton.jit
 def _decode_span(q_ptr, k_ptr, v_ptr, bt_ptr, ks_ptr, vs_ptr, b, kvh, lo, start, end, sm_scale,
                  s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vh, s_vd, s_btb,
                  G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -139,11 +154,7 @@ def _decode_span(q_ptr, k_ptr, v_ptr, bt_ptr, ks_ptr, vs_ptr, b, kvh, lo, start,
     if QUANT:
         q_scale = q_scale * tl.load(ks_ptr + kvh)
         if INT8_QK:  # q to int8 per row (dynamic absmax): q.k^T on int8 tensor cores, no K conversion
-            qf = q.to(tl.float32)
-            row_scale = tl.maximum(tl.max(tl.abs(qf), 1), 1e-20) / 127.0
-            qf = qf / row_scale[:, None]
-            q = tl.where(qf >= 0, tl.floor(qf + 0.5), -tl.floor(0.5 - qf)).to(tl.int8)
-            q_scale = q_scale * row_scale
+            q, q_scale = _int8_rows(q, q_scale)
 
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
@@ -160,7 +171,7 @@ def _decode_span(q_ptr, k_ptr, v_ptr, bt_ptr, ks_ptr, vs_ptr, b, kvh, lo, start,
                                      s_kt, s_kh, s_vb, s_vh, s_vd, D, PAGE, BLOCK_N, QUANT, INT8_QK, INT8_PV,
                                      True, WINDOW, DT)
     if QUANT:
-        acc = acc * (tl.load(vs_ptr + kvh) / (127.0 * 254.0) if INT8_PV else tl.load(vs_ptr + kvh))
+        acc = _v_units(acc, vs_ptr, kvh, INT8_PV)
     return m_i, l_i, acc
 
 
@@ -265,12 +276,8 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ks_ptr, vs_ptr, items_ptr, membe
         q_scale = tl.full([ROWS], sm_scale * 1.4426950408889634, tl.float32)  # exp2 domain
         if QUANT:
             q_scale = q_scale * tl.load(ks_ptr + kvh)
-            if INT8_QK:  # each row (a member's head) to int8 by its absmax, as the decode kernel rounds it
-                qf = q.to(tl.float32)
-                row_scale = tl.maximum(tl.max(tl.abs(qf), 1), 1e-20) / 127.0
-                qf = qf / row_scale[:, None]
-                q = tl.where(qf >= 0, tl.floor(qf + 0.5), -tl.floor(0.5 - qf)).to(tl.int8)
-                q_scale = q_scale * row_scale
+            if INT8_QK:  # each row (a member's head) as the decode kernel rounds it
+                q, q_scale = _int8_rows(q, q_scale)
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, D], tl.float32)
@@ -280,7 +287,7 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ks_ptr, vs_ptr, items_ptr, membe
                                          s_kt, s_kh, s_vb, s_vh, s_vd, D, PAGE, BLOCK_N, QUANT, INT8_QK, INT8_PV,
                                          False, 0, q_ptr.dtype.element_ty)
         if QUANT:
-            acc = acc * (tl.load(vs_ptr + kvh) / (127.0 * 254.0) if INT8_PV else tl.load(vs_ptr + kvh))
+            acc = _v_units(acc, vs_ptr, kvh, INT8_PV)
         row = (seq * H + heads) * SLOTS + NUM_PARTS + chunk
         tl.store(pm_ptr + row, m_i, mask=ok)
         tl.store(pl_ptr + row, l_i, mask=ok)
