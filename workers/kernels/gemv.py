@@ -206,15 +206,16 @@ if triton is not None:
 _STAGES: dict[tuple, int] = {}  # a launch's kernel, dtype and constexprs -> the pipeline stages that fit this GPU
 
 
-def _launch(kernel, grid: tuple, args: tuple, config: dict, dtype: torch.dtype, fit: bool, **constexprs) -> None:
+def _launch(kernel, grid: tuple, args: tuple, config: dict, overrides: dict | None, dtype: torch.dtype,
+            **constexprs) -> None:
     """kernel[grid](*args, **constexprs) with the dot's constexprs for x's dtype (UPCAST under the interpreter,
-    PRECISION) and config's warps and pipeline stages; with fit, fewer stages where the GPU
-    has less shared memory per block than the one the configs were tuned on (GEMV_CONFIGS: the H200's 227 KB; an
-    A100 has 163 KB, sm_86 / sm_89 99 KB): Triton refuses such a launch before it starts, so nothing ran. The first
-    launch of each variant finds its stages (the runner's warm-up, before any CUDA graph capture). Without fit (a
-    config that names its stages: a benchmark's sweep) the refusal is raised."""
+    PRECISION) and config's warps and pipeline stages (config: the shape's, the caller's overrides on top); fewer
+    stages where the GPU has less shared memory per block than the one the configs were tuned on (GEMV_CONFIGS: the
+    H200's 227 KB; an A100 has 163 KB, sm_86 / sm_89 99 KB): Triton refuses such a launch before it starts, so
+    nothing ran. The first launch of each variant finds its stages (the runner's warm-up, before any CUDA graph
+    capture). Overrides that name the stages (a benchmark's sweep) run them as given, and the refusal is raised."""
     constexprs.update(UPCAST=INTERPRETED, PRECISION="ieee" if dtype == torch.float32 else "tf32")
-    if not fit:
+    if "num_stages" in (overrides or {}):
         kernel[grid](*args, **constexprs, num_warps=config["num_warps"], num_stages=config["num_stages"])
         return
     key = (kernel, dtype, config["num_stages"], config["num_warps"], *constexprs.items())
@@ -288,10 +289,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None, *, bias: 
                                                torch.empty(M, n_out, dtype=x.dtype, device=x.device))
     norm_w, eps = norm if norm is not None else (None, 0.0)
     cols = c["BLOCK_N"] // 2 if silu else c["BLOCK_N"]  # output columns a program writes
-    fit = "num_stages" not in (config or {})
     _launch(_gemv, (triton.cdiv(n_out, cols),),
             (x, w, bias if bias is not None else w, norm_w if norm_w is not None else w, y, M, n_out, K, x.stride(0),
-             w.stride(0), y.stride(0), eps), c, x.dtype, fit, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
+             w.stride(0), y.stride(0), eps), c, config, x.dtype, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
             RSTD_K=_rstd_k(K) if norm is not None else 16, NORMED=norm is not None, SILU=silu, BIAS=bias is not None,
             RESIDUAL=residual is not None)
     return y
@@ -325,7 +325,7 @@ def qkv_rope_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n
     _launch(_qkv_rope, (N // block_n,),
             (x, w, bias if bias is not None else w, norm_w, y, positions, cos, sin, k_cache, v_cache, slots, M, K,
              x.stride(0), w.stride(0), y.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
-             k_cache.stride(2), eps, num_heads, num_kv_heads), c, x.dtype, "num_stages" not in (config or {}), D=D,
+             k_cache.stride(2), eps, num_heads, num_kv_heads), c, config, x.dtype, D=D,
             PAGE=k_cache.shape[1], BLOCK_N=block_n, BLOCK_K=c["BLOCK_K"], RSTD_K=_rstd_k(K) if norm is not None else 16,
             NORMED=norm is not None, BIAS=bias is not None)
     return y
