@@ -139,6 +139,18 @@ def test_cascade_decode_matches_reference(groups, heads, kv_heads, dim, parts):
         paged_decode(q, kc, vc, bt, lens, dim ** -0.5, cascade=pa.CascadeBuffers(2, heads // kv_heads, DEVICE))
 
 
+def int8_pool(kc: torch.Tensor, vc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The whole pool kc / vc [blocks, page, Hkv, D] written to an int8 one by write_kv, with per-head scales of
+    its absmax: (K pages, V pages transposed, k_scale, v_scale)."""
+    k_scale = (kc.float().abs().amax(dim=(0, 1, 3)) / 127).to(DEVICE)
+    v_scale = (vc.float().abs().amax(dim=(0, 1, 3)) / 127).to(DEVICE)
+    kq = torch.zeros(kc.shape, dtype=torch.int8, device=DEVICE)
+    vq = transpose_v_pages(torch.zeros_like(kq))
+    slots = torch.arange(kc.shape[0] * PAGE, device=DEVICE)
+    write_kv(kc.flatten(0, 1), vc.flatten(0, 1), kq, vq, slots, k_scale, v_scale)
+    return kq, vq, k_scale, v_scale
+
+
 # (head_dim 32: int8 dots need it on a GPU; the merge in the reduce and in the decode kernel)
 @pytest.mark.parametrize("case,variant,parts", [(2, "EXACT", 2), (2, "default", 1)])
 def test_cascade_decode_on_an_int8_pool(case, variant, parts):
@@ -147,12 +159,7 @@ def test_cascade_decode_on_an_int8_pool(case, variant, parts):
     groups, heads, kv_heads, dim = CASCADE_CASES[case]
     config = EXACT if variant == "EXACT" else {}
     q, kc, vc, bt, lens = shared_case(groups, heads, kv_heads, dim, seed=11 + case)
-    k_scale = (kc.float().abs().amax(dim=(0, 1, 3)) / 127).to(DEVICE)
-    v_scale = (vc.float().abs().amax(dim=(0, 1, 3)) / 127).to(DEVICE)
-    kq = torch.zeros(kc.shape, dtype=torch.int8, device=DEVICE)
-    vq = transpose_v_pages(torch.zeros_like(kq))
-    slots = torch.arange(kc.shape[0] * PAGE, device=DEVICE)
-    write_kv(kc.reshape(-1, kv_heads, dim), vc.reshape(-1, kv_heads, dim), kq, vq, slots, k_scale, v_scale)
+    kq, vq, k_scale, v_scale = int8_pool(kc, vc)
     buffers = pa.CascadeBuffers(len(lens), heads // kv_heads, DEVICE)
     assert buffers.fill(bt.cpu().numpy(), lens.cpu().numpy(), PAGE, min_members=2, min_grouped=2)
     args = (q, kq, vq, bt, lens, dim ** -0.5)
@@ -284,12 +291,7 @@ def test_persistent_decode_sliding_window_and_int8(monkeypatch):
     lens = torch.tensor([300, 90, 41], dtype=torch.int32, device=DEVICE)
     out, _ = persistent(q, kc, vc, bt, lens, 32 ** -0.5, window=100)
     assert rel_err(out, reference_decode(q, kc, vc, bt, lens, 32 ** -0.5, window=100)) < (1e-2 if ON_GPU else 1e-5)
-    k_scale = (kc.float().abs().amax(dim=(0, 1, 3)) / 127).to(DEVICE)
-    v_scale = (vc.float().abs().amax(dim=(0, 1, 3)) / 127).to(DEVICE)
-    kq = torch.zeros(kc.shape, dtype=torch.int8, device=DEVICE)
-    vq = transpose_v_pages(torch.zeros_like(kq))
-    slots = torch.arange(kc.shape[0] * PAGE, device=DEVICE)
-    write_kv(kc.reshape(-1, 2, 32), vc.reshape(-1, 2, 32), kq, vq, slots, k_scale, v_scale)
+    kq, vq, k_scale, v_scale = int8_pool(kc, vc)
     for variant, tol in ((EXACT, 1e-2 if ON_GPU else 1e-5), ({}, 2e-2)):  # dequantised exactly; int8 dots
         for window in (None, 100):
             out, _ = persistent(q, kq, vq, bt, lens, 32 ** -0.5, window=window, k_scale=k_scale, v_scale=v_scale,
