@@ -138,15 +138,15 @@ def test_cascade_attention_is_refused_where_it_cannot_run(tmp_path):
                                  attention_backend="triton", cascade_attention="on"))
 
 
-@pytest.mark.parametrize("single_gpu,backend,decode,pool,want", [
-    (True, "auto", "auto", True, True), (True, "triton", "partitioned", True, True),
-    (False, "auto", "auto", True, False),  # a CPU, or tensor parallel
-    (True, "torch", "auto", True, False), (True, "auto", "persistent", True, False),
-    (True, "auto", "auto", False, False)])  # an int8 pool or a sliding window
-def test_cascade_attention_auto_is_on_only_where_it_can_run(single_gpu, backend, decode, pool, want):
-    assert cascade_attention_on("auto", single_gpu, backend, decode, pool) is want
-    assert cascade_attention_on("on", single_gpu, backend, decode, pool)  # (the runner refuses what it cannot run)
-    assert not cascade_attention_on("off", single_gpu, backend, decode, pool)
+@pytest.mark.parametrize("single_gpu,backend,decode,window,want", [
+    (True, "auto", "auto", False, True), (True, "triton", "partitioned", False, True),
+    (False, "auto", "auto", False, False),  # a CPU, or tensor parallel
+    (True, "torch", "auto", False, False), (True, "auto", "persistent", False, False),
+    (True, "auto", "auto", True, False)])  # a sliding window
+def test_cascade_attention_auto_is_on_only_where_it_can_run(single_gpu, backend, decode, window, want):
+    assert cascade_attention_on("auto", single_gpu, backend, decode, window) is want
+    assert cascade_attention_on("on", single_gpu, backend, decode, window)  # (the runner refuses what it cannot run)
+    assert not cascade_attention_on("off", single_gpu, backend, decode, window)
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])

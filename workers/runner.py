@@ -145,13 +145,13 @@ class _Verify:
         return out
 
 
-def cascade_attention_on(mode: str, single_gpu: bool, backend: str, decode: str, pool: bool) -> bool:
-    """--cascade-attention `on`, or `auto` where it can run and was measured: one CUDA device (single_gpu:
-    tensor-parallel size 1), the Triton backend (`auto` is Triton on CUDA), its partitioned kernel (--decode-attention
-    auto or partitioned), a pool that is not int8 (int8 runs with `on`, not measured on a GPU) and no sliding window
-    (pool). `on` where it cannot run is refused (get_backend, ModelRunner)."""
+def cascade_attention_on(mode: str, single_gpu: bool, backend: str, decode: str, window: bool) -> bool:
+    """--cascade-attention `on`, or `auto` where it can run: one CUDA device (single_gpu: tensor-parallel size 1), the
+    Triton backend (`auto` is Triton on CUDA), its partitioned kernel (--decode-attention auto or partitioned) and no
+    sliding window (window: the model has one); a bf16 or an int8 pool. `on` where it cannot run is refused
+    (get_backend, ModelRunner)."""
     if mode == "auto":
-        return single_gpu and backend in ("auto", "triton") and decode != "persistent" and pool
+        return single_gpu and backend in ("auto", "triton") and decode != "persistent" and not window
     return mode == "on"
 
 
@@ -258,8 +258,7 @@ class ModelRunner:
         if cfg.cascade_attention == "on" and self.model_config.sliding_window:
             raise ValueError("--cascade-attention on needs a model without a sliding window")
         return cascade_attention_on(cfg.cascade_attention, self.device.type == "cuda" and self.tp_size == 1,
-                                    cfg.attention_backend, cfg.decode_attention,
-                                    self.kv_dtype != torch.int8 and not self.model_config.sliding_window)
+                                    cfg.attention_backend, cfg.decode_attention, bool(self.model_config.sliding_window))
 
     def draft_size(self) -> float:
         """The draft model's parameters over the model's (0: none)."""
