@@ -373,7 +373,7 @@ async def test_requeue_on_one_worker_carries_streams_through_its_kill_and_its_ha
     was back in ~3 s, and a hung (stopped) worker was never restarted. Now they wait for the restarted worker and
     finish whole; the launcher kills and restarts a worker whose loop is silent for --worker-timeout."""
     st = make_stack("--on-worker-loss", "requeue", "--worker-timeout", "2", "--max-restarts", "3")
-    n, tokens = 3, 1500
+    n, tokens = 3, 500
     body = {"model": "tiny", "prompt": "requeue me", "max_tokens": tokens, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
 
@@ -403,6 +403,8 @@ async def test_requeue_on_one_worker_carries_streams_through_its_kill_and_its_ha
             assert await asyncio.gather(*streams) == [("length", tokens)] * n, fault
             assert _pid_of(st.proc.pid, "worker") != worker
     assert any("hung (its loop silent" in line for line in st.lines), st.lines[-20:]
+    # each fault hit the streams in flight, not after them: the worker was lost with all n on it, each requeued
+    assert sum(f"{n} requests, {n} requeued" in line for line in st.lines) == 2, st.lines[-20:]
 
 
 class Hostile:

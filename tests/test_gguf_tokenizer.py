@@ -57,11 +57,8 @@ def ours():
 
 
 @pytest.fixture(scope="module")
-def hf():
-    if PATH is None:
-        pytest.skip(f"{gguf_file.SMOLLM2} not installed")
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(PATH), gguf_file=os.path.basename(PATH))
+def hf(smollm2_reference):
+    return smollm2_reference[0]  # (transformers' tokenizer from the GGUF, loaded once a session with its model)
 
 
 def test_ids_and_decoding_match_transformers(ours, hf):

@@ -92,7 +92,7 @@ def test_cascade_attention_gives_hf_greedy_tokens_for_decodes_sharing_a_cached_p
 
 
 def test_cascade_attention_on_an_int8_pool_gives_the_plain_kernels_tokens(tmp_path, monkeypatch):
-    """--cascade-attention on with --kv-cache-dtype int8 (which auto leaves off): the shared prefix read from the
+    """--cascade-attention on with --kv-cache-dtype int8: the shared prefix read from the
     int8 pages with their scales gives the greedy tokens of the same int8 pool without cascade (head_dim 32: int8
     dots need it on a GPU)."""
     wide = {"hidden_size": 128}
