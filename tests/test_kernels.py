@@ -167,7 +167,10 @@ def test_cascade_decode_on_an_int8_pool(case, variant, parts):
     plain = paged_decode(*args, num_parts=parts, k_scale=k_scale, v_scale=v_scale, config=config)
     ref = reference_decode(q, kq, v_rows(vq), bt, lens, dim ** -0.5, k_scale, v_scale)
     tol = (1e-2 if ON_GPU else 1e-5) if config is EXACT else 2e-2
-    assert rel_err(out, ref) < tol and rel_err(out, plain) < tol
+    # on int8 dots the prefix kernel rounds as the decode kernel does: on the CPU the two agree to ~1e-4, where a
+    # prefix dequantised exactly instead (INT8_QK / INT8_PV off in it alone) is 4-5e-3 from the plain kernel
+    same = 1e-3 if config is not EXACT and not ON_GPU else tol
+    assert rel_err(out, ref) < tol and rel_err(out, plain) < same
 
 
 def plan(*args, **kwargs):

@@ -217,16 +217,17 @@ def test_mixed_steps_launched_behind_read_their_decodes_tokens_from_the_right_ro
     assert behind_decode == [False, True, False, False, False, False, True, True]
 
 
-@pytest.mark.parametrize("backend", ["auto", "triton"])
-def test_piecewise_graphs_give_the_eager_tokens(backend):
+@pytest.mark.parametrize("backend,kv", [("auto", "auto"), ("triton", "auto"), ("triton", "int8")])
+def test_piecewise_graphs_give_the_eager_tokens(backend, kv):
     """Steps with prompt chunks through the pieces between attentions (CUDA graphs on a GPU; on a CPU, where nothing
     is captured, the same pieces and static buffers run eagerly): the eager forward's tokens and logprobs, the
     steps' rows padded to the captured sizes, launched behind the step in flight. With the Triton backend each
-    piece ends with the next layer's RoPE and K/V write (the padding rows write nothing), attention then without."""
-    eager, _, _ = _submit_all(tiny(overlap_steps="on", piecewise_graph_tokens=0, attention_backend=backend),
-                              _mixed_behind)
-    r = tiny(overlap_steps="on", max_num_batched_tokens=64, attention_backend=backend)
-    assert r.model.rope_ahead is (backend == "triton" or DEVICE == "cuda")
+    piece ends with the next layer's RoPE and K/V write (the padding rows write nothing), attention then without;
+    on an int8 pool (its scales observed per step) the backend keeps both."""
+    eager, _, _ = _submit_all(tiny(overlap_steps="on", piecewise_graph_tokens=0, attention_backend=backend,
+                                   kv_cache_dtype=kv), _mixed_behind)
+    r = tiny(overlap_steps="on", max_num_batched_tokens=64, attention_backend=backend, kv_cache_dtype=kv)
+    assert r.model.rope_ahead is ((backend == "triton" or DEVICE == "cuda") and kv != "int8")
     if r.pieces is None:
         r.pieces = PiecewiseGraphs(r.model, 64, r.device)
     assert r.pieces.sizes == [16, 32, 48, 64]  # every 16 up to 256

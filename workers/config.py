@@ -49,7 +49,7 @@ class WorkerConfig:
         "sequence, where that pays: groups of 8 decodes and up, 32 decodes in groups a step (docs/architecture.md). "
         "Needs the Triton backend's partitioned kernel (--decode-attention auto or partitioned) and a model without "
         "a sliding window: on refuses to start without them; auto is on where they hold on CUDA at tensor-parallel "
-        "size 1, with a bf16 or an int8 K/V cache"))
+        "size 1, whatever the K/V cache dtype (int8 included)"))
     decode_gemv_rows: int = field(default=0, metadata=flag(
         "CUDA, tensor-parallel size 1: steps of at most this many tokens (1-8) run the model's linear layers as "
         "weight-streaming GEMV kernels with SiLU * up, the residual adds and (Triton attention, a pool that is not "

@@ -8,8 +8,8 @@ logits are dropped. The size list is fixed (1, 2, 4, 8, then every 8 to 64, ever
 captured once at start. Only n matters: the rows' order and context lengths don't (the
 kernel reads each row's length from the device buffers), except where each size is captured in more than one
 variant of the decode-attention kernel: with --decode-attention auto the partitioned and the persistent one, and
-with --cascade-attention also the cascade (not for one sequence), and a step replays the one its context lengths
-and shared prefixes call for (graph_variant).
+with --cascade-attention also the cascade (for sizes of at least CASCADE_MIN_GROUPED: a smaller batch forms no
+group), and a step replays the one its context lengths and shared prefixes call for (graph_variant).
 Host inputs go through pinned buffers with non-blocking copies.
 
 PiecewiseGraphs runs the other steps (prompt chunks, with or without decodes; drafts to verify) of up to
@@ -21,8 +21,9 @@ write too on an int8 pool) runs eagerly between them on the step's real rows. Wh
 static buffers (the qkv projection, the attention output, the residual stream). A step of T tokens replays the
 pieces of the smallest captured size >= T; the padding rows are computed by the pieces and seen by nothing else
 (attention and the logits read rows < T only; their slots are -1). This takes the host's launch work of such a
-step (~330 launches) down to one replay per piece and the attention's launches: 15-24 ms -> 6.5-9.3 ms on the H100
-(docs/perf.md), before RoPE and the K/V write moved into the pieces (32 launches fewer; not measured yet).
+step (~330 launches) down to one replay per piece and the attention's launches: 15-24 ms -> 6.5-9.3 ms on the H100,
+and with RoPE and the K/V write in the pieces (32 launches fewer) 5.3-9.3 ms against 7.7-14.4 ms without them in the
+same runs on another H100 (docs/perf.md).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import numpy as np
 import torch
 
 from workers.attention.base import AttentionMetadata
+from workers.kernels import paged_attention as pa
 
 log = logging.getLogger("laneserve.worker")
 
@@ -96,7 +98,7 @@ class DecodeGraphs:
         with torch.inference_mode():
             for bs in reversed(self.sizes):  # largest first: later graphs reuse its memory pool
                 for variant in self.variants:
-                    if variant == "cascade" and bs == 1:  # (one sequence shares with nobody: never replayed)
+                    if variant == "cascade" and bs < pa.CASCADE_MIN_GROUPED:  # (no group forms: never replayed)
                         continue
                     meta = self.meta(bs)
                     self.backend.prepare(meta, self.block_size, window, variant=variant)

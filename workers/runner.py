@@ -148,7 +148,7 @@ class _Verify:
 def cascade_attention_on(mode: str, single_gpu: bool, backend: str, decode: str, window: bool) -> bool:
     """--cascade-attention `on`, or `auto` where it can run: one CUDA device (single_gpu: tensor-parallel size 1), the
     Triton backend (`auto` is Triton on CUDA), its partitioned kernel (--decode-attention auto or partitioned) and no
-    sliding window (window: the model has one); a bf16 or an int8 pool. `on` where it cannot run is refused
+    sliding window (window: the model has one); any pool dtype, int8 included. `on` where it cannot run is refused
     (get_backend, ModelRunner)."""
     if mode == "auto":
         return single_gpu and backend in ("auto", "triton") and decode != "persistent" and not window

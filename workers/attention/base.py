@@ -108,7 +108,8 @@ class AttentionBackend:
         the backend calls kv_scales.observe(k, v) before writing (the dynamic fallback sets the
         scales there once), quantises what it writes and dequantises what it reads, inside
         attention: never a full-precision copy of the pool. kv_written: q comes rotated and k / v are in the cache
-        already (the model's qkv GEMV did both, workers/kernels/gemv.py's qkv_rope_gemv; rope is None then)."""
+        already (the model did both ahead of attention: the qkv GEMV, workers/kernels/gemv.py's qkv_rope_gemv, or
+        the piecewise CUDA graph before it, through rope_write; rope is None then)."""
         raise NotImplementedError
 
 

@@ -16,7 +16,8 @@ that workers/cuda_graphs.py can capture the pieces between attentions as CUDA gr
 most `gemv_rows` tokens (`--decode-gemv-rows`, off by default) run the linear layers as
 workers/kernels/gemv.py's GEMVs instead, with the norms, SiLU * up and residual adds inside them,
 and (Triton attention, a pool that is not int8) each qkv GEMV also does its layer's RoPE and K/V
-write, the backend told so (`kv_written`).
+write, the backend told so (`kv_written`); so does each piecewise CUDA graph for the next layer
+(`rope_write`, `rope_ahead`).
 
 Tensor parallelism (tp_size > 1, docs/tensor_parallel.md), Megatron-style, with the parallel linear
 layers of workers/model/layers.py: q/k/v and gate/up are column-parallel (each rank holds
@@ -133,7 +134,8 @@ class Attention(nn.Module):
                out: torch.Tensor | None = None, kv_written: bool = False) -> torch.Tensor:
         """This layer's qkv projection [T, q+k+v] -> attention output [T, Hq * D] (into out [T, Hq, D] if given):
         RoPE, the K/V write and attention, all in the backend (RoPE with the K/V write: one launch), or with
-        kv_written attention alone (the qkv GEMV rotated q and k and wrote the pool: qkv_rope_gemv)."""
+        kv_written attention alone (q and k rotated and the pool written ahead: the qkv GEMV's qkv_rope_gemv, or
+        rope_write in the piecewise graph before it)."""
         q, k, v = self.heads(qkv)
         o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.kv_scales,
                                  rope=None if kv_written else (positions, rope.cos, rope.sin), out=out,
