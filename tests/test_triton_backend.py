@@ -139,14 +139,18 @@ def test_cascade_attention_is_refused_where_it_cannot_run(tmp_path):
 
 
 @pytest.mark.parametrize("single_gpu,backend,decode,window,want", [
-    (True, "auto", "auto", False, True), (True, "triton", "partitioned", False, True),
-    (False, "auto", "auto", False, False),  # a CPU, or tensor parallel
-    (True, "torch", "auto", False, False), (True, "auto", "persistent", False, False),
-    (True, "auto", "auto", True, False)])  # a sliding window
+    (True, "triton", "auto", False, True), (True, "triton", "partitioned", False, True),
+    (False, "triton", "auto", False, False),  # a CPU, or tensor parallel: `on` runs there, `auto` does not
+    (True, "torch", "auto", False, False), (True, "triton", "persistent", False, False),
+    (True, "triton", "auto", True, False)])  # a sliding window
 def test_cascade_attention_auto_is_on_only_where_it_can_run(single_gpu, backend, decode, window, want):
     assert cascade_attention_on("auto", single_gpu, backend, decode, window) is want
-    assert cascade_attention_on("on", single_gpu, backend, decode, window)  # (the runner refuses what it cannot run)
     assert not cascade_attention_on("off", single_gpu, backend, decode, window)
+    if want or not single_gpu:
+        assert cascade_attention_on("on", single_gpu, backend, decode, window)
+    else:  # the one rule refuses `on` where `auto` stays off on a GPU
+        with pytest.raises(ValueError, match="^--cascade-attention on "):
+            cascade_attention_on("on", single_gpu, backend, decode, window)
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from laneserve.modelspec import load_model_config, resolve_max_model_len
 from laneserve.wire import protocol as P
 from laneserve.wire.protocol import LANE_DECODE, LANE_MIXED, LANE_PREFILL
-from workers.attention import AttentionMetadata, get_backend
+from workers.attention import AttentionMetadata, backend_name, get_backend
 from workers.collectives import broadcast_tokens, min_across_ranks, rank_device
 from workers.config import WorkerConfig
 from workers.cuda_graphs import DecodeGraphs, PiecewiseGraphs
@@ -146,13 +146,20 @@ class _Verify:
 
 
 def cascade_attention_on(mode: str, single_gpu: bool, backend: str, decode: str, window: bool) -> bool:
-    """--cascade-attention `on`, or `auto` where it can run: one CUDA device (single_gpu: tensor-parallel size 1), the
-    Triton backend (`auto` is Triton on CUDA), its partitioned kernel (--decode-attention auto or partitioned) and no
-    sliding window (window: the model has one); any pool dtype, int8 included. `on` where it cannot run is refused
-    (get_backend, ModelRunner)."""
-    if mode == "auto":
-        return single_gpu and backend in ("auto", "triton") and decode != "persistent" and not window
-    return mode == "on"
+    """--cascade-attention (auto, on or off) for this worker: `auto` is on where it can run on one CUDA device
+    (single_gpu: tensor-parallel size 1), whatever the pool's dtype (int8 included); `on` where it cannot run is a
+    ValueError saying why. It runs with the Triton backend (backend: the resolved name, backend_name), its
+    partitioned decode kernel (decode: --decode-attention auto or partitioned) and no sliding window (window)."""
+    why = None
+    if backend != "triton":
+        why = "is a Triton kernel: it needs --attention-backend triton (the default on CUDA)"
+    elif decode == "persistent":
+        why = "runs with the partitioned decode kernel: it needs --decode-attention auto or partitioned"
+    elif window:
+        why = "needs a model without a sliding window"
+    if mode == "on" and why:
+        raise ValueError(f"--cascade-attention on {why}")
+    return mode == "on" or (mode == "auto" and single_gpu and why is None)
 
 
 class ModelRunner:
@@ -255,10 +262,9 @@ class ModelRunner:
         """--cascade-attention, checked (cascade_attention_on)."""
         if cfg.cascade_attention not in CASCADE_MODES:
             raise ValueError(f"--cascade-attention {cfg.cascade_attention!r}: choose from {', '.join(CASCADE_MODES)}")
-        if cfg.cascade_attention == "on" and self.model_config.sliding_window:
-            raise ValueError("--cascade-attention on needs a model without a sliding window")
         return cascade_attention_on(cfg.cascade_attention, self.device.type == "cuda" and self.tp_size == 1,
-                                    cfg.attention_backend, cfg.decode_attention, bool(self.model_config.sliding_window))
+                                    backend_name(cfg.attention_backend, self.device), cfg.decode_attention,
+                                    bool(self.model_config.sliding_window))
 
     def draft_size(self) -> float:
         """The draft model's parameters over the model's (0: none)."""
