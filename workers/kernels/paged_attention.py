@@ -123,12 +123,17 @@ def _decode_tile(q, q_scale, m_i, l_i, acc, n0, lo, end, k_ptr, v_ptr, bt_row_pt
 
 
 @triton.jit
-def _int8_rows(q, q_scale):
-    """q's rows to int8 by each row's absmax (rounded half away from zero), that scale folded into q_scale."""
-    qf = q.to(tl.float32)
-    row_scale = tl.maximum(tl.max(tl.abs(qf), 1), 1e-20) / 127.0
-    qf = qf / row_scale[:, None]
-    return tl.where(qf >= 0, tl.floor(qf + 0.5), -tl.floor(0.5 - qf)).to(tl.int8), q_scale * row_scale
+def _q_units(q, q_scale, ks_ptr, kvh, INT8_QK: tl.constexpr):
+    """q for an int8 pool's K: K's scale folded into q_scale; with INT8_QK q's rows to int8 by each row's absmax
+    (rounded half away from zero; q.k^T then on int8 tensor cores, no K conversion), that scale folded in too."""
+    q_scale = q_scale * tl.load(ks_ptr + kvh)
+    if INT8_QK:
+        qf = q.to(tl.float32)
+        row_scale = tl.maximum(tl.max(tl.abs(qf), 1), 1e-20) / 127.0
+        qf = qf / row_scale[:, None]
+        q = tl.where(qf >= 0, tl.floor(qf + 0.5), -tl.floor(0.5 - qf)).to(tl.int8)
+        q_scale = q_scale * row_scale
+    return q, q_scale
 
 
 @triton.jit
@@ -152,9 +157,7 @@ def _decode_span(q_ptr, k_ptr, v_ptr, bt_ptr, ks_ptr, vs_ptr, b, kvh, lo, start,
     q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + offs_d[None, :], mask=mask_g[:, None], other=0.0)
     q_scale = tl.full([G_PAD], sm_scale * 1.4426950408889634, tl.float32)  # exp2 domain
     if QUANT:
-        q_scale = q_scale * tl.load(ks_ptr + kvh)
-        if INT8_QK:  # q to int8 per row (dynamic absmax): q.k^T on int8 tensor cores, no K conversion
-            q, q_scale = _int8_rows(q, q_scale)
+        q, q_scale = _q_units(q, q_scale, ks_ptr, kvh, INT8_QK)
 
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
@@ -274,10 +277,8 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ks_ptr, vs_ptr, items_ptr, membe
         q = tl.load(q_ptr + seq[:, None] * s_qb + heads[:, None] * s_qh + offs_d[None, :], mask=ok[:, None],
                     other=0.0)
         q_scale = tl.full([ROWS], sm_scale * 1.4426950408889634, tl.float32)  # exp2 domain
-        if QUANT:
-            q_scale = q_scale * tl.load(ks_ptr + kvh)
-            if INT8_QK:  # each row (a member's head) as the decode kernel rounds it
-                q, q_scale = _int8_rows(q, q_scale)
+        if QUANT:  # (each row, a member's head, as the decode kernel rounds it)
+            q, q_scale = _q_units(q, q_scale, ks_ptr, kvh, INT8_QK)
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, D], tl.float32)
