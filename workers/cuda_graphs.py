@@ -198,7 +198,7 @@ class PiecewiseGraphs:
         self.attn = torch.zeros(n, first.num_heads, first.head_dim, dtype=dtype, device=device)
         # the model's RoPE and K/V write may run ahead of attention (rope_ahead): then each piece ends with the next
         # layer's, reading the step's positions and slots from these (the padding rows' slots -1: no write)
-        self.rope = model.rope_ahead
+        self.rope_ahead = model.rope_ahead  # (as captured: the pieces and attend must agree)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.slots = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # padded size -> [head, tail 0, ..., tail L-1]
@@ -214,12 +214,12 @@ class PiecewiseGraphs:
 
         def head():
             model.head(self.input_ids[:size], self.residual[:size], qkv)
-            if self.rope:
+            if self.rope_ahead:
                 model.rope_write(0, qkv, self.positions[:size], self.slots[:size])
 
         def tail(i: int):
             model.tail(i, o, self.residual[:size], qkv)
-            if self.rope and i + 1 < layers:
+            if self.rope_ahead and i + 1 < layers:
                 model.rope_write(i + 1, qkv, self.positions[:size], self.slots[:size])
 
         return [head] + [lambda i=i: tail(i) for i in range(layers)]
@@ -253,7 +253,7 @@ class PiecewiseGraphs:
         model, tokens = self.model, token_ids.shape[0]
         size = next(s for s in self.sizes if s >= tokens)
         self.input_ids[:tokens].copy_(token_ids)
-        if self.rope:
+        if self.rope_ahead:
             self.positions[:tokens].copy_(positions)
             self.slots[:tokens].copy_(meta.slot_mapping)
             self.slots[tokens:size].fill_(-1)
@@ -263,6 +263,6 @@ class PiecewiseGraphs:
         model.backend.begin(meta)
         calls[0]()
         for i in range(len(model.model.layers)):
-            model.attend(i, self.qkv[:tokens], positions, meta, out=self.attn[:tokens], kv_written=self.rope)
+            model.attend(i, self.qkv[:tokens], positions, meta, out=self.attn[:tokens], kv_written=self.rope_ahead)
             calls[i + 1]()
         return self.residual[:tokens]
