@@ -88,7 +88,9 @@ def load_model(model: str, model_cfg: ModelConfig, dtype: torch.dtype, device: t
             raise WeightLoadError(f"--load-format safetensors: {model} is a GGUF file; use auto or gguf")
     with torch.device("meta"):
         net = LlamaForCausalLM(model_cfg, tp_size)
-    net = net.to(dtype).to_empty(device=device)
+    # (torch.empty, as net.to(dtype).to_empty(device) would give: on meta tensors empty_like runs torch._refs, which
+    # imports sympy, ~0.3 s of a worker's start-up)
+    net = net._apply(lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device))
     net.requires_grad_(False).eval()
     if model == "tiny":
         # generated on CPU so the weights are the same whatever the device (and, sliced, the TP size)
