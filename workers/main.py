@@ -50,6 +50,14 @@ def run(cfg: WorkerConfig) -> None:
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
+    # A signal wakes the idle poll below at once (its byte on this pipe), not after the heartbeat's HEARTBEAT_S.
+    wake, wake_w = os.pipe()
+    os.set_blocking(wake, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(wake, zmq.POLLIN)
     ready = P.encode(P.WorkerReady(worker_id=cfg.worker_id, num_blocks=runner.num_blocks,
                                    block_size=runner.block_size, max_model_len=runner.max_model_len,
                                    protocol_version=P.PROTOCOL_VERSION, model=runner.model_name,
@@ -68,8 +76,12 @@ def run(cfg: WorkerConfig) -> None:
                 for out in finish(runner, cfg.worker_id):
                     sock.send(P.encode(out))
                 continue
-            if not sock.poll(int(HEARTBEAT_S * 1000)):
+            events = dict(poller.poll(int(HEARTBEAT_S * 1000)))
+            if wake in events:  # a signal: its handler has run, and `stopping` says whether to go
+                os.read(wake, 4096)
+            elif sock not in events:
                 sock.send(P.encode(P.Heartbeat(worker_id=cfg.worker_id)))
+            if sock not in events:
                 continue
             msg = transport.try_decode(decoder, sock.recv(), "batcher")
             if msg is None:
@@ -86,6 +98,9 @@ def run(cfg: WorkerConfig) -> None:
             for out in submit(runner, msg, cfg.worker_id):
                 sock.send(P.encode(out))
     finally:
+        signal.set_wakeup_fd(-1)
+        os.close(wake)
+        os.close(wake_w)
         sock.close()
         ctx.term()
         if tp is not None:
