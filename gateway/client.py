@@ -206,6 +206,9 @@ class BatcherClient:
                 self.connected = False
                 self.workers_alive = 0
                 log.error("the batcher at %s went away", self.cfg.batcher_address)
+                for fut in self.pings.values():  # their Pongs will not come: answered now, not at --batcher-timeout
+                    if not fut.done():
+                        fut.set_result(None)
                 if self.queues:
                     self.fail_all("the batcher went away")
 

@@ -251,6 +251,31 @@ def test_soak_through_a_worker_kill_and_a_batcher_restart_loses_nothing(make_sta
     assert len(restarts) == 2 and not any("shutting the stack down" in ln for ln in st.lines), st.lines[-20:]
 
 
+async def test_a_health_probe_waiting_when_the_batcher_dies_gets_its_503_then(make_stack):
+    """A /health whose Ping is out when the batcher dies is answered 503 as the connection closes, not after
+    --batcher-timeout (30 s here, 3 s by default; until 2026-12-06 a probe right after a batcher crash waited it out);
+    then the restarted batcher serves again."""
+    st = make_stack("--batcher-timeout", "30")
+    batcher = _pid_of(st.proc.pid, "batcher")
+
+    async def health(s) -> int:
+        async with s.get(st.url("/health")) as r:
+            return r.status
+
+    async with aiohttp.ClientSession() as s:
+        assert await health(s) == 200
+        os.kill(batcher, signal.SIGSTOP)  # no Pong now: a probe waits on its Ping
+        probe = asyncio.ensure_future(health(s))
+        done, _ = await asyncio.wait({probe}, timeout=1.0)
+        assert not done  # waiting on the stopped batcher
+        os.kill(batcher, signal.SIGKILL)
+        t0 = time.monotonic()
+        assert await probe == 503
+        assert time.monotonic() - t0 < 10  # at the disconnect (without it: at 30 s)
+        await _wait(lambda: _eq(health(s), 200), "healthy after the batcher's restart", 30)
+    assert _pid_of(st.proc.pid, "batcher") != batcher
+
+
 async def _true(value: bool) -> bool:
     return value
 
