@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 
@@ -56,15 +57,18 @@ def greedy(reference, prompt: str, n: int) -> str:
 
 
 async def test_greedy_text_equals_transformers(stack, reference):
+    """The prompts at once (decoded in one batch), each against transformers alone."""
+    async def complete(s, prompt: str) -> dict:
+        body = {"model": gguf_file.SMOLLM2, "prompt": prompt, "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+        async with s.post(stack.url("/v1/completions"), json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            return await resp.json()
+
     async with aiohttp.ClientSession() as s:
-        for prompt in PROMPTS:
-            body = {"model": gguf_file.SMOLLM2, "prompt": prompt, "max_tokens": 32, "temperature": 0,
-                    "ignore_eos": True}
-            async with s.post(stack.url("/v1/completions"), json=body) as resp:
-                assert resp.status == 200, await resp.text()
-                out = await resp.json()
-            assert out["usage"]["completion_tokens"] == 32
-            assert out["choices"][0]["text"] == greedy(reference, prompt, 32), prompt
+        outs = await asyncio.gather(*(complete(s, prompt) for prompt in PROMPTS))
+    for prompt, out in zip(PROMPTS, outs):
+        assert out["usage"]["completion_tokens"] == 32
+        assert out["choices"][0]["text"] == greedy(reference, prompt, 32), prompt
 
 
 async def test_chat_answers_paris_and_stops_on_eos(stack):
