@@ -57,9 +57,8 @@ def smollm2_reference():
     # (transformers parses the file's header anew for the tokenizer, the config and the weights, ~5 s each on a CI
     # core, and builds gguf's tensor-name map anew for each of its ~400 tensors, 7.6 s: both are read-only, so each is
     # made once here. What is read, and so the reference, is the same.)
-    once = functools.partial(functools.lru_cache, maxsize=None)
-    with mock.patch.object(gguf, "GGUFReader", once()(gguf.GGUFReader)), \
-            mock.patch.object(gguf, "get_tensor_name_map", once()(gguf.get_tensor_name_map)):
+    with mock.patch.object(gguf, "GGUFReader", functools.cache(gguf.GGUFReader)), \
+            mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)):
         tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
         model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # n tokens whatever comes out (as ignore_eos)
