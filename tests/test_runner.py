@@ -217,6 +217,34 @@ def test_mixed_steps_launched_behind_read_their_decodes_tokens_from_the_right_ro
     assert behind_decode == [False, True, False, False, False, False, True, True]
 
 
+@pytest.mark.parametrize("pieces", [0, 64])
+def test_a_step_in_flight_is_published_from_between_the_next_steps_layers(pieces):
+    """With a publisher set (the worker's socket), a step launched behind one in flight publishes that step's output
+    from between its own layers' launches once it is done, not after its launch: on a CPU, where a step is done
+    when its forward returns, from the next step's first layer. The outputs are the serial run's, each once, in
+    order; eager and piecewise forwards alike."""
+    serial, _, _ = _submit_all(tiny(overlap_steps="off"), _mixed_behind)
+    r = tiny(overlap_steps="on", piecewise_graph_tokens=pieces)
+    launching, published = [None, None], []
+
+    def publish(outs):
+        # from inside the forward: request a's computed tokens do not count the step being launched yet
+        assert r.requests["a"].num_computed_tokens == launching[1]
+        published.append((launching[0], [o.step for o in outs]))
+        got.extend(outs)
+
+    r.publish = publish
+    got = []
+    for s in _mixed_behind(got):
+        launching[:] = s.step, r.requests["a"].num_computed_tokens if "a" in r.requests else None
+        r.submit(s)
+        assert r.take_outputs() == []  # published already
+    r.flush()
+    got += r.take_outputs()
+    assert published == [(k + 1, [k]) for k in range(7)]
+    assert [KEY(o) for o in got] == [KEY(o) for o in serial]
+
+
 @pytest.mark.parametrize("backend,kv", [("auto", "auto"), ("triton", "auto"), ("triton", "int8")])
 def test_piecewise_graphs_give_the_eager_tokens(backend, kv):
     """Steps with prompt chunks through the pieces between attentions (CUDA graphs on a GPU; on a CPU, where nothing

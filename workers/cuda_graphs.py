@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -247,9 +248,10 @@ class PiecewiseGraphs:
                  sum(map(len, self.graphs.values())), len(self.sizes), self.sizes[-1], self.capture_seconds,
                  self.capture_bytes / 2**20)
 
-    def run(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def run(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            after_layer: Callable[[], None] | None = None) -> torch.Tensor:
         """The model's forward of one step (T = len(token_ids) <= the largest size) -> hidden states [T, hidden],
-        a view of the residual buffer: valid until the next run()."""
+        a view of the residual buffer: valid until the next run(). after_layer: as the model's forward()."""
         model, tokens = self.model, token_ids.shape[0]
         size = next(s for s in self.sizes if s >= tokens)
         self.input_ids[:tokens].copy_(token_ids)
@@ -265,4 +267,6 @@ class PiecewiseGraphs:
         for i in range(len(model.model.layers)):
             model.attend(i, self.qkv[:tokens], positions, meta, out=self.attn[:tokens], kv_written=self.rope_ahead)
             calls[i + 1]()
+            if after_layer is not None:
+                after_layer()
         return self.residual[:tokens]

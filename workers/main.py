@@ -4,7 +4,8 @@ Owns the socket loop only; the model, KV pool and sampling live in workers.runne
 Blocking and single-threaded on purpose, the GPU is the bottleneck. With overlapped steps
 (ModelRunner.submit; --overlap-steps) at most one step is in flight: while it runs the loop polls
 the socket and the step's event in turn, and a StepInput that comes first (queued at once, or sent
-late by --schedule-lead-ms) is launched before the one in flight is collected and reported. With two
+late by --schedule-lead-ms) is launched before the one in flight is collected and reported (an eager step's
+launch reports it from between its layers once it is done: ModelRunner.publish). With two
 lanes on their own streams (--lanes streams) one step of each lane may be in flight, polled the same way.
 Liveness (docs/reliability.md): a Heartbeat every HEARTBEAT_S while idle, and --liveness-file's mtime set as
 often while the loop runs (the launcher restarts a worker whose loop stopped); a batcher that does
@@ -47,6 +48,12 @@ def run(cfg: WorkerConfig) -> None:
                              curve_server_public_key=cfg.curve_server_public_key,
                              curve_client_secret_key=cfg.curve_client_secret_key)
     decoder = P.decoder(P.BatcherToWorker)
+
+    def send(outs: list[P.StepOutput]) -> None:
+        for out in outs:
+            sock.send(P.encode(out))
+
+    runner.publish = send  # (an eager step's launch publishes the step in flight before it once done)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
@@ -73,8 +80,7 @@ def run(cfg: WorkerConfig) -> None:
             alive.touch()
             if runner.in_flight and not sock.poll(0):  # no step queued behind the one in flight: report it once done,
                 # polling the socket meanwhile, so a step that comes first still launches behind it
-                for out in finish(runner, cfg.worker_id):
-                    sock.send(P.encode(out))
+                send(finish(runner, cfg.worker_id))
                 continue
             events = dict(poller.poll(int(HEARTBEAT_S * 1000)))
             if wake in events:  # a signal: its handler has run, and `stopping` says whether to go
@@ -95,8 +101,7 @@ def run(cfg: WorkerConfig) -> None:
                 runner.reset()
                 sock.send(ready)
                 continue
-            for out in submit(runner, msg, cfg.worker_id):
-                sock.send(P.encode(out))
+            send(submit(runner, msg, cfg.worker_id))
     finally:
         signal.set_wakeup_fd(-1)
         os.close(wake)

@@ -39,6 +39,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -210,6 +211,9 @@ class ModelRunner:
                              "sampled tokens)")
         self._flights: dict[int, _InFlight] = {}  # lane -> its step in flight
         self._outbox: list[P.StepOutput] = []
+        # Set by the worker's loop (workers/main.py): sends outputs to the batcher at once. An eager step's forward
+        # calls it between its layers' launches for a step in flight that is done by then (_report_ready).
+        self.publish: Callable[[list[P.StepOutput]], None] | None = None
         self._last_done = dict.fromkeys((LANE_MIXED, LANE_DECODE, LANE_PREFILL), 0.0)  # per lane: perf_counter
         # when its last step's tokens reached the host
         self.lane_streams: dict[int, torch.cuda.Stream] = {}
@@ -352,7 +356,9 @@ class ModelRunner:
     # then collects that step's tokens (which waits only for its sampling kernels) while this forward runs:
     # the host's per-step work (output, socket, next input) hides behind the GPU, and so does an eager
     # step's own input preparation and launches (a step with a prefill chunk). Only a step whose drafts
-    # continue the token in flight (speculation) collects it first.
+    # continue the token in flight (speculation) collects it first. An eager step's launch can outlast the step
+    # in flight (on an H100, 5-14 ms of host time for a 7B model's prompt step): between its layers' launches
+    # the step in flight, once done, is collected and published at once (_report_ready), not after the launch.
     @property
     def in_flight(self) -> bool:
         return bool(self._flights)
@@ -430,6 +436,16 @@ class ModelRunner:
         for f in sorted(self._flights.values(), key=lambda f: f.step):
             if f.ready():
                 self._collect(f)
+
+    def _report_ready(self) -> None:
+        """Collect the steps in flight that are done and publish their outputs (with any queued before them): called
+        between the layers of a forward being launched. Not a step that verifies drafts (it is always collected
+        before the next step's launch), and nothing of the step being launched (it is not in flight yet)."""
+        done = [f for f in sorted(self._flights.values(), key=lambda f: f.step) if f.verify is None and f.ready()]
+        for f in done:
+            self._collect(f)
+        if done:
+            self.publish(self.take_outputs())
 
     def _collect(self, f: _InFlight) -> None:
         del self._flights[f.lane]
@@ -622,10 +638,11 @@ class ModelRunner:
             rows = to_device(torch.from_numpy(src), torch.int64, dev)
             token_ids = torch.where(rows >= 0, prev[rows.clamp(min=0)], token_ids)
         positions = to_device(torch.from_numpy(positions), torch.int64, dev)
+        report = self._report_ready if self.publish is not None and self._flights else None
         if self.pieces is not None and lane != LANE_DECODE and self.pieces.can_run(len(ids)):
-            hidden = self.pieces.run(token_ids, positions, meta)  # (valid until the next: used in this submit)
+            hidden = self.pieces.run(token_ids, positions, meta, report)  # (valid until the next: used in this submit)
         else:
-            hidden = self.model(token_ids, positions, meta)
+            hidden = self.model(token_ids, positions, meta, report)
         scores = self._score_prompts(reqs, query_lens, qsl, hidden)
 
         # A request samples when this step's chunk reaches the end of its tokens (+ a pending one), unless it asked

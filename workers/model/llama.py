@@ -32,6 +32,7 @@ heads; its v heads], and gate_up [its gate; its up].
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -268,15 +269,19 @@ class LlamaForCausalLM(nn.Module):
             self.backend.compile_kernels(attn.num_heads, attn.head_dim, self.model.embed_tokens.weight.dtype,
                                          attn.k_cache, attn.v_cache, attn.kv_scales, self.sliding_window)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                after_layer: Callable[[], None] | None = None) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden] before the final norm; the caller
-        picks the rows it samples from and hands only those to compute_logits()."""
+        picks the rows it samples from and hands only those to compute_logits(). after_layer: called on the host
+        after each layer's launch (the runner reports a finished step in flight from there)."""
         self.backend.begin(meta)
         # small steps on the GEMV path: each qkv GEMV also does its layer's RoPE and K/V write
         kv = (positions, meta.slot_mapping, self.rope) if self.rope_ahead and self.small(input_ids) else None
         x, residual = self.head(input_ids, kv=kv)
         for i in range(len(self.model.layers)):
             x = self.tail(i, self.attend(i, x, positions, meta, kv_written=kv is not None), residual, kv=kv)
+            if after_layer is not None:
+                after_layer()
         return x
 
     # forward() in pieces: the parts between two attentions are what workers/cuda_graphs.py's PiecewiseGraphs
