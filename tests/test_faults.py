@@ -91,6 +91,14 @@ def _zombies(launcher: int) -> list[int]:
     return out
 
 
+async def _metrics(session: aiohttp.ClientSession, base: str) -> dict[str, float]:
+    """The stack's laneserve:NAME{model_name=...} series on /metrics, by NAME."""
+    async with session.get(f"{base}/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
+        text = await r.text()
+    series = (re.match(r'^laneserve:(\w+)\{[^}]*\} (\S+)$', ln) for ln in text.splitlines())
+    return {m.group(1): float(m.group(2)) for m in series if m}
+
+
 class Traffic:
     """Mixed clients: streaming and not, some hanging up mid-stream. Every request's outcome is recorded."""
 
@@ -100,6 +108,7 @@ class Traffic:
         self.latencies: list[float] = []  # seconds, of each complete answer
         self.streams_started = 0
         self.stop = asyncio.Event()
+        self.hung: list[dict] = []  # per hung request: what it was, and the stack's queues when its client gave up
 
     def _body(self, stream: bool) -> dict:
         return {"model": "tiny", "prompt": f"soak {self.rng.randrange(10**6)} " * self.rng.randint(1, 20),
@@ -151,8 +160,17 @@ class Traffic:
                     self.latencies.append(time.monotonic() - t0)
         except asyncio.TimeoutError:
             self.outcomes["LOST (hung)"] += 1
+            self.hung.append({"kind": kind, "max_tokens": body["max_tokens"], **await self._queues()})
         except aiohttp.ClientError as exc:  # connection reset mid-answer: the gateway never ended it
             self.outcomes[f"LOST ({type(exc).__name__})"] += 1
+
+    async def _queues(self) -> dict:
+        """The gateway's and the batcher's request gauges now (a hang's diagnosis: which side still holds it)."""
+        try:
+            m = await _metrics(self.s, self.base)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return {"metrics": repr(exc)}
+        return {k: m.get(k) for k in ("gateway_requests_in_flight", "num_requests_running", "num_requests_waiting")}
 
     async def run(self, concurrency: int, count: int | None = None) -> None:
         left = [count]
@@ -190,14 +208,8 @@ def test_soak_through_a_worker_kill_and_a_batcher_restart_loses_nothing(make_sta
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return 0
 
-    async def engine(s) -> dict[str, float]:
-        async with s.get(st.url("/metrics")) as r:
-            text = await r.text()
-        series = (re.match(r'^laneserve:(\w+)\{model_name="[^"]*"\} (\S+)$', ln) for ln in text.splitlines())
-        return {m.group(1): float(m.group(2)) for m in series if m}
-
     async def drained(s) -> bool:
-        m = await engine(s)
+        m = await _metrics(s, st.base_url)
         return (m["kv_cache_blocks_total"] > 0 and m["kv_cache_blocks_free"] == m["kv_cache_blocks_total"]
                 and m["num_requests_running"] == 0 and m["num_requests_waiting"] == 0)
 
@@ -241,7 +253,7 @@ def test_soak_through_a_worker_kill_and_a_batcher_restart_loses_nothing(make_sta
     print(f"\nsoak: {warm.requests + faulty.requests + steady.requests} requests, faults injected: 1 worker "
           f"SIGKILL + 1 batcher SIGKILL; fault-phase outcomes {dict(faulty.outcomes)}; lost {sum(lost.values())}; "
           f"{ {k: round(v, 2) for k, v in figures.items()} }; RSS KiB before {before} after {after}")
-    assert lost == {}
+    assert lost == {}, [t.hung for t in (warm, faulty, steady)]
     assert faulty.outcomes["error event"] + faulty.outcomes["http 500"] + faulty.outcomes["http 503"] >= 1
     for role in before:  # stable: a second round of the same traffic after the faults adds no memory
         assert after[role] - before[role] < max(8 * 1024, before[role] // 10), (role, before, after)
