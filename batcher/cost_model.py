@@ -1,7 +1,7 @@
 """The step-cost model: what one step costs on a worker, predicted from what it holds, and learned online.
 
 Owns `CostModel` (step ms = a + g*mixed + b*prefill_tokens + e*attention_pairs +
-c*decode_seqs + d*kv_tokens_read) and `OnlineCostFit`, which refits it per worker while the batcher serves,
+c*decode_seqs + m*mixed*decode_seqs + d*kv_tokens_read) and `OnlineCostFit`, which refits it per worker while the batcher serves,
 from the step times the worker reports (StepOutput.execute_time). The scheduler's SLO
 controller (batcher/slo.py) and the simulator (batcher/sim/) both predict with it.
 Pure: no I/O but CostModel.load()/save().
@@ -18,6 +18,13 @@ The terms of a step (batcher/scheduler.py's `step_features`):
   and a step with a prefill runs eagerly: measured on the H200 (7B shape, 2026-12-04), a step
   with 6-21 prefill tokens and ~155 decodes took 26 ms against 12.6 ms for the same decodes
   alone. Without this term the fit spreads that cost over a and b, and mispredicts both kinds.
+- mixed x decode_seqs (no trace field of its own: the product of two): a decode row in a step with a prefill chunk.
+  A decode-only step is bound by reading the weights (a) and a decode row adds little (c); with a prefill chunk
+  the GEMMs are bound by compute, where a decode row costs about what a prompt token does and the weights' read
+  hides behind it. Fitted over stop 49's H100 traces (docs/perf.md), m came out 0.016 ms a row (b: 0.02 ms a
+  token) and g -1.9 ms; without the term the fit priced the mixed steps of a burst, many decodes beside a chunk,
+  ~0.5 ms low each, and the simulator's worst-seed TTFT p95 ran 8-19% low there. So g may be negative: a + g, a
+  mixed step's own fixed cost, is kept >= 0.
 """
 
 from __future__ import annotations
@@ -61,7 +68,8 @@ def attention_pairs(tokens: int, context: int) -> int:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Step time in ms: a + g*mixed + b*prefill_tokens + e*attention_pairs + c*decode_seqs + d*kv_tokens_read.
+    """Step time in ms: a + g*mixed + b*prefill_tokens + e*attention_pairs + c*decode_seqs + m*mixed*decode_seqs
+    + d*kv_tokens_read (module docstring; g may be negative, a + g >= 0).
 
     h: host gap in ms: how long the worker waits for a step composed on the output of the one before, with none
     in flight (output send, update + schedule, input send); async scheduling hides it behind the step in flight.
@@ -77,11 +85,12 @@ class CostModel:
     e: float = 0.0
     g: float = 0.0
     h: float = 0.0
+    m: float = 0.0
 
     @classmethod
     def load(cls, path: str | Path = DEFAULT_COST_MODEL) -> CostModel:
-        """A model from JSON: a, b, c, d required, e, g, h optional, each a finite number >= 0 (ValueError
-        naming the file otherwise; OSError if it can't be read)."""
+        """A model from JSON: a, b, c, d required, e, g, h, m optional, each a finite number >= 0 but g, which may
+        be negative down to -a (ValueError naming the file otherwise; OSError if it can't be read)."""
         try:
             data = json.loads(Path(path).read_text())
             if not isinstance(data, dict):
@@ -89,12 +98,16 @@ class CostModel:
             missing = [k for k in "abcd" if k not in data]
             if missing:
                 raise ValueError(f"missing {', '.join(missing)}")
-            values = {k: data[k] for k in ("a", "b", "c", "d", "e", "g", "h") if k in data}
+            values = {k: data[k] for k in ("a", "b", "c", "d", "e", "g", "h", "m") if k in data}
             for k, v in values.items():
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                    raise ValueError(f"{k} must be a finite number >= 0, got {v!r}")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                    raise ValueError(f"{k} must be a finite number, got {v!r}")
+                if v < 0 and k != "g":
+                    raise ValueError(f"{k} must be >= 0, got {v!r}")
+            if values["a"] + values.get("g", 0.0) < 0:
+                raise ValueError(f"a + g (a mixed step's fixed cost) must be >= 0, got {values['a']} + {values['g']}")
         except ValueError as exc:  # json.JSONDecodeError is one
-            raise ValueError(f"{path}: not a usable cost model (a, b, c, d, and optionally e, g, h: "
+            raise ValueError(f"{path}: not a usable cost model (a, b, c, d, and optionally e, g, h, m: "
                              f"ms terms): {exc}") from None
         return cls(**{k: float(v) for k, v in values.items()})
 
@@ -104,10 +117,15 @@ class CostModel:
     def step_ms(self, prefill_tokens: int, attention_pairs: int, decode_seqs: int, kv_tokens_read: int,
                 mixed: int = 0) -> float:
         return (self.a + self.g * mixed + self.b * prefill_tokens + self.e * attention_pairs
-                + self.c * decode_seqs + self.d * kv_tokens_read)
+                + (self.c + self.m * mixed) * decode_seqs + self.d * kv_tokens_read)
+
+    def mixed_ms(self, decode_seqs: int) -> float:
+        """What a prefill chunk's presence adds to a step of decode_seqs decodes, once, beside the chunk's own cost
+        (chunk_ms): g + m * decode_seqs."""
+        return self.g + self.m * decode_seqs
 
     def chunk_ms(self, tokens: int, context: int) -> float:
-        """What `tokens` prefill tokens after `context` computed ones add to a step (g apart: once per step)."""
+        """What `tokens` prefill tokens after `context` computed ones add to a step (mixed_ms apart: once a step)."""
         return (self.b + self.d) * tokens + self.e * attention_pairs(tokens, context) + self.d * context
 
     def affordable(self, ms: float, context: int) -> int:
@@ -123,10 +141,17 @@ class CostModel:
 
 
 # The fit runs on features in these units (ms per step, per 1k prefill tokens, per 1M token pairs, per 100
-# sequences, per 100k K/V tokens, per mixed step), where every coefficient is of order 1: the prior's pull is
-# then even.
-_SCALE = (1.0, 1e3, 1e6, 1e2, 1e5, 1.0)
-_FIELDS = ("a", "b", "e", "c", "d", "g")
+# sequences, per 100k K/V tokens, per mixed step, per 100 decode rows of a mixed step), where every coefficient is
+# of order 1: the prior's pull is then even.
+_SCALE = (1.0, 1e3, 1e6, 1e2, 1e5, 1.0, 1e2)
+_FIELDS = ("a", "b", "e", "c", "d", "g", "m")
+_SIGNED = _FIELDS.index("g")  # the one coefficient the fit lets go below 0 (a + g >= 0 instead)
+
+
+def regressors(features: Features) -> tuple[float, ...]:
+    """A step's row of the fit, in _FIELDS' order and _SCALE's units."""
+    p, pairs, decodes, kv, mixed = features
+    return 1.0, p / 1e3, pairs / 1e6, decodes / 1e2, kv / 1e5, float(mixed), mixed * decodes / 1e2
 GAP_WINDOW = 64  # host gaps: h follows about this many latest ones
 
 
@@ -165,16 +190,16 @@ class OnlineCostFit:
         return [[*f, round(ms, 4)] for f, ms in self.rows]
 
     def fit(self) -> CostModel:
-        """Ridge least squares with every coefficient >= 0: solve (X'X + wI) beta = X'y + w beta_prior over the
-        window; a coefficient that comes out negative is held at 0 and the rest solved again (an active set:
-        decode rows and K/V read move together, so one of them can swing below 0)."""
+        """Ridge least squares with every coefficient but g >= 0: solve (X'X + wI) beta = X'y + w beta_prior over
+        the window; a coefficient that comes out negative is held at 0 and the rest solved again (an active set:
+        decode rows and K/V read move together, so one of them can swing below 0); g is kept >= -a."""
         k = len(_FIELDS)
         w = self.prior_weight
         beta0 = [getattr(self.prior, f) * s for f, s in zip(_FIELDS, _SCALE)]
         xtx = [[w if i == j else 0.0 for j in range(k)] for i in range(k)]
         xty = [w * b for b in beta0]
         for features, y in self.rows:
-            x = (1.0, *(f / s for f, s in zip(features, _SCALE[1:])))
+            x = regressors(features)
             for i in range(k):
                 xi = x[i]
                 if xi:
@@ -189,11 +214,13 @@ class OnlineCostFit:
             beta = [0.0] * k
             for i, b in zip(free, sol):
                 beta[i] = b
-            negative = [i for i in free if beta[i] < 0]
+            negative = [i for i in free if beta[i] < 0 and i != _SIGNED]
             if not negative:
                 break
             free.remove(min(negative, key=lambda i: beta[i]))
-        return replace(self.prior, h=self.model.h, **{f: max(0.0, b) / s for f, b, s in zip(_FIELDS, beta, _SCALE)})
+        fitted = {f: (b if i == _SIGNED else max(0.0, b)) / s for i, (f, b, s) in enumerate(zip(_FIELDS, beta, _SCALE))}
+        fitted["g"] = max(fitted["g"], -fitted["a"])
+        return replace(self.prior, h=self.model.h, **fitted)
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:

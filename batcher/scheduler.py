@@ -149,9 +149,10 @@ class Scheduler:
         # The step-cost model (cost, else --cost-model, else the shipped fit), learned online from the worker.
         self.fit = OnlineCostFit(cost or CostModel.load(cfg.cost_model or default_cost_model(cfg.lanes)))
         self.decode_part_ms = 0.0  # the last composed step's cost without its prefills
+        self.step_decodes = 0  # and its decodes
         self.time_left: float | None = None  # ms of prefill the step being composed may still take (None: no cap)
         self.floor_left = 0  # prefill tokens it takes even past time_left
-        self.mixed_paid = False  # it has a prefill already (so it runs eagerly: cost model's g)
+        self.mixed_paid = False  # it has a prefill already (so it runs eagerly: cost model's mixed_ms)
         self.admit_counter = 0
         self.preemptions = 0
         self.gated_prefills = 0
@@ -467,7 +468,7 @@ class Scheduler:
                 # Coalescing: a step with no prefill replays a CUDA graph, one with any prefill runs eagerly
                 # (cost model's g), so new prefills wait for company while their deadlines allow.
                 if self.mixed_paid or not num_running or self.slo.due(self.waiting, start, self.fit.model,
-                                                                      self.decode_part_ms, budget):
+                                                                      self.decode_part_ms, self.step_decodes, budget):
                     self._admit_waiting(now, start, flight, budget, active)
         # An empty step carries finished ids to the worker, or error deltas back through update() (a step
         # already in flight brings those back anyway); with two lanes a decode step does.
@@ -501,6 +502,7 @@ class Scheduler:
         """The prefill time the step may take once its decodes (all of flight so far) are in: up to the
         latest end the decoding requests' TPOT budgets allow (time_left None: they set none)."""
         cost = self.fit.model
+        self.step_decodes = len(flight)
         self.decode_part_ms = cost.step_ms(0, 0, len(flight), sum(rec.done for rec in flight))
         latest = self.slo.latest_step_end([rec.req for rec in flight], self.decode_part_ms / 1000.0)
         self.time_left = None if latest == math.inf else (latest - start) * 1000.0 - self.decode_part_ms
@@ -517,7 +519,7 @@ class Scheduler:
             return n
         cost = self.fit.model
         if not self.mixed_paid:  # the first prefill makes the step an eager (mixed) one
-            t -= cost.g
+            t -= cost.mixed_ms(self.step_decodes)
             self.mixed_paid = True
         afford = cost.affordable(t, context)
         if afford < n:

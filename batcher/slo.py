@@ -141,13 +141,15 @@ class SloPolicy:
         return d is None or start + step_s + prefill_s(req, req.uncached_estimate, cost, overhead_per_token) < d
 
     @staticmethod
-    def due(waiting: Iterable[Request], start: float, cost: CostModel, decode_step_ms: float, budget: int) -> bool:
+    def due(waiting: Iterable[Request], start: float, cost: CostModel, decode_step_ms: float, decodes: int,
+            budget: int) -> bool:
         """Must waiting prefills start in the step being composed (a decode-only one so far)? Yes when one has no
         TTFT target, when they fill the step's token budget, or when one of them, waiting through one more
         decode-only step, would start after COALESCE_FRACTION of its target: their first tokens then come
-        back well inside the target while steps with a prefill, each paying the eager-step cost g, stay few."""
+        back well inside the target while steps with a prefill, each paying the eager-step cost (mixed_ms of the
+        step's decodes), stay few."""
         total = 0
-        ms = cost.g
+        ms = cost.mixed_ms(decodes)
         earliest = math.inf
         for r in waiting:
             if r.internal or r.deadline is None or r.arrived_at is None:
@@ -175,5 +177,5 @@ class SloPolicy:
         for r in waiting:
             if r.priority <= req.priority:
                 t += prefill_s(r, r.uncached_estimate, cost, overhead_per_token)
-        alone = (cost.g + cost.a) / 1000.0 + prefill_s(req, req.uncached_estimate, cost, overhead_per_token)
+        alone = (cost.a + cost.mixed_ms(0)) / 1000.0 + prefill_s(req, req.uncached_estimate, cost, overhead_per_token)
         return t - now + alone, alone

@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"batcher.trace: {args.fit_cost_model}: {exc.strerror or exc}", file=sys.stderr)
             return 2
         print(f"cost model over {steps} timed steps, written to {args.fit_cost_model}: "
-              + ", ".join(f"{k} {getattr(model, k):.4g}" for k in "abcdeg"))
+              + ", ".join(f"{k} {getattr(model, k):.4g}" for k in "abcdegm"))
     parts = ttft_breakdown(rows)
     print(f"{len(parts['ttft'])} requests' time to first token at the batcher (ms), from {args.file}:")
     for name, what in (("queued", "until the step that computes its prompt's end is composed"),

@@ -58,6 +58,6 @@ for spec in "$@"; do
       --fit-cost-model "$OUT/cost_full_$name.json"
   fi
   [ -f "$OUT/cost_$name.json" ] && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); \
-print(sys.argv[2], 'fitted', {k: d.get(k) for k in 'abcdegh'})" "$OUT/cost_$name.json" "$name"
+print(sys.argv[2], 'fitted', {k: d.get(k) for k in 'abcdeghm'})" "$OUT/cost_$name.json" "$name"
 done
 (cd "$OUT" && files=$(ls | grep -v '^slo_bench.tgz$') && tar czf slo_bench.tgz $files && rm -rf $files)
