@@ -1,8 +1,8 @@
 """The step-cost model: what one step costs on a worker, predicted from what it holds, and learned online.
 
 Owns `CostModel` (step ms = a + g*mixed + b*prefill_tokens + e*attention_pairs +
-c*decode_seqs + m*mixed*decode_seqs + d*kv_tokens_read) and `OnlineCostFit`, which refits it per worker while the batcher serves,
-from the step times the worker reports (StepOutput.execute_time). The scheduler's SLO
+c*decode_seqs + m*mixed*decode_seqs + d*kv_tokens_read) and `OnlineCostFit`, which refits it per worker while the
+batcher serves, from the step times the worker reports (StepOutput.execute_time). The scheduler's SLO
 controller (batcher/slo.py) and the simulator (batcher/sim/) both predict with it.
 Pure: no I/O but CostModel.load()/save().
 

@@ -291,7 +291,8 @@ def test_cost_model_save_load_round_trip(tmp_path):
     path = tmp_path / "cm.json"
     m.save(path, _comment="fitted", samples=[[1, 2, 3, 4, 1, 5.5]])
     data = json.loads(path.read_text())
-    assert data["g"] == -1.25 and data["m"] == 0.016 and data["e"] == 1.5e-7 and data["samples"] == [[1, 2, 3, 4, 1, 5.5]]
+    assert data["g"] == -1.25 and data["m"] == 0.016 and data["e"] == 1.5e-7
+    assert data["samples"] == [[1, 2, 3, 4, 1, 5.5]]
     assert CostModel.load(path) == m
     assert CostModel.load(str(path)) == m
     old = tmp_path / "old.json"  # a file from before e, g and m: they default to 0
