@@ -21,10 +21,10 @@ The terms of a step (batcher/scheduler.py's `step_features`):
 - mixed x decode_seqs (no trace field of its own: the product of two): a decode row in a step with a prefill chunk.
   A decode-only step is bound by reading the weights (a) and a decode row adds little (c); with a prefill chunk
   the GEMMs are bound by compute, where a decode row costs about what a prompt token does and the weights' read
-  hides behind it. Fitted over stop 49's H100 traces (docs/perf.md), m came out 0.016 ms a row (b: 0.02 ms a
-  token) and g -1.9 ms; without the term the fit priced the mixed steps of a burst, many decodes beside a chunk,
-  ~0.5 ms low each, and the simulator's worst-seed TTFT p95 ran 8-19% low there. So g may be negative: a + g, a
-  mixed step's own fixed cost, is kept >= 0.
+  hides behind it. Fitted over stop 49's seven H100 traces (docs/perf.md), m came out 0.008-0.019 ms a row (b:
+  ~0.02 ms a token) and g -1.2 to -1.9 ms; without the term the fit priced the mixed steps of a burst, many decodes
+  beside a chunk, ~0.5 ms low each, and the simulator's worst-seed TTFT p95 ran up to 22% low there. So g may be
+  negative: a + g, a mixed step's own fixed cost, is kept >= 0.
 """
 
 from __future__ import annotations
@@ -151,7 +151,9 @@ _SIGNED = _FIELDS.index("g")  # the one coefficient the fit lets go below 0 (a +
 def regressors(features: Features) -> tuple[float, ...]:
     """A step's row of the fit, in _FIELDS' order and _SCALE's units."""
     p, pairs, decodes, kv, mixed = features
-    return 1.0, p / 1e3, pairs / 1e6, decodes / 1e2, kv / 1e5, float(mixed), mixed * decodes / 1e2
+    return 1.0, *(f / s for f, s in zip((p, pairs, decodes, kv, mixed, mixed * decodes), _SCALE[1:]))
+
+
 GAP_WINDOW = 64  # host gaps: h follows about this many latest ones
 
 
