@@ -12,24 +12,27 @@
 #   OUT=dir RATES=8,12,16,20,24 SEEDS=3 bash workers/tools/slo_bench.sh "default:" \
 #     "slo:--slo-ttft-ms 120 --slo-tpot-ms 30 --max-num-batched-tokens 8192" \
 #     "lead:--slo-ttft-ms 120 --slo-tpot-ms 30 --max-num-batched-tokens 8192 --schedule-lead-ms 3"
-# Each argument is NAME:SERVE_ARGS. LOAD_ARGS overrides the replay's shape; PROMPT_MODE is ids or text; MODEL_ARGS
-# the model (a dry run on a CPU: MODEL_ARGS="--model tiny"); CLIENT_PROCS the load tester's processes (4; before
-# 2026-12-05's last commits the sweeps here ran one); OFFLINE_RUNS adds issue 19's offline throughput runs (1,000
+# Each argument is NAME:SERVE_ARGS, or NAME@DIR:SERVE_ARGS for a server run from DIR's code (another commit's
+# files, e.g. `git archive COMMIT | tar -x -C DIR`, carried beside the tree; the load tester stays this tree's).
+# LOAD_ARGS overrides the replay's shape; PROMPT_MODE is ids or text; MODEL_ARGS the model (a dry run on a CPU:
+# MODEL_ARGS="--model tiny"); CLIENT_PROCS the load tester's processes (4; before 2026-12-05's last commits the
+# sweeps here ran one); OFFLINE_RUNS adds issue 19's offline throughput runs (1,000
 # prompts at once) on each server after its sweep; RATES=none skips the sweep. At the end every file is packed into
 # OUT/slo_bench.tgz
 # (a device call returns a few files only: two servers' five files each were too many, and the traces were lost).
 set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
+OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 source "$(dirname "$0")/device_env.sh"
 LOAD_ARGS=${LOAD_ARGS:-$RAG_LOAD_ARGS --num-requests 600}
 MODEL_ARGS=${MODEL_ARGS:---model $(dummy_7b_dir) --load-format dummy --dtype bfloat16}  # (a CPU dry run: --model tiny)
 mkdir -p /tmp/slo_bench
 for spec in "$@"; do
-  name=${spec%%:*}; args=${spec#*:}
+  name=${spec%%:*}; args=${spec#*:}; code=$PWD
+  if [[ $name == *@* ]]; then code=$(cd "${name#*@}" && pwd); name=${name%%@*}; fi  # NAME@DIR: DIR's code serves
   rm -rf "/tmp/slo_bench/$name"  # (runs of an earlier call on this machine would be read as this one's)
-  python3 -m laneserve.cli --log-level WARNING serve $MODEL_ARGS \
+  (cd "$code" && PYTHONPATH=/tmp/site:$code exec python3 -m laneserve.cli --log-level WARNING serve $MODEL_ARGS \
     --port 8011 --cost-model-out "$OUT/cost_$name.json" --step-trace "$OUT/trace_$name.jsonl" $args \
-    > "$OUT/serve_$name.log" 2>&1 &
+    > "$OUT/serve_$name.log" 2>&1) &
   SERVE=$!
   for _ in $(seq 600); do grep -q "laneserve ready" "$OUT/serve_$name.log" && break; kill -0 $SERVE || break; sleep 0.5; done
   if [ "${RATES:-}" != none ]; then
