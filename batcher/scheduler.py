@@ -466,7 +466,7 @@ class Scheduler:
             else:
                 self._order_waiting(now, start)
                 # Coalescing: a step with no prefill replays a CUDA graph, one with any prefill runs eagerly
-                # (cost model's g), so new prefills wait for company while their deadlines allow.
+                # (cost model's mixed_ms), so new prefills wait for company while their deadlines allow.
                 if self.mixed_paid or not num_running or self.slo.due(self.waiting, start, self.fit.model,
                                                                       self.decode_part_ms, self.step_decodes, budget):
                     self._admit_waiting(now, start, flight, budget, active)
