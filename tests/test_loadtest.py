@@ -119,7 +119,9 @@ async def test_open_loop_accounts_for_every_request():
     outs[5], outs[9], outs[12] = FAIL_429, HANG, MID_ERROR
     trace = [TraceRequest(0.04 * i, 20 + i, o) for i, o in enumerate(outs)]
     server, records, meta = await _run(trace, time_limit=3.0, request_timeout=30.0)
-    assert meta["test_wall_s"] < 5.0  # the hung request was cut by the time limit
+    # The hung request was cut by the 3 s time limit, not the 30 s request timeout (a bound far from both: a loaded
+    # 2-core CI machine once took 5.07 s over the whole run, probe included).
+    assert meta["test_wall_s"] < 15.0
     s = report.summarize(records, report.parse_slo("ttft=5s"))
     assert s["sent"] == 30 == s["finished"] + s["errored"]
     assert s["finished"] == 27 and s["errors_by_status"] == {"200": 2, "429": 1}
