@@ -358,6 +358,23 @@ def test_simulated_sweep_is_a_loadtest_sweep(tmp_path):
         assert rc["metrics"]["tpot_p95_ms"] == pytest.approx(ra["metrics"]["tpot_p95_ms"])
 
 
+def test_simulated_records_carry_each_requests_token_gaps():
+    """The simulated load client sees a request's tokens one step apart: its ITL is the gaps between its deltas
+    (first token to last), each a step of the cost model or longer; alone, every gap is one decode step."""
+    from batcher.sim.sweep import run_one
+    from loadtest.traces import TraceRequest
+
+    cost = CostModel(a=5.0, b=0.02, c=0.01, d=0.0, g=3.0)
+    rows = [TraceRequest(0.0, 64, 6), TraceRequest(0.001, 300, 9), TraceRequest(5.0, 32, 5)]
+    recs = run_one([], rows, BatcherConfig(), cost, 0.0, 0, max_model_len=4096, num_blocks=256)
+    for rec in recs:
+        assert rec.ok and len(rec.itl) == rec.output_tokens - 1
+        assert sum(rec.itl) == pytest.approx(rec.e2e - rec.ttft)
+        assert min(rec.itl) >= cost.a / 1000.0 - 1e-9
+    # the last request runs alone: each of its steps is one decode, a + c
+    assert recs[2].itl == pytest.approx([(cost.a + cost.c) / 1000.0] * 4)
+
+
 def test_simulated_sweep_counts_shed_requests_as_misses(tmp_path):
     config = '{"slo_ttft_ms": 20, "slo_admission": "reject", "num_blocks": 512}'
     assert main([*SWEEP_FLAGS, "--config", config, "--out", str(tmp_path)]) == 0

@@ -265,6 +265,7 @@ class SimResult:
     # request id -> (arrival, first token or None, final delta, tokens received, finish reason), every finished one
     ends: dict[str, tuple[float, float | None, float, int, int]] = field(default_factory=dict)
     shed: dict[str, float] = field(default_factory=dict)  # request id -> arrival, of those predictive admission shed
+    itl: dict[str, list[float]] = field(default_factory=dict)  # request id -> the gaps between its token deltas
     errors: dict[str, str] = field(default_factory=dict)  # request id -> why, of those that finished ERROR
     first_chunk_cached: dict[str, int] = field(default_factory=dict)
     duration: float = 0.0
@@ -302,6 +303,8 @@ class _Progress:
     outputs: int = 0
     first_at: float | None = None
     near_done_at: float | None = None
+    last_at: float = 0.0  # its last delta with tokens
+    gaps: list[float] = field(default_factory=list)  # between its deltas with tokens: the client's ITL
 
 
 class _Tally:
@@ -329,6 +332,9 @@ class _Tally:
             if new:
                 if not n:
                     p.first_at = now
+                else:
+                    p.gaps.append(now - p.last_at)
+                p.last_at = now
                 n += len(new)
                 p.outputs = n
                 if n >= p.near_done_from:
@@ -341,6 +347,7 @@ class _Tally:
                 if n:
                     res.output_tokens[rid] = n
                 res.ends[rid] = (p.arrival, p.first_at, now, n, reason)
+                res.itl[rid] = p.gaps
                 if reason == FinishReason.ERROR:
                     res.errors[rid] = d.error or "no reason given"
                 if p.first_at is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
@@ -357,6 +364,8 @@ class _Tally:
         for rid in rids:
             p = live[rid]
             n = p.outputs = p.outputs + 1
+            p.gaps.append(now - p.last_at)
+            p.last_at = now
             if n >= p.near_done_from:
                 p.near_done_at = now
                 p.near_done_from = math.inf

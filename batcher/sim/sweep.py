@@ -7,7 +7,8 @@ followed, WARMUP_GAP_S after its last arrival, by the run's trace, on a fresh sc
 scheduling (`--pipelined`); the run's requests become RequestRecords, so loadtest.report.summarize and
 loadtest.sweep.build compute every figure as they do for a served sweep, and `laneserve loadtest compare`
 sets a measured sweep.json beside a simulated one. Rows longer than --config's max_model_len are shortened to fit
-as the load client shortens them to the server's (`fit_rows`). Not simulated: ITL (no per-chunk times), the HTTP
+as the load client shortens them to the server's (`fit_rows`). ITL is the gaps between a request's deltas with
+tokens (one a step: the gateway streams each as one chunk). Not simulated: the HTTP
 path (the gateway's tokenizing and streaming time), and the load client's --no-ignore-eos and --endpoint chat
 (every request here gets exactly its trace's output tokens, or its shortened row's). Set `num_blocks` in --config to
 the server's KV pool (its `cache_config_info` on /metrics): too small a pool makes requests wait for K/V space.
@@ -51,6 +52,7 @@ def records(res: SimResult, rows: list, fitted: list, first: int, frontend_s: fl
             rec.status = 200
             rec.e2e, rec.output_tokens = end - arrival + frontend_s, n
             rec.ttft = None if first_at is None else first_at - arrival + frontend_s
+            rec.itl = res.itl.get(rid, [])
             if reason not in (FinishReason.STOP, FinishReason.LENGTH):
                 rec.error = FinishReason(reason).name
         out.append(rec)
