@@ -72,6 +72,10 @@ class BatcherConfig:
     slo_tpot_ms: float = field(default=0.0, metadata=flag(
         "time-per-output-token target in ms (0 = none): each step's prefill budget is the time the running "
         "requests' TPOT budgets leave (up to --max-num-batched-tokens); a request may set its own (slo_tpot_ms)"))
+    slo_pause_decodes: bool = field(default=True, metadata=flag(
+        "with TTFT and TPOT targets: while waiting prompts would miss their TTFT deadlines, decoding requests far "
+        "enough inside their TPOT budgets sit steps out so the prompts get them (at least --min-active-decodes "
+        "keep decoding)"))
     slo_admission: str = field(default="off", metadata=flag(
         "off | reject: with reject, a request whose predicted TTFT exceeds 1.25x its target is refused at once "
         "(429 + Retry-After) so the others keep theirs"))

@@ -32,7 +32,7 @@ from batcher.cost_model import (MAX_STEP_MS, CostModel, Features, OnlineCostFit,
                                  learned_ms)
 from batcher.grammar import GrammarError, Grammars, follow
 from batcher.request import Request, Status, blocks_for
-from batcher.slo import ADMISSION_MARGIN, MIN_PREFILL_TOKENS, SloPolicy
+from batcher.slo import ADMISSION_MARGIN, MIN_PREFILL_TOKENS, PAUSE_STEPS, SloPolicy
 from batcher.spec import DRAFT_CATCHUP, INDEX_BUDGET, SpecPolicy
 from laneserve.wire.protocol import (ITERATION_TOKENS_BUCKETS, LANE_DECODE, LANE_MIXED, LANE_PREFILL, AddRequest,
                                      CachedReq, DraftJob, EngineStats, FinishReason, NewReq, SamplingParams, StepInput,
@@ -156,6 +156,8 @@ class Scheduler:
         self.admit_counter = 0
         self.preemptions = 0
         self.gated_prefills = 0
+        self.paused_decodes = 0  # decode rows that sat a step out for waiting prompts (SLO decode pausing)
+        self.paused: list[Request] = []  # those of the step being composed (_pause; _unpause)
         self.iteration_tokens = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)  # steps by tokens: EngineStats
         self.iteration_tokens_sum = 0
         self.bubble_ms = 0.0  # EngineStats.pipeline_bubble_ms
@@ -455,7 +457,11 @@ class Scheduler:
         self.grown.clear()
         self.awaiting_held.discard(lane)
         self.composing = lane
-        budget, active, preempted = self._schedule_running(flight, budget, start, lane)
+        ordered = self.slo.enabled and bool(self.waiting) and lane != LANE_DECODE
+        if ordered:  # and the queue's pressure known before the decodes are in (decode pausing)
+            self._order_waiting(now, start)
+        pause = ordered and self.slo.behind and lane == LANE_MIXED and self.cfg.slo_pause_decodes
+        budget, active, preempted = self._schedule_running(flight, budget, start, lane, pause)
         num_running = len(flight)
         # admitting while evicting, or while a running request waits for blocks, would just thrash
         if self.waiting and not preempted and not self.awaiting_held and lane != LANE_DECODE:
@@ -464,12 +470,15 @@ class Scheduler:
             if not self.slo.enabled:
                 self._admit_waiting(now, start, flight, budget, active)
             else:
-                self._order_waiting(now, start)
                 # Coalescing: a step with no prefill replays a CUDA graph, one with any prefill runs eagerly
                 # (cost model's mixed_ms), so new prefills wait for company while their deadlines allow.
                 if self.mixed_paid or not num_running or self.slo.due(self.waiting, start, self.fit.model,
                                                                       self.decode_part_ms, self.step_decodes, budget):
                     self._admit_waiting(now, start, flight, budget, active)
+        if self.paused:
+            back = self._unpause(flight)
+            flight[num_running:num_running] = back  # running requests' records before the admitted ones'
+            num_running += len(back)
         # An empty step carries finished ids to the worker, or error deltas back through update() (a step
         # already in flight brings those back anyway); with two lanes a decode step does.
         if not flight and (lane == LANE_PREFILL or not self.finished_ids and (not self.pending or self.in_flight)):
@@ -528,6 +537,33 @@ class Scheduler:
         self.time_left = t - cost.chunk_ms(n, context)
         return n
 
+    def _pause(self, decodes: list[Request], start: float, budget: int) -> list[Request]:
+        """The decodes that run in a step whose waiting prompts would miss their deadlines (SloPolicy.pausable):
+        one sits it out if its next token may come PAUSE_STEPS steps of a full token budget later."""
+        cost = self.fit.model
+        kv = sum(r.num_computed_tokens for r in decodes) + len(decodes)
+        full_s = cost.step_ms(budget, 0, len(decodes), kv, 1) / 1000.0
+        run = self.slo.pausable(decodes, start + PAUSE_STEPS * full_s, cost.step_ms(0, 0, len(decodes), kv) / 1000.0,
+                                self.cfg.min_active_decodes)
+        if run is not decodes:
+            kept = set(map(id, run))
+            self.paused = [r for r in decodes if id(r) not in kept]
+        return run
+
+    def _unpause(self, flight: list[Scheduled]) -> list[Scheduled]:
+        """After admission: the decodes _pause set aside sit the step out only if a prompt got it; otherwise they
+        run after all (a step of the floor's decodes alone would leave the GPU to nobody, e.g. while the seat cap or
+        the K/V pool keeps the waiting prompts out): their records, for the step."""
+        paused, self.paused = self.paused, []
+        back: list[Scheduled] = []
+        if step_features(flight)[4]:
+            self.paused_decodes += len(paused)
+            return back
+        paused = [r for r in paused if r.request_id in self.running]  # not preempted by the step's prefills
+        budget = self.cfg.max_num_batched_tokens - sum(rec.num_tokens for rec in flight)
+        self._schedule_decodes(back, budget, paused, list(paused), [])
+        return back
+
     def _overhead_per_token(self) -> float:
         """ms of decode work a prefill token brings along: a step's decode part over the step's token budget."""
         return self.decode_part_ms / self.cfg.max_num_batched_tokens
@@ -574,7 +610,7 @@ class Scheduler:
         return decodes, prefills
 
     def _schedule_running(self, flight: list[Scheduled], budget: int, start: float,
-                          lane: int = LANE_MIXED) -> tuple[int, int, bool]:
+                          lane: int = LANE_MIXED, pause: bool = False) -> tuple[int, int, bool]:
         """Schedule running requests in run order; preempt from the back of that order when blocks run out.
 
         The back is the newest request of the highest-remaining bucket: the one that would hold its blocks
@@ -582,7 +618,7 @@ class Scheduler:
         committed to the step as it gets its place (samples: its tokens are all computed then; warm prefixes
         never sample): _make_room only takes requests after it in the order. A decode step of two lanes takes
         the decodes only (not those whose last prefill chunk is in flight), a prefill step the prefills only;
-        either may preempt any running request.
+        either may preempt any running request. pause: decodes with TPOT slack may sit the step out (_pause).
         """
         decodes, prefills = self._run_order()
         run_decodes, run_prefills = decodes, prefills
@@ -598,20 +634,9 @@ class Scheduler:
         if self.spec_k and run_decodes:
             budget = self._schedule_drafts(flight, budget, run_decodes, decodes, prefills)
             run_decodes = ()
-        for req in run_decodes:  # one token each
-            if budget <= 0:
-                break
-            done = req.num_computed_tokens + 1
-            if done > len(req.block_ids) * bs:
-                if not self._make_room(req, 1, decodes, prefills):
-                    break
-                grown.append(req)
-            req.num_computed_tokens = done
-            samples = req.samples
-            if samples:  # next step it decodes the token sampled now: the worker has it by then
-                req.num_output_placeholders += 1
-            flight.append(Scheduled(req, 1, done, samples, req.epoch))
-            budget -= 1
+        if pause and run_decodes and (run_prefills or len(self.running) < self.cfg.max_num_seqs):
+            run_decodes = self._pause(run_decodes, start, budget)  # (a full house admits no prompt to pause for)
+        budget = self._schedule_decodes(flight, budget, run_decodes, decodes, prefills)
         # scheduled (or, two lanes, decoding) with at most threshold tokens left to compute
         active = (len(decodes) if lane == LANE_PREFILL else len(flight)) if threshold >= 1 else 0
         if self.slo.enabled:
@@ -633,6 +658,27 @@ class Scheduler:
             if left <= threshold:
                 active += 1
         return budget, active, self.preemptions != preemptions_before
+
+    def _schedule_decodes(self, flight: list[Scheduled], budget: int, run: Iterable[Request], decodes: list[Request],
+                          prefills: list[tuple[Request, int]]) -> int:
+        """One token each for the decodes `run`, in order, while the budget lasts and blocks can be found
+        (_make_room preempts from the back of decodes, then prefills); the budget left."""
+        bs = self.block_size
+        for req in run:
+            if budget <= 0:
+                break
+            done = req.num_computed_tokens + 1
+            if done > len(req.block_ids) * bs:
+                if not self._make_room(req, 1, decodes, prefills):
+                    break
+                self.grown.append(req)
+            req.num_computed_tokens = done
+            samples = req.samples
+            if samples:  # next step it decodes the token sampled now: the worker has it by then
+                req.num_output_placeholders += 1
+            flight.append(Scheduled(req, 1, done, samples, req.epoch))
+            budget -= 1
+        return budget
 
     def _schedule_drafts(self, flight: list[Scheduled], budget: int, run_decodes: list[Request],
                          decodes: list[Request], prefills: list[tuple[Request, int]]) -> int:
@@ -1035,6 +1081,7 @@ class Scheduler:
                            gated_prefills=self.gated_prefills, preemptions=self.preemptions, steps=self.step_no,
                            steps_timed=self.fit.steps, step_ms_predicted=self.fit.predicted_ms,
                            step_ms_measured=self.fit.measured_ms, slo_shed=self.slo.shed,
+                           slo_paused_decodes=self.paused_decodes,
                            spec_steps=self.spec.steps, spec_sequences=self.spec.sequences,
                            spec_drafted=self.spec.drafted, spec_accepted=self.spec.accepted,
                            iteration_tokens=list(self.iteration_tokens), iteration_tokens_sum=self.iteration_tokens_sum,

@@ -21,6 +21,11 @@ Rules (docs/scheduling.md, "SLO scheduling"):
   would still make its deadline after one more step (`may_hold`).
 - Coalescing (`due`): new prefills wait in a decode-only step for company while each would still
   start before COALESCE_FRACTION of its target is used.
+- Decode pausing (`--slo-pause-decodes`, on): while a waiting prompt, served in order, would miss its TTFT
+  deadline (late ones too: their TTFT still counts), a decoding request sits a step out, leaving it to the
+  prompts, if at PAUSE_SHARE of its TPOT budget (latest_step_end's rule) its next token could still come
+  PAUSE_STEPS full steps later; at least --min-active-decodes run, those with the least slack first (`pausable`).
+  TGI's prefill-first batching pauses decodes the same way, on a waiting-token ratio rather than on budgets.
 - Admission (`--slo-admission reject`): a request whose predicted TTFT, behind the running
   prefills and everything waiting of its priority or better, exceeds ADMISSION_MARGIN x its
   target is shed at once (retryable); one whose own prefill alone would exceed it is served.
@@ -41,6 +46,8 @@ ADMISSION_MARGIN = 1.25  # shed when the predicted TTFT exceeds this x the targe
 MIN_PREFILL_TOKENS = 2048  # prefill tokens a step may take whatever the TPOT slack: the default budget (no worse)
 MAX_LEAD_MS = 1000  # --schedule-lead-ms
 COALESCE_FRACTION = 0.25  # new prefills may wait for company until this share of their TTFT target is used
+PAUSE_STEPS = 3  # a decode sits a step out only if its next token may still come this many full steps later
+PAUSE_SHARE = 0.9  # of its TPOT budget (the rest: a margin for the predictions)
 
 
 def prefill_s(r: Request, uncached: int, cost: CostModel, overhead_per_token: float) -> float:
@@ -65,6 +72,7 @@ class SloPolicy:
         self.reject = cfg.slo_admission == "reject"
         self.enabled = bool(self.ttft or self.tpot)  # some request may still bring its own targets
         self.shed = 0  # requests refused by predictive admission
+        self.behind = False  # order_waiting's: a waiting request will miss its deadline
 
     def assign(self, req: Request, priority: int, ttft_ms: float, tpot_ms: float, now: float | None) -> None:
         """A request's targets: its own (ms, 0 = the server's) or the server's; its deadline once `now` is known."""
@@ -85,27 +93,48 @@ class SloPolicy:
             req.deadline += now
 
     @staticmethod
+    def next_token_by(r: Request, decode_step_s: float, share: float = 1.0) -> float:
+        """The latest time r's next token may come with its TPOT inside `share` of its budget, its later tokens
+        at decode_step_s each (inf: it has no budget, or no first token yet)."""
+        tpot, f = r.tpot, r.first_token_at
+        if not tpot or f is None:
+            return math.inf
+        m = len(r.token_ids) - r.num_prompt_tokens + r.num_output_placeholders
+        h = r.max_num_tokens - len(r.token_ids) - r.num_output_placeholders
+        if h > TPOT_HORIZON:
+            h = TPOT_HORIZON
+        return f + share * tpot * (m - 1 + h) - h * decode_step_s
+
+    @staticmethod
     def latest_step_end(decodes: Iterable[Request], decode_step_s: float) -> float:
         """The latest end of the step being composed that keeps every decoding request's TPOT within budget
         (inf: none has a budget, or none has its first token yet)."""
-        latest = math.inf
-        for r in decodes:
-            tpot, f = r.tpot, r.first_token_at
-            if not tpot or f is None:
-                continue
-            m = len(r.token_ids) - r.num_prompt_tokens + r.num_output_placeholders
-            h = r.max_num_tokens - len(r.token_ids) - r.num_output_placeholders
-            if h > TPOT_HORIZON:
-                h = TPOT_HORIZON
-            end = f + tpot * (m - 1 + h) - h * decode_step_s
-            if end < latest:
-                latest = end
-        return latest
+        by = SloPolicy.next_token_by
+        return min((by(r, decode_step_s) for r in decodes), default=math.inf)
+
+    @staticmethod
+    def pausable(decodes: list[Request], until: float, decode_step_s: float, keep: int) -> list[Request]:
+        """The decodes that run in a step composed while waiting prompts would miss their deadlines: those whose
+        next token, at PAUSE_SHARE of their TPOT budget, is due before `until`, those with no budget to measure
+        against (no TPOT target, or no first token yet: never paused), and at least `keep` (the least slack
+        first), in their order; the others sit the step out."""
+        by = SloPolicy.next_token_by
+        due = [by(r, decode_step_s, PAUSE_SHARE) for r in decodes]
+        idle = [i for i, t in enumerate(due) if until < t < math.inf]
+        short = keep - (len(decodes) - len(idle))
+        if short > 0:  # the floor: the idle ones with the least slack run too
+            idle.sort(key=due.__getitem__)
+            idle = idle[short:]
+        if not idle:
+            return decodes
+        skip = set(idle)
+        return [r for i, r in enumerate(decodes) if i not in skip]
 
     def order_waiting(self, waiting: list[Request], start: float, cost: CostModel, overhead_per_token: float
                       ) -> bool:
-        """Sort `waiting` (in place) for service; True if, served in that order from `start`, one of them
-        misses its deadline: the queue is under pressure (the long-prompt gate closes)."""
+        """Sort `waiting` (in place) for service; True if, served in that order from `start`, one of them that
+        can still make its deadline misses it: the queue is under pressure (the long-prompt gate closes).
+        Sets `behind`: one of them misses it, late ones included (decode pausing)."""
         def own_s(r: Request) -> float:
             return prefill_s(r, r.uncached_estimate, cost, overhead_per_token)
 
@@ -127,10 +156,13 @@ class SloPolicy:
             keys[r.request_id] = (r.priority, not starved, late, slack if not starved else d, r.uncached_estimate)
         waiting.sort(key=lambda r: keys[r.request_id])
         t = start
+        self.behind = False
         for r in waiting:
             t += own_s(r)
-            if r.deadline is not None and t > r.deadline and not keys[r.request_id][2]:
-                return True
+            if r.deadline is not None and t > r.deadline:
+                self.behind = True
+                if not keys[r.request_id][2]:
+                    return True
         return False
 
     @staticmethod

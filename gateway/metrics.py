@@ -65,6 +65,8 @@ class EngineCollector:
             ("step_time_measured_ms", "Step time the workers measured, summed over the timed steps.",
              s.step_ms_measured),
             ("num_slo_shed", "Requests refused by predictive SLO admission (429).", s.slo_shed),
+            ("num_slo_paused_decodes", "Decode rows that sat a step out so waiting prompts could make their TTFT "
+             "deadlines (SLO decode pausing).", s.slo_paused_decodes),
             ("spec_decode_num_steps", "Steps that verified draft tokens (speculative decoding; over engine_steps: "
              "the share of steps that speculated).", s.spec_steps),
             ("spec_decode_num_drafts", "Drafts verified (one per request per such step).", s.spec_sequences),

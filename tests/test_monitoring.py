@@ -33,7 +33,7 @@ COVERS = {"time_to_first_token_seconds_bucket", "time_per_output_token_seconds_b
           "prefix_cache_hits_total", "prefix_cache_queries_total", "request_queue_time_seconds_sum",
           "request_prefill_time_seconds_sum", "request_decode_time_seconds_sum", "prompt_tokens_total",
           "generation_tokens_total", "spec_decode_num_accepted_tokens_total", "spec_decode_num_draft_tokens_total",
-          "num_slo_shed_total", "iteration_tokens_total_bucket"}
+          "num_slo_shed_total", "num_slo_paused_decodes_total", "iteration_tokens_total_bucket"}
 
 
 def dashboard_queries() -> list[str]:

@@ -25,7 +25,7 @@ from batcher.cost_model import _FIELDS, _SCALE, CostModel, OnlineCostFit, regres
 from batcher.request import Request
 from batcher.scheduler import QUEUED, WARM_PREFIX_ID, Scheduler
 from batcher.sim.engine import SimRequest, SimWorker, simulate
-from batcher.slo import ADMISSION_MARGIN, MIN_PREFILL_TOKENS, TPOT_HORIZON, SloPolicy
+from batcher.slo import ADMISSION_MARGIN, MIN_PREFILL_TOKENS, PAUSE_SHARE, TPOT_HORIZON, SloPolicy
 from laneserve.sampling import MAX_PRIORITY
 from laneserve.wire.protocol import AddRequest, FinishReason, SamplingParams, StepOutput
 from tests.stack import REPO
@@ -451,6 +451,73 @@ def test_a_burst_with_nothing_decoding_takes_the_whole_budget():
     s = Scheduler(cfg(slo_ttft_ms=120.0, slo_tpot_ms=30.0, burst_gating=False), 8192, BS, 32768, cost=TPOT_COST)
     s.add_request(msg("p0", 6000), 0.0)
     assert sum(s.schedule(0.0).num_scheduled_tokens.values()) == 2048
+
+
+def _decoding(rid: str, outputs: int, max_tokens: int, tpot: float, first: float | None) -> Request:
+    r = Request(rid, tokens(1, 100), SamplingParams(max_tokens=max_tokens))
+    r.token_ids += [7] * outputs
+    r.num_output_placeholders = 1  # the token this step samples
+    r.tpot, r.first_token_at = tpot, first
+    return r
+
+
+def test_pausable_sits_out_only_decodes_with_slack_past_the_bound_and_keeps_the_floor():
+    """A decode sits the step out when its next token, at PAUSE_SHARE of its TPOT budget, may come after `until`;
+    one with no budget (no target, no first token yet) always runs; at least `keep` run, the least slack first;
+    those that run keep their order."""
+    t_dec = 0.004
+    ahead = [_decoding(f"a{k}", 100 + 10 * k, 500, 0.030, 1.0) for k in range(4)]  # slack grows with k
+    behind = _decoding("behind", 100, 500, 0.030, -2.0)  # its 100 outputs took 3 s longer: little slack
+    none, fresh = _decoding("none", 100, 500, 0.0, 1.0), _decoding("fresh", 0, 500, 0.030, None)
+    decodes = [ahead[3], none, behind, ahead[0], fresh, ahead[2], ahead[1]]
+    due = {r.request_id: SloPolicy.next_token_by(r, t_dec, PAUSE_SHARE) for r in decodes}
+    assert due["none"] == due["fresh"] == math.inf and due["behind"] < due["a0"] < due["a1"] < due["a2"] < due["a3"]
+    assert due["a0"] == pytest.approx(1.0 + PAUSE_SHARE * 0.030 * (100 + 64) - 64 * t_dec)
+    until = (due["behind"] + due["a0"]) / 2  # only "behind" must decode now
+    ids = lambda rs: [r.request_id for r in rs]  # noqa: E731
+    assert ids(SloPolicy.pausable(decodes, until, t_dec, keep=0)) == ["none", "behind", "fresh"]
+    # the floor counts the budgetless ones, then takes the least slack: a0, then a1
+    assert ids(SloPolicy.pausable(decodes, until, t_dec, keep=4)) == ["none", "behind", "a0", "fresh"]
+    assert ids(SloPolicy.pausable(decodes, until, t_dec, keep=5)) == ["none", "behind", "a0", "fresh", "a1"]
+    assert SloPolicy.pausable(decodes, until, t_dec, keep=99) == decodes
+    assert SloPolicy.pausable(decodes, due["a3"], t_dec, keep=0) == decodes  # every one's token is due by then
+
+
+PAUSE_COST = CostModel(a=3.0, b=0.006, c=0.01, d=1e-5, e=1e-7, g=-1.0, m=0.04)  # test_tpot_..._priced_apart's
+
+
+def pause_workload() -> list[SimRequest]:
+    """128 long decodes (400 outputs), then at 1 s a burst of 32 prompts of 1,500 tokens (20 outputs each). With
+    PAUSE_COST a step of 2,048 prompt tokens takes ~14 ms, plus ~7 ms for the 128 decodes beside it: the burst's
+    ~0.3 s of prefill leaves most of it waiting past its 120 ms, while a decode-only step (~5 ms) keeps the long
+    decodes ~25 ms a token inside their 30 ms budget."""
+    reqs = [SimRequest(0.002 * i, tokens(i, 300), 400) for i in range(128)]
+    reqs += [SimRequest(1.0 + 0.001 * j, tokens(1000 + j, 1500), 20) for j in range(32)]
+    return reqs
+
+
+def test_decode_pausing_gives_a_burst_the_steps_inside_every_tpot_budget():
+    """Under TTFT pressure decodes with TPOT slack sit steps out (in simulated time, a model whose decode rows cost
+    more beside a chunk than alone: m, as stop 49's H100 fits): the burst's first tokens come sooner, every
+    request's TPOT stays inside its budget (the predictions hold), and --min-active-decodes (8) decodes run beside
+    each chunk. Off, those steps carry all 128 decodes and more."""
+    reqs = pause_workload()
+    runs = {}
+    for on in (True, False):
+        s = Scheduler(cfg(slo_ttft_ms=120.0, slo_tpot_ms=30.0, burst_gating=False, slo_pause_decodes=on), 16384, BS,
+                      32768, cost=PAUSE_COST)
+        log, times = run_timed(s, as_arrivals(reqs), PAUSE_COST)
+        tpot = tpot_of(times)
+        assert max(tpot.values()) <= 0.030 + 1e-9, sorted(tpot.items(), key=lambda kv: kv[1])[-3:]
+        ttft = [times[f"r{k}"][0] - reqs[k].arrival for k in range(128, 160)]
+        chunk_steps = [t[2] for start, _, _, t in log if t[0] and 1.01 < start < 1.3]  # during the burst
+        runs[on] = s.stats().slo_paused_decodes, max(ttft), sum(ttft), chunk_steps, {r: len(v) for r, v in
+                                                                                       times.items()}
+    (paused, worst, total, steps, outputs), off = runs[True], runs[False]
+    assert paused > 0 == off[0]
+    assert worst < 0.7 * off[1] and total < 0.75 * off[2]
+    assert len(steps) > 10 and set(steps) == {8} and min(off[3]) >= 128
+    assert outputs == off[4]  # the same tokens either way
 
 
 # ---------------------------------------------------------------------- 4. deadline order

@@ -149,6 +149,7 @@ class EngineStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     step_ms_predicted: float = 0.0  # the cost model's prediction (before it learned from that step)
     step_ms_measured: float = 0.0  # and the worker's measure
     slo_shed: int = 0  # requests refused by predictive SLO admission
+    slo_paused_decodes: int = 0  # decode rows that sat a step out for waiting prompts (SLO decode pausing)
     spec_steps: int = 0  # steps that verified drafts (speculative decoding)
     spec_sequences: int = 0  # drafts they verified (one per request per step)
     spec_drafted: int = 0  # the draft tokens they verified
