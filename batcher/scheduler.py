@@ -561,7 +561,7 @@ class Scheduler:
             return back
         paused = [r for r in paused if r.request_id in self.running]  # not preempted by the step's prefills
         budget = self.cfg.max_num_batched_tokens - sum(rec.num_tokens for rec in flight)
-        self._schedule_decodes(back, budget, paused, list(paused), [])
+        self._schedule_decodes(back, budget, paused, [])
         return back
 
     def _overhead_per_token(self) -> float:
@@ -636,7 +636,7 @@ class Scheduler:
             run_decodes = ()
         if pause and run_decodes and (run_prefills or len(self.running) < self.cfg.max_num_seqs):
             run_decodes = self._pause(run_decodes, start, budget)  # (a full house admits no prompt to pause for)
-        budget = self._schedule_decodes(flight, budget, run_decodes, decodes, prefills)
+        budget = self._schedule_decodes(flight, budget, run_decodes, prefills)
         # scheduled (or, two lanes, decoding) with at most threshold tokens left to compute
         active = (len(decodes) if lane == LANE_PREFILL else len(flight)) if threshold >= 1 else 0
         if self.slo.enabled:
@@ -659,12 +659,13 @@ class Scheduler:
                 active += 1
         return budget, active, self.preemptions != preemptions_before
 
-    def _schedule_decodes(self, flight: list[Scheduled], budget: int, run: Iterable[Request], decodes: list[Request],
+    def _schedule_decodes(self, flight: list[Scheduled], budget: int, decodes: list[Request],
                           prefills: list[tuple[Request, int]]) -> int:
-        """One token each for the decodes `run`, in order, while the budget lasts and blocks can be found
-        (_make_room preempts from the back of decodes, then prefills); the budget left."""
+        """One token each for `decodes`, in order, while the budget lasts and blocks can be found; the budget left.
+        _make_room takes its victims from the back of that same list (which shrinks, so a victim is never reached),
+        then from prefills."""
         bs = self.block_size
-        for req in run:
+        for req in decodes:
             if budget <= 0:
                 break
             done = req.num_computed_tokens + 1

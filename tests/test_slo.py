@@ -520,6 +520,24 @@ def test_decode_pausing_gives_a_burst_the_steps_inside_every_tpot_budget():
     assert outputs == off[4]  # the same tokens either way
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_decode_pausing_with_a_tight_pool_preemption_and_aborts_frees_every_block(pipelined):
+    """Pausing beside preemption (a pool too small for the load), aborts and async scheduling: every request ends,
+    none in error, and the pool is whole again (the simulator's worker checks every K/V slot it reads was written)."""
+    rng = random.Random(5)
+    reqs = [SimRequest(0.002 * i, tokens(i, 100), 200) for i in range(48)]
+    reqs += [SimRequest(0.5 + 0.002 * j, tokens(500 + j, rng.randrange(300, 900)), 10) for j in range(24)]
+    aborts = {f"r{k}": 0.6 for k in range(0, 72, 9)}
+    c = cfg(slo_ttft_ms=120.0, slo_tpot_ms=30.0, burst_gating=False)
+    res = simulate(reqs, c, PAUSE_COST, num_blocks=400, check_kv=True, aborts=aborts, pipelined=pipelined)
+    s = res.schedulers[0]
+    assert res.preemptions > 0 and s.stats().slo_paused_decodes > 0
+    assert sum(res.finish.values()) == len(reqs) and res.finish.get("ERROR", 0) == 0
+    assert all(res.output_tokens.get(f"r{k}") == r.output_tokens for k, r in enumerate(reqs) if f"r{k}" not in aborts)
+    s.bm.check()
+    assert s.bm.num_free == s.num_blocks and s.num_unfinished == 0 and not s.in_flight and not s.paused
+
+
 # ---------------------------------------------------------------------- 4. deadline order
 ORDER_COST = CostModel(a=1.0, b=0.01, c=0.0, d=0.0, e=0.0, g=0.0)  # own prefill: 10 ms per 1000 tokens
 
