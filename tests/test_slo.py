@@ -362,16 +362,18 @@ def as_arrivals(reqs: list[SimRequest]) -> list[tuple[float, AddRequest]]:
             for k, r in enumerate(reqs)]
 
 
+def decoding(rid: str, outputs: int, max_tokens: int, tpot: float, first: float | None) -> Request:
+    """A running request with `outputs` tokens out, sampling the next in the step being composed."""
+    r = Request(rid, tokens(1, 100), SamplingParams(max_tokens=max_tokens))
+    r.token_ids += [7] * outputs
+    r.num_output_placeholders = 1  # the token this step samples
+    r.tpot, r.first_token_at = tpot, first
+    return r
+
+
 def test_latest_step_end_borrows_against_at_most_the_horizon():
     """Request r, first token at f, m outputs once this step is done, h = min(outputs left, TPOT_HORIZON) still to
     come at the decode-only step time: this step may end by f + tau (m - 1 + h) - h t_dec."""
-    def decoding(rid: str, outputs: int, max_tokens: int, tpot: float, first: float | None) -> Request:
-        r = Request(rid, tokens(1, 100), SamplingParams(max_tokens=max_tokens))
-        r.token_ids += [7] * outputs
-        r.num_output_placeholders = 1  # the token this step samples
-        r.tpot, r.first_token_at = tpot, first
-        return r
-
     t_dec = 0.004
     near = decoding("near", 3, 10, 0.030, 1.0)  # m = 4, h = 10 - 3 - 1 = 6
     far = decoding("far", 3, 500, 0.030, 1.0)  # m = 4, h = min(496, 64)
@@ -453,22 +455,14 @@ def test_a_burst_with_nothing_decoding_takes_the_whole_budget():
     assert sum(s.schedule(0.0).num_scheduled_tokens.values()) == 2048
 
 
-def _decoding(rid: str, outputs: int, max_tokens: int, tpot: float, first: float | None) -> Request:
-    r = Request(rid, tokens(1, 100), SamplingParams(max_tokens=max_tokens))
-    r.token_ids += [7] * outputs
-    r.num_output_placeholders = 1  # the token this step samples
-    r.tpot, r.first_token_at = tpot, first
-    return r
-
-
 def test_pausable_sits_out_only_decodes_with_slack_past_the_bound_and_keeps_the_floor():
     """A decode sits the step out when its next token, at PAUSE_SHARE of its TPOT budget, may come after `until`;
     one with no budget (no target, no first token yet) always runs; at least `keep` run, the least slack first;
     those that run keep their order."""
     t_dec = 0.004
-    ahead = [_decoding(f"a{k}", 100 + 10 * k, 500, 0.030, 1.0) for k in range(4)]  # slack grows with k
-    behind = _decoding("behind", 100, 500, 0.030, -2.0)  # its 100 outputs took 3 s longer: little slack
-    none, fresh = _decoding("none", 100, 500, 0.0, 1.0), _decoding("fresh", 0, 500, 0.030, None)
+    ahead = [decoding(f"a{k}", 100 + 10 * k, 500, 0.030, 1.0) for k in range(4)]  # slack grows with k
+    behind = decoding("behind", 100, 500, 0.030, -2.0)  # its 100 outputs took 3 s longer: little slack
+    none, fresh = decoding("none", 100, 500, 0.0, 1.0), decoding("fresh", 0, 500, 0.030, None)
     decodes = [ahead[3], none, behind, ahead[0], fresh, ahead[2], ahead[1]]
     due = {r.request_id: SloPolicy.next_token_by(r, t_dec, PAUSE_SHARE) for r in decodes}
     assert due["none"] == due["fresh"] == math.inf and due["behind"] < due["a0"] < due["a1"] < due["a2"] < due["a3"]
