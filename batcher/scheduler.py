@@ -44,6 +44,7 @@ QUEUED, TURNAROUND = 1, 2  # how a step in flight was scheduled: behind another 
 MAX_INFLIGHT_STEPS = 2  # with --async-scheduling: the worker runs one step while the next one waits in its socket
 LANES = ("auto", "mixed", "streams")  # BatcherConfig.lanes
 _WARM_PARAMS = SamplingParams(max_tokens=1)
+_RUNNING = Status.RUNNING  # (read in the decode loop)
 
 
 class Scheduled(msgspec.Struct, frozen=True, gc=False):
@@ -557,9 +558,9 @@ class Scheduler:
         paused, self.paused = self.paused, []
         back: list[Scheduled] = []
         if step_features(flight)[4]:
-            self.paused_decodes += len(paused)
+            self.paused_decodes += sum(1 for r in paused if r.status is _RUNNING)
             return back
-        paused = [r for r in paused if r.request_id in self.running]  # not preempted by the step's prefills
+        paused = [r for r in paused if r.request_id in self.running]  # not preempted for the others' blocks
         budget = self.cfg.max_num_batched_tokens - sum(rec.num_tokens for rec in flight)
         self._schedule_decodes(back, budget, paused, [])
         return back
@@ -634,9 +635,12 @@ class Scheduler:
         if self.spec_k and run_decodes:
             budget = self._schedule_drafts(flight, budget, run_decodes, decodes, prefills)
             run_decodes = ()
+        victims = run_decodes
         if pause and run_decodes and (run_prefills or len(self.running) < self.cfg.max_num_seqs):
             run_decodes = self._pause(run_decodes, start, budget)  # (a full house admits no prompt to pause for)
-        budget = self._schedule_decodes(flight, budget, run_decodes, prefills)
+            if self.paused:  # idle in this step: the first to give up their blocks (after the prefills)
+                victims = run_decodes + self.paused
+        budget = self._schedule_decodes(flight, budget, run_decodes, prefills, victims)
         # scheduled (or, two lanes, decoding) with at most threshold tokens left to compute
         active = (len(decodes) if lane == LANE_PREFILL else len(flight)) if threshold >= 1 else 0
         if self.slo.enabled:
@@ -660,17 +664,22 @@ class Scheduler:
         return budget, active, self.preemptions != preemptions_before
 
     def _schedule_decodes(self, flight: list[Scheduled], budget: int, decodes: list[Request],
-                          prefills: list[tuple[Request, int]]) -> int:
+                          prefills: list[tuple[Request, int]], victims: list[Request] | None = None) -> int:
         """One token each for `decodes`, in order, while the budget lasts and blocks can be found; the budget left.
-        _make_room takes its victims from the back of that same list (which shrinks, so a victim is never reached),
-        then from prefills."""
+        _make_room preempts the newest prefills, then from the back of `victims` (default: decodes itself), which
+        ends with decodes' own order: a victim not yet reached is skipped, the current request is the last one it
+        can take."""
         bs = self.block_size
+        if victims is None:
+            victims = decodes
         for req in decodes:
             if budget <= 0:
                 break
+            if req.status is not _RUNNING:  # preempted for a decode before it
+                continue
             done = req.num_computed_tokens + 1
             if done > len(req.block_ids) * bs:
-                if not self._make_room(req, 1, decodes, prefills):
+                if not self._make_room(req, 1, victims, prefills):
                     break
                 self.grown.append(req)
             req.num_computed_tokens = done

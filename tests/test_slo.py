@@ -532,6 +532,20 @@ def test_decode_pausing_with_a_tight_pool_preemption_and_aborts_frees_every_bloc
     assert s.bm.num_free == s.num_blocks and s.num_unfinished == 0 and not s.in_flight and not s.paused
 
 
+@pytest.mark.parametrize("floor", [0, 1, 8])
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_paused_decode_gives_up_its_blocks_before_one_that_runs(floor, pipelined):
+    """Two long decodes outgrow a 56-block pool while a prompt the pool keeps out waits past its deadline: a paused
+    decode is the first victim when the one that runs needs a block (with the floor at 0 or 1 the run used to stop
+    for good: the running one could not preempt the paused one, nor, un-paused, the paused one the running one)."""
+    reqs = [SimRequest(0.0, tokens(0, 320), 250), SimRequest(0.0, tokens(1, 320), 250),
+            SimRequest(0.1, tokens(2, 700), 5)]
+    c = cfg(slo_ttft_ms=120.0, slo_tpot_ms=30.0, burst_gating=False, min_active_decodes=floor)
+    res = simulate(reqs, c, PAUSE_COST, num_blocks=56, check_kv=True, pipelined=pipelined)
+    assert res.finish == {"LENGTH": 3} and res.preemptions >= 1
+    assert [res.output_tokens[f"r{k}"] for k in range(3)] == [250, 250, 5]
+
+
 # ---------------------------------------------------------------------- 4. deadline order
 ORDER_COST = CostModel(a=1.0, b=0.01, c=0.0, d=0.0, e=0.0, g=0.0)  # own prefill: 10 ms per 1000 tokens
 
