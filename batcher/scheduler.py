@@ -666,9 +666,9 @@ class Scheduler:
     def _schedule_decodes(self, flight: list[Scheduled], budget: int, decodes: list[Request],
                           prefills: list[tuple[Request, int]], victims: list[Request] | None = None) -> int:
         """One token each for `decodes`, in order, while the budget lasts and blocks can be found; the budget left.
-        _make_room preempts the newest prefills, then from the back of `victims` (default: decodes itself), which
-        ends with decodes' own order: a victim not yet reached is skipped, the current request is the last one it
-        can take."""
+        _make_room takes the running prompts (newest first), then from the back of `victims`: `decodes` itself by
+        default, else `decodes` followed by decodes idle in this step (taken first). A decode taken before the loop
+        reaches it is skipped; the one being scheduled is the last it can take."""
         bs = self.block_size
         if victims is None:
             victims = decodes
