@@ -544,23 +544,20 @@ class Scheduler:
         cost = self.fit.model
         kv = sum(r.num_computed_tokens for r in decodes) + len(decodes)
         full_s = cost.step_ms(budget, 0, len(decodes), kv, 1) / 1000.0
-        run = self.slo.pausable(decodes, start + PAUSE_STEPS * full_s, cost.step_ms(0, 0, len(decodes), kv) / 1000.0,
-                                self.cfg.min_active_decodes)
-        if run is not decodes:
-            kept = set(map(id, run))
-            self.paused = [r for r in decodes if id(r) not in kept]
+        run, self.paused = self.slo.pausable(decodes, start + PAUSE_STEPS * full_s,
+                                             cost.step_ms(0, 0, len(decodes), kv) / 1000.0, self.cfg.min_active_decodes)
         return run
 
     def _unpause(self, flight: list[Scheduled]) -> list[Scheduled]:
         """After admission: the decodes _pause set aside sit the step out only if a prompt got it; otherwise they
         run after all (a step of the floor's decodes alone would leave the GPU to nobody, e.g. while the seat cap or
         the K/V pool keeps the waiting prompts out): their records, for the step."""
-        paused, self.paused = self.paused, []
+        paused = [r for r in self.paused if r.status is _RUNNING]  # not preempted for the others' blocks
+        self.paused = []
         back: list[Scheduled] = []
         if step_features(flight)[4]:
-            self.paused_decodes += sum(1 for r in paused if r.status is _RUNNING)
+            self.paused_decodes += len(paused)
             return back
-        paused = [r for r in paused if r.request_id in self.running]  # not preempted for the others' blocks
         budget = self.cfg.max_num_batched_tokens - sum(rec.num_tokens for rec in flight)
         self._schedule_decodes(back, budget, paused, [])
         return back

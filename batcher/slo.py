@@ -113,11 +113,12 @@ class SloPolicy:
         return min((by(r, decode_step_s) for r in decodes), default=math.inf)
 
     @staticmethod
-    def pausable(decodes: list[Request], until: float, decode_step_s: float, keep: int) -> list[Request]:
-        """The decodes that run in a step composed while waiting prompts would miss their deadlines: those whose
-        next token, at PAUSE_SHARE of their TPOT budget, is due before `until`, those with no budget to measure
-        against (no TPOT target, or no first token yet: never paused), and at least `keep` (the least slack
-        first), in their order; the others sit the step out."""
+    def pausable(decodes: list[Request], until: float, decode_step_s: float, keep: int
+                 ) -> tuple[list[Request], list[Request]]:
+        """The decodes that run in a step composed while waiting prompts would miss their deadlines, and those
+        that sit it out, each in their order. They run: those whose next token, at PAUSE_SHARE of their TPOT
+        budget, is due before `until`, those with no budget to measure against (no TPOT target, or no first token
+        yet: never paused), and at least `keep` (the least slack first). None sits out: (decodes, [])."""
         by = SloPolicy.next_token_by
         due = [by(r, decode_step_s, PAUSE_SHARE) for r in decodes]
         idle = [i for i, t in enumerate(due) if until < t < math.inf]
@@ -126,9 +127,9 @@ class SloPolicy:
             idle.sort(key=due.__getitem__)
             idle = idle[short:]
         if not idle:
-            return decodes
+            return decodes, []
         skip = set(idle)
-        return [r for i, r in enumerate(decodes) if i not in skip]
+        return [r for i, r in enumerate(decodes) if i not in skip], [decodes[i] for i in sorted(idle)]
 
     def order_waiting(self, waiting: list[Request], start: float, cost: CostModel, overhead_per_token: float
                       ) -> bool:

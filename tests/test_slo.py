@@ -469,12 +469,13 @@ def test_pausable_sits_out_only_decodes_with_slack_past_the_bound_and_keeps_the_
     assert due["a0"] == pytest.approx(1.0 + PAUSE_SHARE * 0.030 * (100 + 64) - 64 * t_dec)
     until = (due["behind"] + due["a0"]) / 2  # only "behind" must decode now
     ids = lambda rs: [r.request_id for r in rs]  # noqa: E731
-    assert ids(SloPolicy.pausable(decodes, until, t_dec, keep=0)) == ["none", "behind", "fresh"]
+    run, idle = SloPolicy.pausable(decodes, until, t_dec, keep=0)
+    assert ids(run) == ["none", "behind", "fresh"] and ids(idle) == ["a3", "a0", "a2", "a1"]
     # the floor counts the budgetless ones, then takes the least slack: a0, then a1
-    assert ids(SloPolicy.pausable(decodes, until, t_dec, keep=4)) == ["none", "behind", "a0", "fresh"]
-    assert ids(SloPolicy.pausable(decodes, until, t_dec, keep=5)) == ["none", "behind", "a0", "fresh", "a1"]
-    assert SloPolicy.pausable(decodes, until, t_dec, keep=99) == decodes
-    assert SloPolicy.pausable(decodes, due["a3"], t_dec, keep=0) == decodes  # every one's token is due by then
+    assert ids(SloPolicy.pausable(decodes, until, t_dec, keep=4)[0]) == ["none", "behind", "a0", "fresh"]
+    assert ids(SloPolicy.pausable(decodes, until, t_dec, keep=5)[0]) == ["none", "behind", "a0", "fresh", "a1"]
+    assert SloPolicy.pausable(decodes, until, t_dec, keep=99) == (decodes, [])
+    assert SloPolicy.pausable(decodes, due["a3"], t_dec, keep=0) == (decodes, [])  # every one's due by then
 
 
 PAUSE_COST = CostModel(a=3.0, b=0.006, c=0.01, d=1e-5, e=1e-7, g=-1.0, m=0.04)  # test_tpot_..._priced_apart's
