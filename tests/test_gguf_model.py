@@ -25,7 +25,7 @@ gguf = pytest.importorskip("gguf")
 
 from laneserve import gguf_file
 from laneserve.modelspec import TINY_CONFIG, load_model_config
-from tests.helpers_models import Sim, greedy, hf_greedy
+from tests.helpers_models import Sim, greedy
 from workers.attention import AttentionMetadata
 from workers.config import WorkerConfig
 from workers.gguf_loader import SUPPORTED_TYPE_NAMES, hf_name, unpermute
@@ -81,7 +81,7 @@ def smollm2_prompts(smollm2_reference):
 
 @pytest.fixture(scope="module")
 def smollm2_hf(smollm2_reference):
-    return smollm2_reference[1]  # generate() gives 32 tokens whatever is sampled (the runner's greedy() ignores EOS)
+    return smollm2_reference[1]
 
 
 def test_smollm2_resolves_by_name_and_directory(tmp_path):
@@ -111,10 +111,10 @@ def test_smollm2_weights_and_prefill_logits_match_transformers(smollm2_hf, smoll
 
 
 @pytest.mark.parametrize("i", range(len(TEXTS)))
-def test_smollm2_greedy_matches_transformers(smollm2_hf, smollm2_prompts, smollm2_runner, i):
+def test_smollm2_greedy_matches_transformers(smollm2_greedy, smollm2_prompts, smollm2_runner, i):
     sim = Sim(smollm2_runner)
     sim.add("a", smollm2_prompts[i], greedy(N_NEW))
-    assert sim.run()["a"] == hf_greedy(smollm2_hf, smollm2_prompts[i], N_NEW), TEXTS[i]
+    assert sim.run()["a"] == list(smollm2_greedy(TEXTS[i], N_NEW)), TEXTS[i]  # (hf_greedy, as the served test's)
 
 
 TEXT = Path(__file__).with_name("data") / "pride_and_prejudice_ch1.txt"  # public domain (tests/data/README.md)
