@@ -6,6 +6,7 @@ checks the same indexing, masking, partition and quantisation logic.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -151,6 +152,16 @@ def int8_pool(kc: torch.Tensor, vc: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return kq, vq, k_scale, v_scale
 
 
+@functools.cache
+def shared_int8_case(case: int):
+    """CASCADE_CASES[case]'s inputs on an int8 pool: (q, K pages, V pages, tables, lens, k_scale, v_scale). Made once
+    for the variants below, which read it alone (write_kv over the whole pool: ~5 s interpreted)."""
+    groups, heads, kv_heads, dim = CASCADE_CASES[case]
+    q, kc, vc, bt, lens = shared_case(groups, heads, kv_heads, dim, seed=11 + case)
+    kq, vq, k_scale, v_scale = int8_pool(kc, vc)
+    return q, kq, vq, bt, lens, k_scale, v_scale
+
+
 # (head_dim 32: int8 dots need it on a GPU; the merge in the reduce and in the decode kernel)
 @pytest.mark.parametrize("case,variant,parts", [(2, "EXACT", 2), (2, "default", 1)])
 def test_cascade_decode_on_an_int8_pool(case, variant, parts):
@@ -158,8 +169,7 @@ def test_cascade_decode_on_an_int8_pool(case, variant, parts):
     without cascade, dequantised exactly (EXACT) or on int8 dots (q rounded per member's head, p in two digits)."""
     groups, heads, kv_heads, dim = CASCADE_CASES[case]
     config = EXACT if variant == "EXACT" else {}
-    q, kc, vc, bt, lens = shared_case(groups, heads, kv_heads, dim, seed=11 + case)
-    kq, vq, k_scale, v_scale = int8_pool(kc, vc)
+    q, kq, vq, bt, lens, k_scale, v_scale = shared_int8_case(case)
     buffers = pa.CascadeBuffers(len(lens), heads // kv_heads, DEVICE)
     assert buffers.fill(bt.cpu().numpy(), lens.cpu().numpy(), PAGE, min_members=2, min_grouped=2)
     args = (q, kq, vq, bt, lens, dim ** -0.5)
