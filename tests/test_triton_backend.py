@@ -172,10 +172,18 @@ def test_persistent_decode_attention_needs_the_triton_backend():
         ModelRunner(WorkerConfig(model="tiny", device="cpu", decode_attention="grid"))
 
 
+def test_decode_gemv_rows_auto_is_on_only_for_bf16_and_fp16_on_cuda():
+    for dtype in ("bfloat16", "float32"):
+        runner = ModelRunner(WorkerConfig(model="tiny", device=DEVICE, dtype=dtype, kv_cache_memory="2MiB",
+                                          max_model_len=512))
+        assert runner.model.gemv_rows == (8 if DEVICE == "cuda" and dtype == "bfloat16" else 0), dtype
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="the GPU has the kernels")
 def test_decode_gemv_rows_is_checked_before_the_weights_load():
-    with pytest.raises(ValueError, match="must be 0 \\(off\\) to 8"):
-        ModelRunner(WorkerConfig(model="tiny", device="cpu", decode_gemv_rows=9))
+    for rows in (9, -2):
+        with pytest.raises(ValueError, match="must be -1 \\(auto\\), 0 \\(off\\) or up to 8"):
+            ModelRunner(WorkerConfig(model="tiny", device="cpu", decode_gemv_rows=rows))
     with pytest.raises(ValueError, match="kernels are Triton's and need a GPU; this worker runs on cpu"):
         ModelRunner(WorkerConfig(model="tiny", device="cpu", decode_gemv_rows=1))
 

@@ -178,8 +178,8 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         elif cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
-        gemv_rows = self._gemv_rows(cfg.decode_gemv_rows)  # (checked before the weights load)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
+        gemv_rows = self._gemv_rows(cfg.decode_gemv_rows)  # (checked before the weights load)
         self.kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype)
         self.model_config = load_model_config(cfg.model)
         self.model_name = cfg.model
@@ -251,9 +251,14 @@ class ModelRunner:
                  f", scales: {self.kv_cache.scales.source}" if self.kv_cache.scales is not None else "")
 
     def _gemv_rows(self, rows: int) -> int:
-        """--decode-gemv-rows, checked: the fused GEMV path runs Triton kernels on the model's own weights."""
+        """--decode-gemv-rows, checked (-1: GEMV_MAX_M where it measured faster, else 0): the fused GEMV path runs
+        Triton kernels on the model's own weights."""
+        if rows == -1:
+            on = (self.tp_size == 1 and self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
+                  and triton_kernels(torch.empty(0, device=self.device)))
+            return GEMV_MAX_M if on else 0
         if not 0 <= rows <= GEMV_MAX_M:
-            raise ValueError(f"--decode-gemv-rows {rows}: must be 0 (off) to {GEMV_MAX_M}")
+            raise ValueError(f"--decode-gemv-rows {rows}: must be -1 (auto), 0 (off) or up to {GEMV_MAX_M}")
         if rows and self.tp_size != 1:
             raise ValueError(f"--decode-gemv-rows {rows} needs --tensor-parallel-size 1 (its residual adds would "
                              "come before the all-reduce)")

@@ -13,7 +13,7 @@ go through workers/kernels/fused.py: on CUDA one Triton kernel each for residual
 RoPE in place on q/k (views into the qkv output) and SiLU * up; elsewhere the same torch math
 as HF, op for op. forward() runs in pieces, head(), then attend(i) and tail(i) per layer, so
 that workers/cuda_graphs.py can capture the pieces between attentions as CUDA graphs. Steps of at
-most `gemv_rows` tokens (`--decode-gemv-rows`, off by default) run the linear layers as
+most `gemv_rows` tokens (`--decode-gemv-rows`, 8 by default on CUDA in bf16 or fp16) run the linear layers as
 workers/kernels/gemv.py's GEMVs instead, with the norms, SiLU * up and residual adds inside them,
 and (Triton attention, a pool that is not int8) each qkv GEMV also does its layer's RoPE and K/V
 write, the backend told so (`kv_written`); so does each piecewise CUDA graph for the next layer

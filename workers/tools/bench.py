@@ -422,10 +422,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="laneserve serve's --piecewise-graph-tokens (CUDA graphs for steps with a prompt chunk; 0: "
                          "eager), or a comma list (0,2048): the engine and mixed parts run once per value and print "
                          "the ratios against the first")
-    ap.add_argument("--decode-gemv-rows", type=token_counts, default="0",
+    ap.add_argument("--decode-gemv-rows", type=token_counts, default=[-1],
                     help="laneserve serve's --decode-gemv-rows (a GPU's fused GEMV path for steps of <= 8 tokens; 0: "
-                         "cuBLAS), or a comma list (0,8): the engine part runs once per value and prints the ratios "
-                         "against the first")
+                         "cuBLAS; by default serve's auto: 8 on a GPU with a bf16 or fp16 model), or a comma list "
+                         "(0,8): the engine part runs once per value and prints the ratios against the first")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--out", default="", help="write JSON here")
     args = ap.parse_args(argv)
@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
                  "no GPU")
     if max(args.decode_gemv_rows) > GEMV_MAX_M:
         ap.error(f"argument --decode-gemv-rows: {max(args.decode_gemv_rows)}: each value must be 0 to {GEMV_MAX_M}")
-    if args.decode_gemv_rows != [0] and not gpu:
+    if args.decode_gemv_rows not in ([0], [-1]) and not gpu:
         ap.error(f"argument --decode-gemv-rows: {','.join(map(str, args.decode_gemv_rows))} runs the GPU's Triton "
                  "GEMV kernels; this machine has no GPU")
     if (len(args.decode_attention) > 1 or "persistent" in args.decode_attention) and not gpu:
