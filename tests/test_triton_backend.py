@@ -8,7 +8,8 @@ import pytest
 
 pytest.importorskip("triton")
 
-from tests.helpers_models import DEVICE, Sim, greedy, hf_greedy, make_checkpoint, random_prompt  # noqa: E402
+from tests.helpers_models import (DEVICE, Sim, edit_config, greedy, hf_greedy, make_checkpoint,  # noqa: E402
+                                  random_prompt)
 from workers.config import WorkerConfig  # noqa: E402
 from workers.kernels import fused  # noqa: E402
 from workers.runner import ModelRunner, cascade_attention_on  # noqa: E402
@@ -186,6 +187,13 @@ def test_decode_gemv_rows_is_checked_before_the_weights_load():
             ModelRunner(WorkerConfig(model="tiny", device="cpu", decode_gemv_rows=rows))
     with pytest.raises(ValueError, match="kernels are Triton's and need a GPU; this worker runs on cpu"):
         ModelRunner(WorkerConfig(model="tiny", device="cpu", decode_gemv_rows=1))
+
+
+def test_decode_gemv_rows_needs_a_head_dim_of_sixteens(tmp_path):
+    make_checkpoint(str(tmp_path), "llama")
+    edit_config(str(tmp_path), head_dim=8)  # (checked from the config, before any weight is read)
+    with pytest.raises(ValueError, match="needs a head_dim that is a multiple of 16 .* this model's is 8"):
+        ModelRunner(WorkerConfig(model=str(tmp_path), device=DEVICE, decode_gemv_rows=8))
 
 
 def test_auto_decode_attention_takes_the_persistent_kernel_for_skewed_batches_only(tmp_path, monkeypatch):

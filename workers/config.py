@@ -55,8 +55,8 @@ class WorkerConfig:
         "weight-streaming GEMV kernels with SiLU * up, the residual adds and (Triton attention, a pool that is not "
         "int8) RoPE and the K/V write fused into them, and the RMSNorms too at one token: four launches per layer "
         "besides attention at one token, six at 2-8, instead of eight (issue 25); 0 = cuBLAS and the separate "
-        "kernels; -1 (auto) = 8 on CUDA at tensor-parallel size 1 with a bf16 or fp16 model (whole decode steps "
-        "1.04-1.08x faster at batch 1-8 on an H100 and an H200), else 0"))
+        "kernels; -1 (auto) = 8 on CUDA at tensor-parallel size 1 with a bf16 or fp16 model whose head_dim is a "
+        "multiple of 16 (whole decode steps 1.04-1.08x faster at batch 1-8 on an H100 and an H200), else 0"))
     enforce_eager: bool = field(default=False, metadata=flag(
         "CUDA: run every step eagerly instead of CUDA graphs (decode graphs and piecewise graphs)"))
     piecewise_graph_tokens: int = field(default=2048, metadata=flag(

@@ -179,9 +179,9 @@ class ModelRunner:
         elif cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
-        gemv_rows = self._gemv_rows(cfg.decode_gemv_rows)  # (checked before the weights load)
         self.kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype)
         self.model_config = load_model_config(cfg.model)
+        gemv_rows = self._gemv_rows(cfg.decode_gemv_rows)  # (checked before the weights load)
         self.model_name = cfg.model
         cascade = self._cascade(cfg)
         if self.tp_size != 1:
@@ -251,17 +251,20 @@ class ModelRunner:
                  f", scales: {self.kv_cache.scales.source}" if self.kv_cache.scales is not None else "")
 
     def _gemv_rows(self, rows: int) -> int:
-        """--decode-gemv-rows, checked (-1: GEMV_MAX_M where it measured faster, else 0): the fused GEMV path runs
-        Triton kernels on the model's own weights."""
+        """--decode-gemv-rows, checked (-1: GEMV_MAX_M where it measured faster and its kernels take the model's
+        shapes, else 0): the fused GEMV path runs Triton kernels on the model's own weights."""
         if rows == -1:
             on = (self.tp_size == 1 and self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
-                  and triton_kernels(torch.empty(0, device=self.device)))
+                  and self.model_config.head_dim % 16 == 0 and triton_kernels(torch.empty(0, device=self.device)))
             return GEMV_MAX_M if on else 0
         if not 0 <= rows <= GEMV_MAX_M:
             raise ValueError(f"--decode-gemv-rows {rows}: must be -1 (auto), 0 (off) or up to {GEMV_MAX_M}")
         if rows and self.tp_size != 1:
             raise ValueError(f"--decode-gemv-rows {rows} needs --tensor-parallel-size 1 (its residual adds would "
                              "come before the all-reduce)")
+        if rows and self.model_config.head_dim % 16:
+            raise ValueError(f"--decode-gemv-rows {rows} needs a head_dim that is a multiple of 16 (its qkv GEMV does "
+                             f"RoPE in blocks of heads); this model's is {self.model_config.head_dim}")
         if rows and not triton_kernels(torch.empty(0, device=self.device)):
             raise ValueError(f"--decode-gemv-rows {rows}: its kernels are Triton's and need a GPU; this worker runs on "
                              f"{self.device}")
