@@ -41,6 +41,9 @@ DEFINITIONS = {
     "median": "per metric, the median seed (of an even number, the better of the two middle ones)",
     "saturation_rate": f"the highest rate whose median-seed output tok/s is within {SATURATION_WITHIN:.0%} of "
                        "the maximum over rates",
+    "knee_rate": f"the lowest rate whose median-seed output tok/s is within {SATURATION_WITHIN:.0%} of the maximum "
+                 "over rates: where the curve flattens (the saturation rate, by issue 19's wording, is the highest "
+                 "such rate, so it grows with the rates tried past the knee)",
     "saturation_reached": "whether the highest rate tried delivered less output tok/s than the rate before it "
                           f"scaled by the rates' ratio, less {SATURATION_WITHIN:.0%} (the curve bent); if not, "
                           "the server was not saturated at any rate tried and the saturation rate is only a bound",
@@ -145,7 +148,8 @@ def mark(rows: list[dict], slo_ms: dict[str, float]) -> dict:
             above = [r["rate"] for r in rows if r["rate"] > row["rate"] and holds_slo(r, slo_ms)]
             break
         capacity = row["rate"]
-    return {"saturation_rate": max(saturated, default=None), "saturation_reached": reached,
+    return {"saturation_rate": max(saturated, default=None), "knee_rate": min(saturated, default=None),
+            "saturation_reached": reached,
             "slo_capacity_rate": capacity, "slo_holds_above_capacity": above, "max_output_tok_s": top}
 
 
@@ -202,7 +206,9 @@ def _rate(v) -> str:
 def mark_lines(sweep: dict) -> list[str]:
     slo = ", ".join(f"p95 {k.upper()} <= {v:g} ms" for k, v in sweep["slo_ms"].items() if k in ("ttft", "tpot"))
     lines = [f"saturation rate: {_rate(sweep['saturation_rate'])} (the highest rate whose median-seed output tok/s "
-             f"is within {SATURATION_WITHIN:.0%} of the maximum, {_fmt(sweep['max_output_tok_s'])})",
+             f"is within {SATURATION_WITHIN:.0%} of the maximum, {_fmt(sweep['max_output_tok_s'])}"
+             + (f"; the lowest such rate, the knee: {_rate(sweep['knee_rate'])}" if sweep.get("knee_rate") is not None
+                else "") + ")",
              f"SLO capacity: {_rate(sweep['slo_capacity_rate'])} (the highest rate at and below which the worst seed "
              f"has {slo + ' and ' if slo else ''}goodput >= {CAPACITY_GOODPUT_PCT:g}%)"]
     if sweep.get("saturation_reached") is False:  # (None: a sweep.json from before it was computed)

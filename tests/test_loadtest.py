@@ -526,6 +526,8 @@ def test_sweep_marks_saturation_and_slo_capacity():
     m = sweep.mark(rows, slo)
     # max median tok/s 2000 (rate 30); rate 40's 1950 is within 3% (>= 1940): the highest such rate is 40
     assert m["max_output_tok_s"] == 2000 and m["saturation_rate"] == 40 and m["saturation_reached"]
+    assert m["knee_rate"] == 20  # (1950 >= 1940: the curve is flat from 20 req/s on)
+    assert "the lowest such rate, the knee: 20 req/s" in sweep.mark_lines({**m, "slo_ms": slo})[0]
     assert [sweep.holds_slo(r, slo) for r in rows] == [True, True, False, False] and m["slo_capacity_rate"] == 20
     # a curve still rising in proportion to the rate at the top: the saturation rate is only a bound
     assert not sweep.mark(rows[:2], slo)["saturation_reached"]  # 10 -> 20 req/s: 1000 -> 1950 tok/s
@@ -555,7 +557,8 @@ def test_sweep_marks_saturation_and_slo_capacity():
     assert sweep.mark(sweep.aggregate(runs[3:]), {"ttft": 120.0})["slo_capacity_rate"] == 20
     # no throughput at all: no saturation rate either
     dead = [_sweep_run(r, 0, None, None, 0.0, 0.0, 10) for r in (1, 2)]
-    assert sweep.mark(sweep.aggregate(dead), slo) == {"saturation_rate": None, "saturation_reached": False,
+    assert sweep.mark(sweep.aggregate(dead), slo) == {"saturation_rate": None, "knee_rate": None,
+                                                      "saturation_reached": False,
                                                       "slo_capacity_rate": None, "slo_holds_above_capacity": [],
                                                       "max_output_tok_s": 0.0}
 
