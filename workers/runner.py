@@ -251,23 +251,23 @@ class ModelRunner:
                  f", scales: {self.kv_cache.scales.source}" if self.kv_cache.scales is not None else "")
 
     def _gemv_rows(self, rows: int) -> int:
-        """--decode-gemv-rows, checked (-1: GEMV_MAX_M where it measured faster and its kernels take the model's
-        shapes, else 0): the fused GEMV path runs Triton kernels on the model's own weights."""
-        if rows == -1:
-            on = (self.tp_size == 1 and self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
-                  and self.model_config.head_dim % 16 == 0 and triton_kernels(torch.empty(0, device=self.device)))
-            return GEMV_MAX_M if on else 0
-        if not 0 <= rows <= GEMV_MAX_M:
+        """--decode-gemv-rows, checked (-1: GEMV_MAX_M where it measured faster and its kernels can run, else 0): the
+        fused GEMV path runs Triton kernels on the model's own weights."""
+        if not -1 <= rows <= GEMV_MAX_M:
             raise ValueError(f"--decode-gemv-rows {rows}: must be -1 (auto), 0 (off) or up to {GEMV_MAX_M}")
-        if rows and self.tp_size != 1:
-            raise ValueError(f"--decode-gemv-rows {rows} needs --tensor-parallel-size 1 (its residual adds would "
-                             "come before the all-reduce)")
-        if rows and self.model_config.head_dim % 16:
-            raise ValueError(f"--decode-gemv-rows {rows} needs a head_dim that is a multiple of 16 (its qkv GEMV does "
-                             f"RoPE in blocks of heads); this model's is {self.model_config.head_dim}")
-        if rows and not triton_kernels(torch.empty(0, device=self.device)):
-            raise ValueError(f"--decode-gemv-rows {rows}: its kernels are Triton's and need a GPU; this worker runs on "
-                             f"{self.device}")
+        head_dim, why = self.model_config.head_dim, None  # why: what keeps the path from running here
+        if self.tp_size != 1:
+            why = " needs --tensor-parallel-size 1 (its residual adds would come before the all-reduce)"
+        elif head_dim % 16:
+            why = (" needs a head_dim that is a multiple of 16 (its qkv GEMV does RoPE in blocks of heads); this "
+                   f"model's is {head_dim}")
+        elif not triton_kernels(torch.empty(0, device=self.device)):
+            why = f": its kernels are Triton's and need a GPU; this worker runs on {self.device}"
+        if rows == -1:
+            measured = self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
+            return GEMV_MAX_M if why is None and measured else 0
+        if rows and why:
+            raise ValueError(f"--decode-gemv-rows {rows}{why}")
         return rows
 
     def _cascade(self, cfg: WorkerConfig) -> bool:
