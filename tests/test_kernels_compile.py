@@ -62,3 +62,47 @@ except OutOfResources as exc:
     env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "refused shared memory" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+def test_the_gemvs_with_programmatic_dependent_launch_compile_for_sm90_and_wait_before_reading():
+    """The PDL experiment (issue 25, `laneserve bench --gemv-pdl`): each GEMV launched with launch_pdl prefetches its
+    weight rows into L2, then waits (griddepcontrol.wait) before it reads what the kernel before it wrote, and lets
+    the next one launch; without PDL none of that is in the code. Off a GPU set_pdl refuses."""
+    script = """
+from workers.tools.compile_check import compiled, install
+install(90)
+import torch
+from workers.kernels import gemv as G
+try:
+    G.set_pdl(0)
+except ValueError as exc:
+    print("refused:", exc)
+x = torch.ones(1, 4096, dtype=torch.bfloat16)
+norm = (torch.ones(4096, dtype=torch.bfloat16), 1e-5)
+kc = torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16)
+cos = torch.ones(64, 128)
+for prefetch in (None, 0, 1024):
+    G.PDL = prefetch  # (set_pdl checks for a GPU: this machine compiles for one it lacks)
+    G.gemv(x, torch.ones(28672, 4096, dtype=torch.bfloat16), norm=norm, silu=True)
+    G.qkv_rope_gemv(x, torch.ones(6144, 4096, dtype=torch.bfloat16), None, norm, 32, 8, torch.tensor([3]), cos, cos,
+                    kc, kc.clone(), torch.tensor([5]))
+for name, kernels in sorted(compiled(90).items()):
+    if name in ("gemv._gemv", "gemv._qkv_rope"):
+        for k in kernels:
+            ptx = k.asm["ptx"]
+            print(name, k.metadata.launch_pdl, ptx.count("griddepcontrol.wait"),
+                  ptx.count("griddepcontrol.launch_dependents"), ptx.count("prefetch.global.L2"),
+                  ptx.find("griddepcontrol.wait") < ptx.find("ld.global") if "ld.global" in ptx else None)
+"""
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "refused: programmatic dependent launch needs an sm_90 or newer GPU", lines
+    rows = sorted(tuple(line.split()) for line in lines[1:])
+    # per kernel: off (no PDL, none of it), PDL without and with the prefetch, waiting before its first global load
+    assert [r[1:5] for r in rows if r[0] == "gemv._gemv"] == [
+        ("False", "0", "0", "0"), ("True", "1", "1", "0"), ("True", "1", "1", "4")], rows
+    assert [r[1:5] for r in rows if r[0] == "gemv._qkv_rope"] == [
+        ("False", "0", "0", "0"), ("True", "1", "1", "0"), ("True", "1", "1", "8")], rows
+    assert all(r[5] == "True" for r in rows if r[1] == "True"), rows
