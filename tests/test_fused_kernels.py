@@ -318,8 +318,14 @@ def test_qkv_rope_gemv_is_the_norm_qkv_rope_and_kv_write_in_one_launch(dtype, to
                              v.unflatten(-1, (kv_heads, dim)), positions, cos, sin, ka, va, slots)
         got = qkv_rope_gemv(x, w, b, norm, heads, kv_heads, positions, cos, sin, kb, vb, slots)
     msg = f"seed {SEED}"
-    # on the CPU bit for bit; a GPU's tensor cores may sum another tile shape in another order
-    same = torch.equal if not ON_GPU else (lambda a, b: rel_err(a.float(), b.float()) < TOL[dtype])
+    # on the CPU bit for bit in bf16, and fp32 to its last bits (Triton 3.9's interpreter sums a dot's fp32 terms in
+    # another order for another layout of the same columns, ~1e-6 apart, 2026-12-07); a GPU's tensor cores may sum
+    # another tile shape in another order
+    if ON_GPU or dtype == torch.float32:
+        tol = TOL[dtype] if ON_GPU else 1e-6
+        same = lambda a, b: rel_err(a.float(), b.float()) < tol  # noqa: E731
+    else:
+        same = torch.equal
     assert same(got, ref), msg
     assert same(kb, ka) and same(vb, va), msg
     assert not torch.equal(kb, pools[0]), msg  # (something was written)
