@@ -67,7 +67,8 @@ except OutOfResources as exc:
 def test_the_gemvs_with_programmatic_dependent_launch_compile_for_sm90_and_wait_before_reading():
     """The PDL experiment (issue 25, `laneserve bench --gemv-pdl`): each GEMV launched with launch_pdl prefetches its
     weight rows into L2, then waits (griddepcontrol.wait) before it reads what the kernel before it wrote, and lets
-    the next one launch; without PDL none of that is in the code. Off a GPU set_pdl refuses."""
+    the next one launch, as does the decode attention's merge before the o GEMV; without PDL none of that is in
+    the code. Off a GPU set_pdl refuses."""
     script = """
 from workers.tools.compile_check import compiled, install
 install(90)
@@ -86,8 +87,13 @@ for prefetch in (None, 0, 1024):
     G.gemv(x, torch.ones(28672, 4096, dtype=torch.bfloat16), norm=norm, silu=True)
     G.qkv_rope_gemv(x, torch.ones(6144, 4096, dtype=torch.bfloat16), None, norm, 32, 8, torch.tensor([3]), cos, cos,
                     kc, kc.clone(), torch.tensor([5]))
+from workers.kernels.paged_attention import paged_decode
+for prefetch in (None, 0):  # (the partitions' merge before the o GEMV lets it launch)
+    G.PDL = prefetch
+    paged_decode(torch.ones(1, 32, 128, dtype=torch.bfloat16), kc, kc.clone(), torch.zeros(1, 4, dtype=torch.int32),
+                 torch.tensor([40], dtype=torch.int32), 0.1, num_parts=2)
 for name, kernels in sorted(compiled(90).items()):
-    if name in ("gemv._gemv", "gemv._qkv_rope"):
+    if name in ("gemv._gemv", "gemv._qkv_rope", "paged_attention._reduce_kernel"):
         for k in kernels:
             ptx = k.asm["ptx"]
             print(name, k.metadata.launch_pdl, ptx.count("griddepcontrol.wait"),
@@ -105,4 +111,7 @@ for name, kernels in sorted(compiled(90).items()):
         ("False", "0", "0", "0"), ("True", "1", "1", "0"), ("True", "1", "1", "4")], rows
     assert [r[1:5] for r in rows if r[0] == "gemv._qkv_rope"] == [
         ("False", "0", "0", "0"), ("True", "1", "1", "0"), ("True", "1", "1", "8")], rows
-    assert all(r[5] == "True" for r in rows if r[1] == "True"), rows
+    assert all(r[5] == "True" for r in rows if r[1] == "True" and r[0] != "paged_attention._reduce_kernel"), rows
+    # the merge is launched as before, and with PDL only lets the next kernel launch
+    assert [r[1:5] for r in rows if r[0] == "paged_attention._reduce_kernel"] == [
+        ("False", "0", "0", "0"), ("False", "0", "1", "0")], rows
