@@ -254,15 +254,24 @@ def _launch(kernel, grid: tuple, args: tuple, config: dict, overrides: dict | No
     _STAGES[key] = stages
 
 
+def pdl_refusal(prefetch: int | None) -> str | None:
+    """Why set_pdl(prefetch) cannot be, or None."""
+    if prefetch is None:
+        return None
+    if INTERPRETED or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        return "programmatic dependent launch needs an sm_90 or newer GPU"
+    if prefetch and (prefetch < 64 or prefetch & (prefetch - 1)):
+        return f"PDL prefetch {prefetch}: 0 or a power of two of at least 64 elements"
+    return None
+
+
 def set_pdl(prefetch: int | None) -> None:
     """PDL (the GEMVs launched after it, CUDA graphs captured after it): None off, else the elements of each weight
     row each GEMV asks L2 for before it waits (0, or a power of two of at least 128 bytes: 64 in bf16)."""
     global PDL
-    if prefetch is not None and (INTERPRETED or not torch.cuda.is_available()
-                                 or torch.cuda.get_device_capability()[0] < 9):
-        raise ValueError("programmatic dependent launch needs an sm_90 or newer GPU")
-    if prefetch and (prefetch < 64 or prefetch & (prefetch - 1)):
-        raise ValueError(f"PDL prefetch {prefetch}: 0 or a power of two of at least 64 elements")
+    why = pdl_refusal(prefetch)
+    if why:
+        raise ValueError(why)
     PDL = prefetch
 
 

@@ -30,7 +30,7 @@ import torch
 from laneserve.modelspec import load_model_config
 from workers.config import WorkerConfig
 from workers.attention import DECODE_KERNELS
-from workers.kernels.gemv import MAX_M as GEMV_MAX_M, set_pdl
+from workers.kernels.gemv import MAX_M as GEMV_MAX_M, pdl_refusal, set_pdl
 from workers.kv_cache import BLOCK_SIZE, KV_CACHE_DTYPES
 from workers.runner import ModelRunner
 from workers.tools.breakdown import breakdown
@@ -109,11 +109,10 @@ def token_counts(text: str) -> list[int]:
 
 
 def pdl_values(text: str) -> list[int | None]:
-    """--gemv-pdl: a comma list of `off` and prefetch sizes (0, or powers of two >= 64), no repeats."""
+    """--gemv-pdl: a comma list of `off` and prefetch sizes, no repeats (main() checks each with gemv.pdl_refusal)."""
     values = [None if t.strip() == "off" else whole(0)(t) for t in text.split(",")]
-    bad = [v for v in values if v and (v < 64 or v & (v - 1))]
-    if bad or len(set(values)) < len(values):
-        raise argparse.ArgumentTypeError(f"{text!r}: each value is off, 0 or a power of two >= 64, without repeats")
+    if len(set(values)) < len(values):
+        raise argparse.ArgumentTypeError(f"{text!r}: a value repeats")
     return values
 
 
@@ -455,8 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.decode_gemv_rows not in ([0], [-1]) and not gpu:
         ap.error(f"argument --decode-gemv-rows: {','.join(map(str, args.decode_gemv_rows))} runs the GPU's Triton "
                  "GEMV kernels; this machine has no GPU")
-    if args.gemv_pdl != [None] and not (gpu and torch.cuda.get_device_capability()[0] >= 9):
-        ap.error("argument --gemv-pdl: programmatic dependent launch needs an sm_90 or newer GPU")
+    for why in filter(None, map(pdl_refusal, args.gemv_pdl)):
+        ap.error(f"argument --gemv-pdl: {why}")
     if (len(args.decode_attention) > 1 or "persistent" in args.decode_attention) and not gpu:
         ap.error(f"argument --decode-attention: {','.join(args.decode_attention)} picks among the GPU attention "
                  "backend's Triton kernels; this machine has no GPU")
