@@ -225,7 +225,8 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--model", default=None, help="default: the first model of GET /v1/models")
     r.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     r.add_argument("--prompt-mode", choices=("ids", "text"), default="ids",
-                   help="token-id prompts, or text via /detokenize (chat always sends text)")
+                   help="token-id prompts, or text made with the server's /detokenize before the run's clock "
+                   "starts (chat always sends text)")
     r.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="don't send ignore_eos (output lengths then follow the model)")
     r.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))

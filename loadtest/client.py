@@ -225,10 +225,31 @@ class LoadRunner:
         return "/v1/completions", {**body, "prompt": prompt}
 
     # ------------------------------------------------------------------ one request
-    async def _one(self, session, rec: RequestRecord, req: TraceRequest, t0: float) -> None:
+    async def _prepare(self, session, limit: float) -> dict[int, str]:
+        """Text prompts (`--prompt-mode text`, and chat) made with the server's /detokenize before the run's clock
+        starts, {trace row: prompt}, so that a run sends the server its completions alone (made at each request's
+        send time, as before 2026-12-07, the /detokenize calls loaded the gateway in the trace's own bursts). A
+        prompt that fails here is made again at its send time, where its error is recorded."""
+        if self.cfg.prompt_mode == "ids" and self.cfg.endpoint == "completions":
+            return {}
+        gate = asyncio.Semaphore(8)
+
+        async def one(i: int, tr: TraceRequest) -> tuple[int, str | None]:
+            async with gate:
+                try:
+                    return i, await self._prompt(session, fit_to_context(tr, self.info.max_model_len)[0],
+                                                 self.indices[i])
+                except (aiohttp.ClientError, RuntimeError, KeyError, TypeError):
+                    return i, None
+
+        rows = [one(i, tr) for i, tr in enumerate(self.trace) if tr.arrival / self.cfg.speedup < limit]
+        return {i: p for i, p in await asyncio.gather(*rows) if p is not None}
+
+    async def _one(self, session, rec: RequestRecord, req: TraceRequest, t0: float, prompt=None) -> None:
         loop = asyncio.get_running_loop()
         try:
-            prompt = await self._prompt(session, req, rec.index)
+            if prompt is None:
+                prompt = await self._prompt(session, req, rec.index)
             path, body = self._payload(prompt, rec.max_tokens)
             rec.sent = loop.time() - t0
             start = loop.time()
@@ -309,6 +330,7 @@ class LoadRunner:
         connector = aiohttp.TCPConnector(limit=0)  # (self.pool bounds the completions)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
             self.info = await probe(session, cfg)
+            prompts = await self._prepare(session, limit)
             loop = asyncio.get_running_loop()
             gc.collect()  # the trace and the probe's data out of the collector's full passes: a pause there is a
             gc.freeze()  # late send (laneserve/gcheap.py does the same for the server; loadtest imports only itself)
@@ -334,7 +356,7 @@ class LoadRunner:
                                     tr.input_tokens, tr.output_tokens, clamped)
                 self.records.append(rec)
                 self.sent += 1
-                tasks.append(asyncio.create_task(self._one(session, rec, fitted, t0)))
+                tasks.append(asyncio.create_task(self._one(session, rec, fitted, t0, prompts.pop(i, None))))
                 self._progress()
             if tasks:
                 _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - loop.time()))

@@ -18,6 +18,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from gateway.memory import HeapTrimmer
 from tests.stack import descendants
 
 REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=40)  # a request still open after this is a hang: lost
@@ -336,6 +337,18 @@ async def test_a_hostile_prompt_is_refused_at_once_and_other_streams_keep_flowin
     assert max(t for _, t in answers) < 3.0, answers
     assert len(gaps) > 100 and max(gaps) < 2.0, max(gaps)  # the other stream was never frozen for seconds
     assert _rss_kib(gateway) - base_rss < 150_000  # KiB: no lasting growth (it was +315 MB, peak +1.6 GB)
+
+
+def test_the_gateway_trims_its_heap_once_requests_stop_never_while_they_come():
+    """gateway/memory.py: malloc_trim holds each arena's lock, so a trim under load stalls the event loop's
+    allocations; the trimmer trims at the end of the first period with no request, after one with some."""
+    trimmer = HeapTrimmer()
+    periods = [False, True, True, True, False, False, True, False, False]  # a request with a body came, or not
+    trims = []
+    for busy in periods:
+        trimmer.dirty = trimmer.dirty or busy
+        trims.append(trimmer.due())
+    assert trims == [False, False, False, False, True, False, False, True, False]
 
 
 async def test_the_api_key_never_reaches_a_command_line(make_stack, tmp_path):

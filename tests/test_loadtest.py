@@ -29,6 +29,7 @@ class StandIn:
     def __init__(self, max_model_len: int = 4096, token_delay: float = 0.02):
         self.max_model_len, self.token_delay = max_model_len, token_delay
         self.bodies: list[dict] = []
+        self.calls: list[str] = []  # each /detokenize and completion, in arrival order
         self.active = self.max_active = 0
         self.runner: web.AppRunner | None = None
         self.release = asyncio.Event()  # lets hung handlers end at shutdown
@@ -60,11 +61,13 @@ class StandIn:
 
     async def detokenize(self, request):
         body = await request.json()
+        self.calls.append("detokenize")
         return web.json_response({"prompt": bytes(body["tokens"]).decode(errors="replace")})
 
     async def generate(self, request):
         body = await request.json()
         self.bodies.append(body)
+        self.calls.append("completion")
         n = body["max_tokens"]
         if n == FAIL_429:
             return web.json_response({"error": {"message": "busy"}}, status=429)
@@ -161,6 +164,16 @@ async def test_context_clamp_and_chat_text_prompts():
     assert not short.clamped and short.ok and short.output_tokens == 4 and len(short.itl) == 3
     assert all("messages" in b and isinstance(b["messages"][0]["content"], str) for b in server.bodies)
     assert report.summarize(records)["clamped"] == 1
+
+
+async def test_text_prompts_are_made_before_the_clock_starts():
+    """--prompt-mode text: every prompt's /detokenize comes before the first completion, so the server under test
+    sees the run's completions alone, and each completion carries the text its token ids decode to."""
+    trace = rag(50.0, 12, num_docs=2, doc_tokens=64, question_tokens=8, output_tokens=2, hit_rate=1.0, seed=1)
+    server, records, _ = await _run(trace, token_delay=0.0, prompt_mode="text")
+    assert all(r.ok for r in records)
+    assert server.calls == ["detokenize"] * 12 + ["completion"] * 12
+    assert sorted(len(b["prompt"]) for b in server.bodies) == sorted(r.input_tokens for r in records)  # bytes
 
 
 def test_fit_to_context():
