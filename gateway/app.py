@@ -22,7 +22,7 @@ from gateway.config import AUTO_BODY_CAP, GatewayConfig
 from gateway.connections import Connection, Guard, raise_fd_limit
 from gateway.errors import ApiError
 from gateway.memory import HeapTrimmer, mmap_large_blocks
-from gateway.metrics import PREFIXES, Metrics
+from gateway.metrics import PREFIXES, Metrics, watch_loop_lag
 from gateway.routes import ARRIVAL, Api
 from gateway.tokenizer import ModelTokenizer, load_tokenizer, read_chat_template
 from laneserve.gcheap import freeze_startup_heap
@@ -190,6 +190,7 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None) -> None:
     guard.start()
     freeze_startup_heap()  # (the tokenizer, the app: laneserve/gcheap.py)
     trimming = loop.create_task(app[TRIM_KEY].run())
+    watching = loop.create_task(watch_loop_lag(api.metrics.loop_lag.observe))
     log.info("gateway listening on http://%s:%d", cfg.host, cfg.port)
     stop = stop or asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -208,6 +209,7 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None) -> None:
             await asyncio.sleep(0.05)
     guard.stop()
     trimming.cancel()
+    watching.cancel()
     await runner.cleanup()
 
 

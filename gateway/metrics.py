@@ -6,6 +6,7 @@ the `model_name` label. One CollectorRegistry per app, so several apps can live 
 
 from __future__ import annotations
 
+import asyncio
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -17,6 +18,8 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
                    20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 200000)
+LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+LOOP_LAG_TICK_S = 0.01  # watch_loop_lag's timer
 PREFIXES = ("laneserve", "vllm")  # --metrics-prefix: the series' names start with it and a colon
 BLOCK_SIZE = 16  # tokens per KV block (the batcher's, fixed), for cache_config_info
 
@@ -147,6 +150,9 @@ class Metrics:
                                 ["model_name", "finished_reason"], registry=r)
         self._errors = Counter(P + "request_errors", "Requests answered with an error, by status (/health and "
                                "/metrics are not counted).", ["model_name", "status"], registry=r)
+        self.loop_lag = hist("gateway_event_loop_lag_seconds", "How late the gateway's event loop ran a timer due "
+                             f"every {LOOP_LAG_TICK_S * 1000:g} ms: a stalled loop delays every stream it serves.",
+                             LOOP_LAG_BUCKETS)
         self.in_flight = Gauge(P + "gateway_requests_in_flight", "HTTP generation requests this gateway is "
                                "serving.", ["model_name"], registry=r).labels(model)
         r.register(EngineCollector(engine_stats, P, model))
@@ -159,3 +165,14 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+async def watch_loop_lag(observe: Callable[[float], None], tick: float = LOOP_LAG_TICK_S) -> None:
+    """Observes, every `tick` s, how much later than due the event loop woke this task: the time its callbacks held
+    it (the first sign of a gateway stall; the load tester's TTFT less the batcher's says only that time went
+    somewhere outside the batcher)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + tick
+        await asyncio.sleep(tick)  # a timer, not synchronisation
+        observe(max(0.0, loop.time() - due))

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from batcher.config import BatcherConfig
+from gateway.metrics import watch_loop_lag
 from laneserve import cli
 from laneserve.config import from_args
 from tests.test_compose import DOCKER, SHELL_ENV, build_config, entrypoint, environment, load
@@ -111,6 +112,30 @@ async def test_eager_steps_report_their_host_launch_time(stack):
     steps, launch, measured = (value[f'laneserve:{m}_total{{model_name="tiny"}}']
                                for m in ("eager_steps", "eager_step_launch_ms", "eager_step_time_measured_ms"))
     assert steps >= 1 and 0 < launch <= measured
+
+
+async def test_the_gateway_reports_its_event_loop_lag(stack):
+    async with aiohttp.ClientSession() as s, s.get(stack.url("/metrics")) as r:
+        value = values(await r.text())
+    name = 'laneserve:gateway_event_loop_lag_seconds_{}{{model_name="tiny"}}'
+    assert value[name.format("count")] >= 1 and value[name.format("sum")] >= 0
+
+
+async def test_the_loop_lag_watch_sees_a_stalled_loop():
+    stalls = asyncio.Event()
+    seen: list[float] = []
+
+    def observe(lag: float) -> None:
+        seen.append(lag)
+        if lag >= 0.05:
+            stalls.set()
+
+    watch = asyncio.create_task(watch_loop_lag(observe, tick=0.001))
+    await asyncio.sleep(0)  # the watch starts its first timer
+    time.sleep(0.06)  # the stall it must see: the loop blocked for 60 ms
+    await asyncio.wait_for(stalls.wait(), 10)
+    watch.cancel()
+    assert max(seen) >= 0.05
 
 
 # ---------------------------------------------------------------- what the request phases mean
