@@ -168,12 +168,12 @@ async def test_context_clamp_and_chat_text_prompts():
 
 async def test_text_prompts_are_made_before_the_clock_starts():
     """--prompt-mode text: every prompt's /detokenize comes before the first completion, so the server under test
-    sees the run's completions alone, and each completion carries the text its token ids decode to."""
+    sees the run's completions alone, each with a text prompt of its request's length (a byte per token here)."""
     trace = rag(50.0, 12, num_docs=2, doc_tokens=64, question_tokens=8, output_tokens=2, hit_rate=1.0, seed=1)
     server, records, _ = await _run(trace, token_delay=0.0, prompt_mode="text")
     assert all(r.ok for r in records)
     assert server.calls == ["detokenize"] * 12 + ["completion"] * 12
-    assert sorted(len(b["prompt"]) for b in server.bodies) == sorted(r.input_tokens for r in records)  # bytes
+    assert sorted(len(b["prompt"]) for b in server.bodies) == sorted(r.input_tokens for r in records)
 
 
 def test_fit_to_context():
