@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import json
 import multiprocessing as mp
 import resource
@@ -225,25 +226,25 @@ class LoadRunner:
         return "/v1/completions", {**body, "prompt": prompt}
 
     # ------------------------------------------------------------------ one request
-    async def _prepare(self, session, limit: float) -> dict[int, str]:
+    async def _prepare(self, session, rows: list[tuple[int, TraceRequest, TraceRequest, bool]]) -> dict[int, str]:
         """Text prompts (`--prompt-mode text`, and chat) made with the server's /detokenize before the run's clock
         starts, {trace row: prompt}, so that a run sends the server its completions alone (made at each request's
         send time, as before 2026-12-07, the /detokenize calls loaded the gateway in the trace's own bursts). A
-        prompt that fails here is made again at its send time, where its error is recorded."""
+        prompt that fails here is made again at its send time, where its error is recorded. rows: run()'s (trace row,
+        request, request fitted to the context, clamped) of the requests it will send."""
         if self.cfg.prompt_mode == "ids" and self.cfg.endpoint == "completions":
             return {}
         gate = asyncio.Semaphore(8)
 
-        async def one(i: int, tr: TraceRequest) -> tuple[int, str | None]:
+        async def one(i: int, fitted: TraceRequest) -> tuple[int, str | None]:
             async with gate:
                 try:
-                    return i, await self._prompt(session, fit_to_context(tr, self.info.max_model_len)[0],
-                                                 self.indices[i])
+                    return i, await self._prompt(session, fitted, self.indices[i])
                 except (aiohttp.ClientError, RuntimeError, KeyError, TypeError):
                     return i, None
 
-        rows = [one(i, tr) for i, tr in enumerate(self.trace) if tr.arrival / self.cfg.speedup < limit]
-        return {i: p for i, p in await asyncio.gather(*rows) if p is not None}
+        made = await asyncio.gather(*(one(i, fitted) for i, _, fitted, _ in rows))
+        return {i: p for i, p in made if p is not None}
 
     async def _one(self, session, rec: RequestRecord, req: TraceRequest, t0: float, prompt=None) -> None:
         loop = asyncio.get_running_loop()
@@ -330,7 +331,10 @@ class LoadRunner:
         connector = aiohttp.TCPConnector(limit=0)  # (self.pool bounds the completions)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
             self.info = await probe(session, cfg)
-            prompts = await self._prepare(session, limit)
+            # the requests sent: those due before the time limit, each fitted to the context
+            rows = [(i, tr, *fit_to_context(tr, self.info.max_model_len)) for i, tr in
+                    enumerate(itertools.takewhile(lambda tr: tr.arrival / cfg.speedup < limit, self.trace))]
+            prompts = await self._prepare(session, rows)
             loop = asyncio.get_running_loop()
             gc.collect()  # the trace and the probe's data out of the collector's full passes: a pause there is a
             gc.freeze()  # late send (laneserve/gcheap.py does the same for the server; loadtest imports only itself)
@@ -345,13 +349,10 @@ class LoadRunner:
                          "max_connections": cfg.max_connections, "time_limit_s": limit,
                          "started_at": time.time(), "wall_s": None, "interrupted": False}
             tasks: list[asyncio.Task] = []
-            for i, tr in enumerate(self.trace):
+            for i, tr, fitted, clamped in rows:
                 when = t0 + tr.arrival / cfg.speedup
-                if when >= deadline:
-                    break
                 if when > loop.time():
                     await asyncio.sleep(when - loop.time())
-                fitted, clamped = fit_to_context(tr, self.info.max_model_len)
                 rec = RequestRecord(self.indices[i], when - t0, fitted.input_tokens, fitted.output_tokens,
                                     tr.input_tokens, tr.output_tokens, clamped)
                 self.records.append(rec)
