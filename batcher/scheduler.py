@@ -223,6 +223,9 @@ class Scheduler:
         req.received_at = received
         self.slo.assign(req, msg.priority, msg.slo_ttft_ms, msg.slo_tpot_ms, now)
         if self.slo.reject and req.deadline is not None and now is not None:
+            # Its prefill priced after the prefix cache's hits, as the others' were when they came (without
+            # admission, a waiting request is priced by its whole prompt until its lookup at admission).
+            self._hit_blocks(req)
             ttft, alone = self.slo.predicted_ttft(req, self.waiting, self.running.values(),
                                                   max(now, self.busy_until), now, self.fit.model,
                                                   self._overhead_per_token())
@@ -246,6 +249,13 @@ class Scheduler:
             waiting.append(req)
         self.new_arrivals += 1
         return None
+
+    def _hit_blocks(self, req: Request) -> int:
+        """The leading blocks of req the prefix cache holds now; sets its uncached_estimate from them."""
+        # a request scoring its prompt computes all of it: a cached block's positions would go unscored
+        hit_blocks = self.bm.lookup(req) if req.params.prompt_logprobs is None else 0
+        req.uncached_estimate = req.compute_target - hit_blocks * self.block_size
+        return hit_blocks
 
     def _queue_warm_prefixes(self) -> None:
         """Warm prefixes are normal prefills of internal requests, first in line; see _finish_warm."""
@@ -786,9 +796,8 @@ class Scheduler:
                 req.seen_at = now
             if req.arrived_at is None:
                 self.slo.stamp(req, now)
-            # a request scoring its prompt computes all of it: a cached block's positions would go unscored
-            hit_blocks = bm.lookup(req) if req.params.prompt_logprobs is None else 0
-            req.uncached_estimate = uncached = req.compute_target - hit_blocks * self.block_size
+            hit_blocks = self._hit_blocks(req)
+            uncached = req.uncached_estimate
             if not req.internal and self.gate.holds(now, uncached, req.seen_at, active) and (
                     not self.slo.enabled or self.slo.may_hold(req, start, self.fit.model, self._overhead_per_token(),
                                                               self.decode_part_ms / 1000.0)):

@@ -376,7 +376,7 @@ def test_simulated_records_carry_each_requests_token_gaps():
 
 
 def test_simulated_sweep_counts_shed_requests_as_misses(tmp_path):
-    config = '{"slo_ttft_ms": 20, "slo_admission": "reject", "num_blocks": 512}'
+    config = '{"slo_ttft_ms": 10, "slo_admission": "reject", "num_blocks": 512}'
     assert main([*SWEEP_FLAGS, "--config", config, "--out", str(tmp_path)]) == 0
     runs = json.loads((tmp_path / "sweep.json").read_text())["runs"]
     shed = [r["metrics"]["rejected"] for r in runs]

@@ -730,6 +730,24 @@ def test_predictive_admission_sheds_over_the_margin():
     assert s.add_request(msg("over", 1000, k=99), 1.0) is None
 
 
+def test_admission_prices_prompts_after_their_cached_prefix():
+    """A queue of prompts that share a cached 992-token prefix costs their new tokens only: none is shed where
+    whole prompts of 1,000 tokens are (test above: the 14th)."""
+    s = Scheduler(cfg(slo_ttft_ms=120.0, slo_admission="reject"), 4096, BS, 32768, cost=ADMIT_COST)
+    prefix = tokens(5, 992)
+
+    def add(rid: str, k: int, at: float) -> str | None:
+        return s.add_request(AddRequest(request_id=rid, prompt_token_ids=prefix + tokens(k, 8),
+                                        params=SamplingParams(max_tokens=4), arrival_time=at), at)
+
+    assert add("seed", 0, 0.0) is None
+    _drive(s, 10)  # the prefix is cached once "seed" is done
+    assert s.num_unfinished == 0
+    assert [add(f"q{i}", i, 1.0) for i in range(1, 30)] == [None] * 29
+    assert s.stats().slo_shed == 0
+    assert {r.uncached_estimate for r in s.waiting} == {8}
+
+
 def test_admission_off_or_without_a_target_never_sheds():
     for c in (cfg(slo_ttft_ms=120.0), cfg(slo_admission="reject")):
         s = Scheduler(c, 4096, BS, 32768, cost=ADMIT_COST)
