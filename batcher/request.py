@@ -26,8 +26,8 @@ class Request:
                  "internal", "on_worker", "first_delta_sent", "num_sent_blocks", "admit_seq", "seen_at",
                  "gated_since", "num_preemptions", "epoch", "num_registered_blocks", "num_output_placeholders",
                  "max_num_tokens", "length_limit", "stop_check_from", "priority", "deadline", "tpot",
-                 "first_token_at", "uncached_estimate", "arrived_at", "prefill_step", "ngrams", "grammar",
-                 "speculative", "received_at", "scheduled_at", "samples", "draft_done")
+                 "first_token_at", "uncached_estimate", "admission_uncached", "arrived_at", "prefill_step", "ngrams",
+                 "grammar", "speculative", "received_at", "scheduled_at", "samples", "draft_done")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float = 0.0, max_len: int = 1 << 62, internal: bool = False):
@@ -75,6 +75,10 @@ class Request:
         self.tpot = 0.0
         self.first_token_at: float | None = None
         self.uncached_estimate = len(prompt_token_ids)
+        # as predictive admission prices it: after the prefix cache's hits when it came (SLO admission) or when
+        # last looked up. The SLO policy's order prices a waiting prompt by uncached_estimate, its whole prompt
+        # until it is looked up at the head of the queue, which starts decode pausing sooner on cached prefixes.
+        self.admission_uncached = len(prompt_token_ids)
         self.prefill_step = 0  # two lanes: the prefill step in flight that computes some of it (0: none)
         self.ngrams = None  # speculative decoding: its batcher.spec.NgramIndex, made when first drafted for
         self.grammar = None  # structured output: its llguidance matcher (batcher/grammar.py), at its last token

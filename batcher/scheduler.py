@@ -223,9 +223,7 @@ class Scheduler:
         req.received_at = received
         self.slo.assign(req, msg.priority, msg.slo_ttft_ms, msg.slo_tpot_ms, now)
         if self.slo.reject and req.deadline is not None and now is not None:
-            # Its prefill priced after the prefix cache's hits, as the others' were when they came (without
-            # admission, a waiting request is priced by its whole prompt until its lookup at admission).
-            self._hit_blocks(req)
+            req.admission_uncached = req.compute_target - self._hit_blocks(req) * self.block_size
             ttft, alone = self.slo.predicted_ttft(req, self.waiting, self.running.values(),
                                                   max(now, self.busy_until), now, self.fit.model,
                                                   self._overhead_per_token())
@@ -251,11 +249,9 @@ class Scheduler:
         return None
 
     def _hit_blocks(self, req: Request) -> int:
-        """The leading blocks of req the prefix cache holds now; sets its uncached_estimate from them."""
+        """The leading blocks of req the prefix cache holds now."""
         # a request scoring its prompt computes all of it: a cached block's positions would go unscored
-        hit_blocks = self.bm.lookup(req) if req.params.prompt_logprobs is None else 0
-        req.uncached_estimate = req.compute_target - hit_blocks * self.block_size
-        return hit_blocks
+        return self.bm.lookup(req) if req.params.prompt_logprobs is None else 0
 
     def _queue_warm_prefixes(self) -> None:
         """Warm prefixes are normal prefills of internal requests, first in line; see _finish_warm."""
@@ -797,7 +793,8 @@ class Scheduler:
             if req.arrived_at is None:
                 self.slo.stamp(req, now)
             hit_blocks = self._hit_blocks(req)
-            uncached = req.uncached_estimate
+            uncached = req.compute_target - hit_blocks * self.block_size
+            req.uncached_estimate = req.admission_uncached = uncached
             if not req.internal and self.gate.holds(now, uncached, req.seen_at, active) and (
                     not self.slo.enabled or self.slo.may_hold(req, start, self.fit.model, self._overhead_per_token(),
                                                               self.decode_part_ms / 1000.0)):

@@ -209,6 +209,6 @@ class SloPolicy:
                 t += prefill_s(r, left, cost, overhead_per_token)
         for r in waiting:
             if r.priority <= req.priority:
-                t += prefill_s(r, r.uncached_estimate, cost, overhead_per_token)
-        alone = (cost.a + cost.mixed_ms(0)) / 1000.0 + prefill_s(req, req.uncached_estimate, cost, overhead_per_token)
+                t += prefill_s(r, r.admission_uncached, cost, overhead_per_token)
+        alone = (cost.a + cost.mixed_ms(0)) / 1000.0 + prefill_s(req, req.admission_uncached, cost, overhead_per_token)
         return t - now + alone, alone

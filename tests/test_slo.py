@@ -745,7 +745,7 @@ def test_admission_prices_prompts_after_their_cached_prefix():
     assert s.num_unfinished == 0
     assert [add(f"q{i}", i, 1.0) for i in range(1, 30)] == [None] * 29
     assert s.stats().slo_shed == 0
-    assert {r.uncached_estimate for r in s.waiting} == {8}
+    assert {r.admission_uncached for r in s.waiting} == {8}
 
 
 def test_admission_off_or_without_a_target_never_sheds():
