@@ -50,7 +50,7 @@ for spec in "$@"; do
       --no-plots --client-procs ${CLIENT_PROCS:-4} --out "/tmp/slo_bench/$name/offline$seed" 2>&1 \
       | grep -E "duration s|output tok/s" | tr -s ' ' | tr '\n' ' ' | sed "s/^/offline $name seed $seed: /"; echo
   done
-  curl -s http://127.0.0.1:8011/metrics | grep -E "^laneserve:(step_time|eager_step|prefix_cache_hit_rate|num_slo|num_preempt|num_gated|pipeline_bubble|spec_decode|engine_steps|gateway_event_loop_lag)"
+  curl -s http://127.0.0.1:8011/metrics | grep -E "^laneserve:(step_time|eager_step|prefix_cache_hit_rate|num_slo|num_preempt|num_gated|pipeline_bubble|spec_decode|engine_steps|gateway_event_loop_lag|time_to_first_token_seconds)"
   kill -INT $SERVE; wait $SERVE
   grep -i "error\|traceback" "$OUT/serve_$name.log" | head -5
   if [ -d "/tmp/slo_bench/$name/runs" ]; then
