@@ -2,6 +2,8 @@
 
 Owns the trace's rows and their report; the batcher (batcher/core.py) writes them. Each row has "ev" and "t" (ms
 on the batcher's monotonic clock since the trace began):
+- {"ev": "clock", "wall"}: the first row: the batcher's wall clock (time.time()) at t = 0, to place the rows on
+  the host's wall clock beside the load tester's send times;
 - {"ev": "add", "req", "gw"}: a request was added to a worker's queue, "gw" ms after the gateway built it (the
   gateway's wall clock, in its AddRequest, against the batcher's: both on one host; absent for requests that carry
   no time);
@@ -15,8 +17,9 @@ on the batcher's monotonic clock since the trace began):
 computes the end of its prompt to be composed; that step behind the steps before it on the worker (its output
 came back minus its device time, from its composition); and the step's own device time. The load tester's TTFT
 adds the gateway and HTTP on top: `--client RECORDS...` (its records.jsonl files) splits that off request by
-request, and "gw" splits it again: the gateway to the batcher, and the rest (the client to the gateway's
-AddRequest, and the first token's way back). `--fit-cost-model OUT` fits worker 0's step-cost model over every
+request, and "gw" splits it again: the gateway to the batcher, and the rest, which the clock row and the
+client's wall-clock send time split once more: the way in (the client to the gateway's AddRequest: HTTP and the
+gateway's parsing and tokenizing) and the way out (the batcher's first token to the client's first chunk). `--fit-cost-model OUT` fits worker 0's step-cost model over every
 timed step of the trace and writes it for `laneserve simulate --cost-model` (a server's `--cost-model-out` holds
 the fit over its last 512 steps: after a run's drain those are decode steps, and a term they never vary keeps the
 prior's value). Pure but for the files it writes (open, append, close).
@@ -38,6 +41,7 @@ class StepTrace:
         # that dies keeps its rows)
         self.t0 = time.monotonic()
         self.waiting_first: set[str] = set()  # requests added whose first token has not come back
+        self.write("clock", wall=time.time())
 
     def write(self, ev: str, **fields) -> None:
         self.file.write(json.dumps({"ev": ev, "t": round((time.monotonic() - self.t0) * 1000.0, 3), **fields})
@@ -102,10 +106,13 @@ def client_gap(rows: list[dict], records: list[dict]) -> dict[str, list[float]]:
     id is "<id>-0" for the first choice): for each match, in ms, the client's TTFT ("client"), the batcher's ("add"
     to "first", "batcher") and the difference, the time outside the batcher ("outside": the HTTP path, the gateway,
     the client); where the trace has the gateway's time, that split into the gateway's AddRequest to the batcher
-    ("gateway") and the rest ("rest")."""
+    ("gateway") and the rest ("rest"); where it also has its clock row and the record its wall-clock send time, the
+    rest split into the client to the gateway's AddRequest ("in") and the batcher's first token to the client's
+    first chunk ("out")."""
     added = {r["req"]: r for r in rows if r["ev"] == "add"}
     first = {r["req"]: r["t"] for r in rows if r["ev"] == "first"}
-    out: dict[str, list[float]] = {"client": [], "batcher": [], "outside": [], "gateway": [], "rest": []}
+    wall0 = next((r["wall"] * 1000.0 - r["t"] for r in rows if r["ev"] == "clock"), None)  # ms at t = 0
+    out: dict[str, list[float]] = {k: [] for k in ("client", "batcher", "outside", "gateway", "rest", "in", "out")}
     for rec in records:
         req = f"{rec.get('response_id')}-0"
         if rec.get("ttft") is not None and req in added and req in first:
@@ -116,6 +123,10 @@ def client_gap(rows: list[dict], records: list[dict]) -> dict[str, list[float]]:
             if "gw" in add:
                 out["gateway"].append(add["gw"])
                 out["rest"].append(out["outside"][-1] - add["gw"])
+                if wall0 is not None and rec.get("sent_wall") is not None:
+                    sent = rec["sent_wall"] * 1000.0
+                    out["in"].append(wall0 + add["t"] - add["gw"] - sent)
+                    out["out"].append(out["rest"][-1] - out["in"][-1])
     return out
 
 
@@ -201,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
         if every["gateway"]:
             print(_line("gateway", every["gateway"], "of which from the gateway's AddRequest to the batcher"))
             print(_line("rest", every["rest"], "and the rest: the client to the gateway, the first token back"))
+        if every["in"]:
+            print(_line("in", every["in"], "of the rest: the client's send to the gateway's AddRequest"))
+            print(_line("out", every["out"], "and the batcher's first token to the client's first chunk"))
     return 0
 
 

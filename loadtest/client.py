@@ -75,6 +75,7 @@ class RequestRecord:
     trace_output_tokens: int
     clamped: bool = False  # shortened to fit max_model_len
     sent: float | None = None  # when the request was handed to the pool, s from run start
+    sent_wall: float | None = None  # the same on the host's wall clock (time.time()), to join a server's --step-trace
     pool_wait: float = 0.0  # s of its TTFT spent waiting for one of --max-connections connections
     status: int = 0  # HTTP status; 0: no response
     error: str | None = None
@@ -254,6 +255,7 @@ class LoadRunner:
             path, body = self._payload(prompt, rec.max_tokens)
             rec.sent = loop.time() - t0
             start = loop.time()
+            rec.sent_wall = time.time()
             full = self.pool.locked()
             async with self.pool:
                 rec.pool_wait = loop.time() - start if full else 0.0

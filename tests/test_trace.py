@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import openai
+import pytest
 
 from batcher.trace import client_gap, main as report, ttft_breakdown
 
@@ -64,10 +65,16 @@ def test_the_report_joins_the_load_testers_records(make_stack, tmp_path, capsys)
     # the gateway's AddRequest time splits it: both parts positive (one host's wall clock; the client's TTFT spans
     # the gateway's work before the AddRequest and the first token's way back)
     assert len(gap["gateway"]) == 6 and min(gap["gateway"]) > 0 and min(gap["rest"]) > 0
+    # and the trace's clock row with the records' wall-clock send times splits the rest: the way in (the client's
+    # send to the gateway's AddRequest) and the way out (the batcher's first token to the client's first chunk)
+    assert rows[0]["ev"] == "clock" and all(r["sent_wall"] > rows[0]["wall"] for r in records)
+    assert len(gap["in"]) == len(gap["out"]) == 6 and min(gap["in"]) > 0 and min(gap["out"]) > 0
+    assert all(i + o == pytest.approx(r) for i, o, r in zip(gap["in"], gap["out"], gap["rest"]))
     capsys.readouterr()
     assert report([str(path), "--client", str(run / "records.jsonl")]) == 0
     out = capsys.readouterr().out
     assert "6 of 6 matched" in out and "of which from the gateway's AddRequest to the batcher" in out
+    assert "the client's send to the gateway's AddRequest" in out
 
 
 def test_the_cost_model_fitted_over_the_whole_trace_keeps_what_a_drain_forgets(tmp_path, capsys):
