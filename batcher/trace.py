@@ -22,7 +22,8 @@ client's wall-clock send time split once more: the way in (the client to the gat
 gateway's parsing and tokenizing) and the way out (the batcher's first token to the client's first chunk).
 `--fit-cost-model OUT` fits worker 0's step-cost model over every timed step of the trace and writes it for
 `laneserve simulate --cost-model` (a server's `--cost-model-out` holds the fit over its last 512 steps: after a
-run's drain those are decode steps, and a term they never vary keeps the prior's value). Pure but for the files it writes (open, append, close).
+run's drain those are decode steps, and a term they never vary keeps the prior's value). Pure but for the files
+it writes (open, append, close).
 """
 
 from __future__ import annotations
