@@ -128,6 +128,17 @@ class CostModel:
         """What `tokens` prefill tokens after `context` computed ones add to a step (mixed_ms apart: once a step)."""
         return (self.b + self.d) * tokens + self.e * attention_pairs(tokens, context) + self.d * context
 
+    def tpot_ceiling(self, tpot_ms: float, work_ms: float, decode_rows: float, mixed_share: float) -> float:
+        """The most requests a second any schedule serves with steps averaging tpot_ms (at most one token a step
+        per request, so a TPOT target needs that), each request bringing work_ms of its own work (its prefill
+        tokens, attention pairs, decode rows and K/V reads: step_ms less a, g and m) and decode_rows rows, with
+        mixed_share of the steps carrying a prompt chunk: 1000 ms = S (a + f (g + m B)) + r work_ms, S = 1000 /
+        tpot_ms steps a second of B = r decode_rows / S rows each. docs/scheduling.md, "A ceiling no schedule
+        passes"."""
+        steps = 1000.0 / tpot_ms
+        left = 1000.0 - steps * (self.a + mixed_share * self.g)
+        return max(0.0, left / (work_ms + mixed_share * self.m * decode_rows))
+
     def affordable(self, ms: float, context: int) -> int:
         """The most prefill tokens after `context` that fit in ms (0 if none): chunk_ms(t, context) <= ms, a
         quadratic in t (e / 2 t^2 + (b + d + e context) t + d context)."""

@@ -366,13 +366,39 @@ def test_simulated_records_carry_each_requests_token_gaps():
 
     cost = CostModel(a=5.0, b=0.02, c=0.01, d=0.0, g=3.0)
     rows = [TraceRequest(0.0, 64, 6), TraceRequest(0.001, 300, 9), TraceRequest(5.0, 32, 5)]
-    recs = run_one([], rows, BatcherConfig(), cost, 0.0, 0, max_model_len=4096, num_blocks=256)
+    recs, _ = run_one([], rows, BatcherConfig(), cost, 0.0, 0, max_model_len=4096, num_blocks=256)
     for rec in recs:
         assert rec.ok and len(rec.itl) == rec.output_tokens - 1
         assert sum(rec.itl) == pytest.approx(rec.e2e - rec.ttft)
         assert min(rec.itl) >= cost.a / 1000.0 - 1e-9
     # the last request runs alone: each of its steps is one decode, a + c
     assert recs[2].itl == pytest.approx([(cost.a + cost.c) / 1000.0] * 4)
+
+
+def test_tpot_ceiling_is_what_the_second_leaves_after_the_steps_a_tpot_target_needs():
+    cost = CostModel(a=6.0, g=-2.0, m=0.01)
+    # 40 steps a second at 25 ms: 240 ms of a (160 with every step mixed, g = -2), 10 ms a request (+ 1 ms of m
+    # for its 100 rows beside prompt chunks)
+    assert cost.tpot_ceiling(25.0, 10.0, 100, 0.0) == pytest.approx(76.0)
+    assert cost.tpot_ceiling(25.0, 10.0, 100, 1.0) == pytest.approx(840 / 11)
+    assert cost.tpot_ceiling(5.0, 10.0, 100, 0.0) == 0.0  # 200 steps of 6 ms do not fit in a second
+
+
+def test_simulated_sweep_reports_the_tpot_ceiling(tmp_path, capsys):
+    """Its requests' own work summed over every simulated step: with only c priced, 9 outputs are 8 decode rows
+    of 1 ms, and 20 steps a second (a 50 ms TPOT target) of a = 10 ms leave 800 ms: 100 req/s."""
+    model = tmp_path / "cost.json"
+    model.write_text(json.dumps({"a": 10.0, "b": 0.0, "c": 1.0, "d": 0.0, "e": 0.0, "g": 0.0, "m": 0.0}))
+    def meta(slo: str) -> dict:
+        assert main(["sweep", "--trace", "synthetic", "--num-requests", "12", "--input-tokens", "32:32",
+                     "--output-tokens", "9:9", "--rates", "5", "--seeds", "1", "--warmup-requests", "2", "--slo", slo,
+                     "--cost-model", str(model), "--config", '{"num_blocks": 256}', "--out", str(tmp_path)]) == 0
+        return json.loads((tmp_path / "sweep.json").read_text())["meta"]
+
+    ceiling = meta("ttft=1s,tpot=50ms")["tpot_ceiling"]
+    assert ceiling == {"work_ms": 8.0, "decode_rows": 8.0, "every_step_mixed": 100.0, "no_step_mixed": 100.0}
+    assert "TPOT ceiling: 100 req/s with a prompt chunk in every step" in capsys.readouterr().out
+    assert "tpot_ceiling" not in meta("ttft=1s")  # no TPOT term: no ceiling
 
 
 def test_simulated_sweep_counts_shed_requests_as_misses(tmp_path):

@@ -295,10 +295,12 @@ def sweep_main(argv: list[str]) -> int:
     warmup, runs = plan_sweep(p, args)
     started = time.time()
     rows = []
+    work = rows_done = served = 0.0  # over every run: the requests' own work (ms), decode rows, requests served
     for rate, seed, trace in runs:
-        summary = report.summarize(run_one(warmup, trace, cfg, cost, args.step_noise, seed,
-                                           frontend_s=args.frontend_ms / 1000.0, **kw), slo)
-        rows.append({"rate": rate, "seed": seed, "metrics": sweep.run_metrics(summary)})
+        recs, res = run_one(warmup, trace, cfg, cost, args.step_noise, seed, frontend_s=args.frontend_ms / 1000.0,
+                            **kw)
+        rows.append({"rate": rate, "seed": seed, "metrics": sweep.run_metrics(report.summarize(recs, slo))})
+        work, rows_done, served = work + res.work_ms, rows_done + res.decode_tokens, served + len(res.ends)
     gen = {k: v for k, v in generator_flags(args).items() if k not in ("rate", "seed")}
     meta = {"url": "simulated", "model": f"cost model {cost_path}", "trace": args.trace, "generator": gen,
             "rates": sorted(args.rates), "seeds": [args.seed + i for i in range(args.seeds)],
@@ -306,8 +308,19 @@ def sweep_main(argv: list[str]) -> int:
             "config": {**dataclasses.asdict(cfg), **kw}, "cost_model": dataclasses.asdict(cost),
             "step_noise": args.step_noise, "frontend_ms": args.frontend_ms, "started_at": started,
             "wall_s": round(time.time() - started, 3), "interrupted": False}
+    ceiling = None
+    if "tpot" in slo and served:
+        w, o = work / served, rows_done / served
+        ceiling = {"work_ms": round(w, 3), "decode_rows": round(o, 2), "every_step_mixed": round(
+            cost.tpot_ceiling(slo["tpot"] * 1e3, w, o, 1.0), 1), "no_step_mixed": round(
+            cost.tpot_ceiling(slo["tpot"] * 1e3, w, o, 0.0), 1)}
+        meta["tpot_ceiling"] = ceiling
     result = sweep.build(meta, rows, {k: v * 1e3 for k, v in slo.items()})
     json_path, md_path = sweep.write(args.out, result)
     sweep.print_sweeps([result], [""], Console())
+    if ceiling:
+        print(f"TPOT ceiling: {ceiling['every_step_mixed']:g} req/s with a prompt chunk in every step, "
+              f"{ceiling['no_step_mixed']:g} with none (any schedule: steps averaging the TPOT target, each request's "
+              f"own work {ceiling['work_ms']:g} ms and {ceiling['decode_rows']:g} decode rows; docs/scheduling.md)")
     Console(stderr=True).print(f"wrote {json_path} and {md_path}")
     return 0

@@ -60,9 +60,9 @@ def records(res: SimResult, rows: list, fitted: list, first: int, frontend_s: fl
 
 
 def run_one(warmup: list, rows: list, cfg, cost: CostModel, step_noise: float, seed: int, max_model_len: int,
-            frontend_s: float = 0.0, **kw) -> list:
+            frontend_s: float = 0.0, **kw) -> tuple[list, SimResult]:
     """Simulate the warm-up, then rows WARMUP_GAP_S after it (both shortened to fit max_model_len: fit_rows); the
-    rows' RequestRecords."""
+    rows' RequestRecords, and the whole simulation's result (the warm-up's requests too)."""
     shift = warmup[-1].arrival + WARMUP_GAP_S if warmup else 0.0
     reqs = [TraceSimRequest(r.arrival, r, i) for i, r in enumerate(fit_rows(warmup, max_model_len)[0])]
     fitted = fit_rows(rows, max_model_len)[0]
@@ -73,4 +73,4 @@ def run_one(warmup: list, rows: list, cfg, cost: CostModel, step_noise: float, s
     if late:
         raise SystemExit(f"error: warm-up request {late[0]} was still running when the run began; the server is "
                          "overloaded at the warm-up's rate")
-    return records(res, rows, fitted, len(warmup), frontend_s)
+    return records(res, rows, fitted, len(warmup), frontend_s), res
