@@ -47,7 +47,7 @@ MAX_PARTITIONS = 32
 # How a decode split into partitions merges them (issue 25, "fewer launches per layer"): "reduce", a second kernel
 # (_reduce_kernel); "fused", the last partition of each sequence and KV head to finish merges them in the decode
 # kernel itself (_merge_if_last), one launch a layer fewer. Not measured on a GPU yet (docs/perf.md, "Still
-# waiting"): `python -m workers.tools.kernel_bench` times both. Cascade decodes always take the reduce.
+# waiting"): `python -m workers.tools.kernel_bench --merge` times both. Cascade decodes always take the reduce.
 DECODE_MERGE = "reduce"
 _MERGE_COUNTERS: dict[str, torch.Tensor] = {}  # device -> int32 counters, zero between launches
 
