@@ -95,6 +95,16 @@ def test_bench_decode_gemv_rows_are_checked(capsys):
     assert line.startswith("laneserve bench: error: argument --decode-gemv-rows: 0,8 runs the GPU's"), line
 
 
+@NO_GPU
+def test_bench_decode_merge_is_checked(capsys):
+    line = _error(capsys, ["bench", "--parts", "engine", "--decode-merge", "reduce,fused"])
+    assert line.startswith("laneserve bench: error: argument --decode-merge: fused is the GPU attention"), line
+    line = _error(capsys, ["bench", "--parts", "engine", "--decode-merge", "reduce,reduce"])
+    assert line == "laneserve bench: error: argument --decode-merge: 'reduce,reduce': give each merge once", line
+    line = _error(capsys, ["bench", "--parts", "engine", "--decode-merge", "tree"])
+    assert line.startswith("laneserve bench: error: argument --decode-merge: unknown merge 'tree'"), line
+
+
 def test_bench_notes_the_parts_it_skips_and_runs_the_rest(capsys, tmp_path):
     out = tmp_path / "bench.json"
     assert cli(["bench", "--model", "tiny", "--parts", "hf,engine", "--batches", "1,2", "--contexts", "8",
