@@ -300,7 +300,9 @@ def sweep_main(argv: list[str]) -> int:
         recs, res = run_one(warmup, trace, cfg, cost, args.step_noise, seed, frontend_s=args.frontend_ms / 1000.0,
                             **kw)
         rows.append({"rate": rate, "seed": seed, "metrics": sweep.run_metrics(report.summarize(recs, slo))})
-        work, rows_done, served = work + res.work_ms, rows_done + res.decode_tokens, served + len(res.ends)
+        # the requests' own work: the steps' terms summed, priced as one step without its fixed a (nor g and m)
+        own = cost.step_ms(res.prefill_tokens, res.attention_pairs, res.decode_tokens, res.kv_tokens_read) - cost.a
+        work, rows_done, served = work + own, rows_done + res.decode_tokens, served + len(res.ends)
     gen = {k: v for k, v in generator_flags(args).items() if k not in ("rate", "seed")}
     meta = {"url": "simulated", "model": f"cost model {cost_path}", "trace": args.trace, "generator": gen,
             "rates": sorted(args.rates), "seeds": [args.seed + i for i in range(args.seeds)],

@@ -272,7 +272,8 @@ class SimResult:
     steps: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
-    work_ms: float = 0.0  # the steps' cost-model time less each step's a, g and m terms: the requests' own work
+    attention_pairs: int = 0  # the steps' cost-model terms summed, as prefill_tokens and decode_tokens are
+    kv_tokens_read: int = 0
     block_seconds: float = 0.0  # integral of KV blocks in use over time
     # "time to free": from a request's first token with <= NEAR_DONE outputs left to its final delta
     # (its blocks are freed in that same update); preempting nearly done sequences makes it long
@@ -386,7 +387,6 @@ class _Fleet:
         self.pipelined = pipelined
         self.host_gap = cost.h / 1000.0  # paid by a step that starts with none in flight
         self.step_ms = cost.step_ms
-        self.fixed_ms = cost.a
         self.noise = step_noise  # a step takes the cost model's time x (1 + N(0, noise)): predictions that err
         self.rng = random.Random(noise_seed)
         # two lanes: when each lane of each worker is done with its steps (no host gap: the lanes hide it)
@@ -420,7 +420,8 @@ class _Fleet:
             res.steps += 1
             res.prefill_tokens += features[0]
             res.decode_tokens += features[2]
-            res.work_ms += self.step_ms(*features[:4]) - self.fixed_ms
+            res.attention_pairs += features[1]
+            res.kv_tokens_read += features[3]
             bm = sched.bm
             res.block_seconds += (bm.num_blocks - bm.num_free) * dt
             if lanes is not None:
