@@ -23,7 +23,9 @@ def test_freezing_moves_the_live_heap_out_of_the_collectors_passes(unfrozen, mon
     kept = [[i] for i in range(10_000)]  # live, tracked: frozen
     before = len(gc.get_objects())
     frozen = gcheap.freeze_startup_heap()
-    assert frozen == gc.get_freeze_count() >= len(kept)
+    # A frozen object is still freed when its last reference goes, so the count can only fall after the call
+    # returns: a thread left by an earlier test freed two frozen objects in between once (CI, Python 3.11).
+    assert frozen >= gc.get_freeze_count() >= len(kept)
     assert len(gc.get_objects()) < before - len(kept)  # a full pass no longer visits them
     assert all(x == [i] for i, x in enumerate(kept))
 
