@@ -60,12 +60,13 @@ class ScoredPrompt:
 class Choice:
     __slots__ = ("index", "request_id", "text", "eos", "finish_reason", "stop_reason", "parts", "want_logprobs",
                  "lp_tokens", "lp_entries", "needs_abort", "first_token_at", "num_cached", "prefix", "stop_ids",
-                 "tools", "lp_ids", "last_token_at", "lp_offset", "prompt", "echoed")
+                 "tools", "lp_ids", "last_token_at", "lp_offset", "prompt", "echoed", "keep_logprobs")
 
     def __init__(self, index: int, request_id: str, tok: ModelTokenizer, prompt_ids: list[int], stops: list[str],
                  include_stop_str: bool, skip_special_tokens: bool, want_logprobs: bool, prefix: str = "",
                  stop_ids: tuple[int, ...] = (), tools=None, lp_ids: bool = False,
-                 scoring: tuple[int | None, int | None] = (None, None), min_tokens: int = 0):
+                 scoring: tuple[int | None, int | None] = (None, None), min_tokens: int = 0,
+                 keep_logprobs: bool = True):
         self.index = index
         self.request_id = request_id
         self.text = TextStream(tok, prompt_ids, stops, include_stop_str, skip_special_tokens, min_tokens)
@@ -77,6 +78,7 @@ class Choice:
         self.want_logprobs = want_logprobs
         self.lp_tokens: list[int] = []
         self.lp_entries: list = []
+        self.keep_logprobs = keep_logprobs  # False when streamed: each chunk sends its own, none are held
         self.needs_abort = False  # a stop string ended it before the batcher did
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
@@ -124,7 +126,7 @@ class Choice:
                     self.stop_reason = ids[-1]
         if piece:
             self.parts.append(piece)
-        if lps:
+        if lps and self.keep_logprobs:
             self.lp_tokens += consumed
             self.lp_entries += lps
         return piece, consumed, lps

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import time
 import uuid
@@ -26,6 +27,8 @@ from gateway.metrics import Metrics
 from gateway.output import ChatShape, Choice, CompletionShape, EngineError, InvalidRequest
 from gateway.tokenizer import ChatTemplateError, ModelTokenizer
 from laneserve.wire.protocol import AddRequest, Rejected
+
+log = logging.getLogger("laneserve.gateway")
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"
@@ -147,7 +150,7 @@ class Api:
         req = S.parse(await request.read(), S.CompletionRequest)
         S.check_unsupported(req)
         self._check_model(req.model)
-        S.check_sampling(req, self.tok.vocab_size)
+        S.check_sampling(req, self.tok)
         S.check_logprobs("logprobs", req.logprobs)
         logprobs = req.logprobs
         if req.best_of is not None:
@@ -184,11 +187,13 @@ class Api:
         held = [] if trusted else [i for i, m in enumerate(messages)
                                    if m["content"] and self.tok.has_special_text(m["content"])]
         if not trusted:  # other strings of the request that reach the template: special-token text is refused there
-            other = [json.dumps(m.get("tool_calls", ""), ensure_ascii=False) + (m.get("name") or "") for m in messages]
+            other = [json.dumps(m.get("tool_calls", ""), ensure_ascii=False) + (m.get("name") or "")
+                     + (m.get("tool_call_id") or "") for m in messages]
             if tools:
                 other.append(json.dumps(tools, ensure_ascii=False))
             if any(self.tok.has_special_text(s) for s in other):
-                raise bad_request("special-token text is not allowed in tool calls, names or tool descriptions.",
+                raise bad_request("special-token text is not allowed in tool calls, tool call ids, names or tool "
+                                  "descriptions.",
                                   param="messages")
             if kwargs and self.tok.has_special_text(json.dumps(kwargs, ensure_ascii=False)):
                 raise bad_request("special-token text is not allowed in chat_template_kwargs.",
@@ -216,7 +221,7 @@ class Api:
         req = S.parse(await request.read(), S.ChatRequest)
         S.check_unsupported(req)
         self._check_model(req.model)
-        S.check_sampling(req, self.tok.vocab_size)
+        S.check_sampling(req, self.tok)
         S.check_logprobs("top_logprobs", req.top_logprobs)
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true.", param="top_logprobs")
@@ -341,6 +346,8 @@ class Api:
         prompt_k = max((k for k in scoring if k is not None), default=None)
         if prompt_k is not None:
             S.check_prompt_scoring_size(sum(map(len, prompts)) * n, prompt_k)
+        if logprobs is not None and not req.stream:  # a stream holds none: each chunk sends its own
+            S.check_sampled_scores_size(sum(max_tokens) * n, logprobs)
         choices, adds = [], []
         now = time.time()
         for p, ids in enumerate(prompts):
@@ -351,7 +358,7 @@ class Api:
                     if constraint is not None and constraint.tools else None
                 ch = Choice(index, f"{base}-{index}", self.tok, ids, stops, include_stop, skip_special,
                             logprobs is not None, echo[p] if echo else "", params.stop_token_ids, tools,
-                            bool(req.return_tokens_as_token_ids), scoring, params.min_tokens)
+                            bool(req.return_tokens_as_token_ids), scoring, params.min_tokens, not req.stream)
                 choices.append(ch)
                 adds.append(AddRequest(request_id=ch.request_id, prompt_token_ids=ids, params=params,
                                        arrival_time=now, priority=req.priority or 0,
@@ -504,6 +511,13 @@ class _Run:
         except ApiError as err:
             out.append(err.sse())
             await self.response.write(b"".join(out) + DONE)
+            return self.response
+        except ConnectionError:
+            raise  # the client went away
+        except Exception:  # a bug: the headers are out, so an error event ends the stream (not a second response)
+            log.exception("unexpected error in a stream of %s", self.request.path)
+            self.api.metrics.error(500)
+            await self.response.write(b"".join(out) + ApiError(500, "internal server error").sse() + DONE)
             return self.response
         if self.include_usage:
             out.append(self._chunk([], self.usage()))

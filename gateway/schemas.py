@@ -218,11 +218,12 @@ def parse(body: bytes, cls: type):
         raise bad_request("Request body is not valid JSON: nested too deeply.") from None
 
 
-def check_sampling(req: _Sampling, vocab_size: int) -> None:
+def check_sampling(req: _Sampling, tok: ModelTokenizer) -> None:
     """Range checks that do not depend on the prompt: the shared sampling bounds, then the API's own."""
     values = {name: getattr(req, name) for name in _BOUNDED}
     values["logit_bias"] = logit_bias(req)
-    bad = sampling.check_sampling(values, vocab_size)
+    values["stop_token_ids"] = stop_token_ids(req, tok)  # as the batcher will check them
+    bad = sampling.check_sampling(values, tok.vocab_size)
     if bad is not None:
         raise bad_request(bad[1], param=bad[0])
     if req.n is not None and not 1 <= req.n <= MAX_SEQUENCES:
@@ -234,9 +235,10 @@ def check_sampling(req: _Sampling, vocab_size: int) -> None:
         raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings.", param="stop")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options can only be given when stream is true.", param="stream_options")
-    if req.max_tokens == 0 and not getattr(req, "echo", None):  # vLLM's rule: 0 scores an echoed prompt only
-        raise bad_request("max_tokens must be at least 1, got 0 (0 is allowed with echo, to score the prompt).",
-                          param="max_tokens")
+    if req.max_tokens == 0 and getattr(req, "max_completion_tokens", None) is None \
+            and not getattr(req, "echo", None):  # vLLM's rule: 0 scores an echoed prompt only
+        raise bad_request("max_tokens must be at least 1, got 0" + (" (0 is allowed with echo, to score the prompt)."
+                          if isinstance(req, CompletionRequest) else "."), param="max_tokens")
     if req.stream and req.prompt_logprobs:  # vLLM's rule (0 is accepted, and not shown)
         raise bad_request("prompt_logprobs are not available when stream is true.", param="prompt_logprobs")
     if req.priority is not None and abs(req.priority) > sampling.MAX_PRIORITY:
@@ -260,6 +262,11 @@ def logit_bias(req: _Sampling) -> tuple[tuple[int, float], ...]:
             raise bad_request(f"logit_bias names token {token} twice.", param="logit_bias")
         out[token] = float(bias)
     return tuple(out.items())
+
+
+def stop_token_ids(req: _Sampling, tok: ModelTokenizer) -> tuple[int, ...]:
+    """The request's stop_token_ids and, unless ignore_eos, the model's EOS ids, each once."""
+    return tuple(dict.fromkeys([*(req.stop_token_ids or ()), *(() if req.ignore_eos else tok.eos_token_ids)]))
 
 
 def stop_strings(req: _Sampling) -> list[str]:
@@ -307,6 +314,17 @@ def prompt_scoring(req: _Sampling) -> tuple[int | None, int | None]:
 
 
 MAX_PROMPT_SCORES = 1 << 20  # prompt tokens x (k + 1) x sequences: ~75 MB of response objects at most
+# generated tokens x (k + 1), non-streamed: ~300 MB at most; a 32k context's worth of top-20 for 5 sequences
+MAX_SAMPLED_SCORES = 1 << 22
+
+
+def check_sampled_scores_size(tokens: int, k: int) -> None:
+    """400 for a whole (not streamed) answer's logprobs too many to hold: max_tokens of each sequence, top-k + the
+    sampled token each (a stream holds none)."""
+    if tokens * (k + 1) > MAX_SAMPLED_SCORES:
+        raise bad_request(f"logprobs for up to {tokens} generated tokens (max_tokens over all prompts and sequences) x "
+                          f"{k + 1} entries is more than {MAX_SAMPLED_SCORES} to hold for one answer: ask for fewer "
+                          "tokens or sequences or a smaller top-k, or stream the answer.", param="logprobs")
 
 
 def check_prompt_scoring_size(scored_tokens: int, k: int) -> None:
@@ -323,9 +341,6 @@ def sampling_params(req: _Sampling, tok: ModelTokenizer, max_tokens: int, logpro
     min_tokens = req.min_tokens or 0
     if min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens}).", param="min_tokens")
-    stop_ids = list(req.stop_token_ids or ())
-    if not req.ignore_eos:
-        stop_ids += tok.eos_token_ids
     top_k = req.top_k or 0
     return SamplingParams(
         max_tokens=max_tokens,
@@ -334,7 +349,7 @@ def sampling_params(req: _Sampling, tok: ModelTokenizer, max_tokens: int, logpro
         top_k=0 if top_k < 0 else min(top_k, tok.vocab_size),
         min_p=float(req.min_p or 0.0),
         seed=None if req.seed is None else req.seed + index,
-        stop_token_ids=tuple(dict.fromkeys(stop_ids)),
+        stop_token_ids=stop_token_ids(req, tok),
         min_tokens=min_tokens,
         repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
         presence_penalty=float(req.presence_penalty or 0.0),
@@ -414,7 +429,7 @@ def chat_tools(tools: list[dict] | None) -> list[dict] | None:
         if t.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
                 or not isinstance(fn.get("description", ""), str) or not isinstance(fn.get("parameters", {}), dict):
             raise bad_request(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': str, 'description'?: "
-                              "str, 'parameters'?: object}}}}.", param=f"tools[{i}]")
+                              "str, 'parameters'?: object}}.", param=f"tools[{i}]")
     return tools
 
 

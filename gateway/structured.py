@@ -96,6 +96,8 @@ def _asked(req) -> list[tuple[str, str, str]]:
             raise bad_request("structured_outputs must set exactly one of json, regex, choice, grammar, json_object.",
                               param="structured_outputs")
         (kind, value), = given.items()
+        if kind == "json_object" and value is not True:
+            raise bad_request("structured_outputs.json_object must be true.", param="structured_outputs")
         grammar, text = (_json_grammar({"type": "object"}, "structured_outputs"), "") if kind == "json_object" else \
             _grammar(kind, value, "structured_outputs")
         asked.append(("structured_outputs", grammar, text))
@@ -176,11 +178,10 @@ def _tool_mode(req, parser: str) -> Constraint | None:
         return None
     functions = {t["function"]["name"]: t["function"] for t in tools}
     if choice == "required":
-        calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-                  "properties": {"name": {"type": "string", "enum": [name]},
-                                 "parameters": _rebase(fn.get("parameters") or {"type": "object"},
-                                                       f"/items/anyOf/{i}/properties/parameters")}}
-                 for i, (name, fn) in enumerate(functions.items())]
+        try:
+            calls = _required_calls(functions)
+        except RecursionError:
+            raise bad_request("a tool's parameters schema nests too deeply.", param="tools") from None
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if not parallel:
             schema["maxItems"] = 1
@@ -194,6 +195,15 @@ def _tool_mode(req, parser: str) -> Constraint | None:
         raise bad_request(f"tool_choice names {name!r}, which is not among the tools.", param="tool_choice")
     schema = functions[name].get("parameters") or {"type": "object"}
     return Constraint(_json_grammar(schema, "tools"), "named", name, parallel, "tools")
+
+
+def _required_calls(functions: dict) -> list[dict]:
+    """tool_choice required: the schema of one call of each function, its parameters' $refs rebased."""
+    return [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+             "properties": {"name": {"type": "string", "enum": [name]},
+                            "parameters": _rebase(fn.get("parameters") or {"type": "object"},
+                                                  f"/items/anyOf/{i}/properties/parameters")}}
+            for i, (name, fn) in enumerate(functions.items())]
 
 
 def _rebase(schema, prefix: str):
@@ -238,12 +248,11 @@ class ToolOutput:
         if self.c.tools == "named":
             return None, [_call(self.c.tool_name, text, 0)]
         if self.c.tools == "required":
-            try:
-                items = json.loads(text)
-            except ValueError:  # cut by max_tokens: no valid list of calls
+            try:  # the grammar's list of calls, unless max_tokens cut it or it nests past Python's recursion limit
+                return None, [_call(it["name"], json.dumps(it["parameters"], ensure_ascii=False), i)
+                              for i, it in enumerate(json.loads(text))]
+            except (ValueError, RecursionError):
                 return text, []
-            return None, [_call(it["name"], json.dumps(it["parameters"], ensure_ascii=False), i)
-                          for i, it in enumerate(items)]
         content, found = tool_calls.parse(self.parser, text)
         return content, self._parsed(found)
 

@@ -125,9 +125,17 @@ def _splitter(parser: str):
     return _SPLIT[parser]
 
 
+def _split_safely(split, text: str) -> tuple[list[str], list[ParsedCall]]:
+    """split(text), with JSON nested past Python's recursion limit (a model can write `[[[[...`) as no call."""
+    try:
+        return split(text)
+    except RecursionError:
+        return [text], []
+
+
 def parse(parser: str, text: str) -> tuple[str | None, list[ParsedCall]]:
     """(content, calls) of a finished generation; ``(text, [])`` when it holds no well-formed call."""
-    kept, calls = _splitter(parser)(text)
+    kept, calls = _split_safely(_splitter(parser), text)
     if not calls:
         return text, []
     return "".join(kept).strip() or None, calls
@@ -175,6 +183,6 @@ class StreamParser:
         if self._buffer is None:
             rest, self._pending = self._pending, ""
             return rest, []
-        kept, calls = self._split(self._buffer)
+        kept, calls = _split_safely(self._split, self._buffer)
         self._buffer = None
         return "".join(kept), calls

@@ -12,6 +12,10 @@ from typing import Any, Mapping
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's bound: each in [-100, 100])
+# distinct stop_token_ids with the model's EOS ids (the gateway adds those). Each AddRequest carries them and, while
+# min_tokens holds, the worker masks them row by row each step, as it adds logit_bias's: the same bound (unbounded, a
+# vocabulary's ids x 256 choices stalled the gateway's loop and every step)
+MAX_STOP_TOKEN_IDS = MAX_LOGIT_BIAS
 MAX_PRIORITY = 2**31  # |priority|: lower goes first (vLLM's rule)
 MAX_SLO_MS = 3_600_000.0  # an SLO target of more than an hour is a typo, not a target
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
@@ -47,7 +51,11 @@ def check_sampling(values: Mapping[str, Any], vocab_size: int = 0) -> tuple[str,
         v = values.get(name)
         if v is not None and not lo <= v <= hi:
             return name, f"{name} must be in [{lo}, {hi}], got {v}."
-    for t in values.get("stop_token_ids") or ():
+    stop_ids = values.get("stop_token_ids") or ()
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        return "stop_token_ids", (f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} distinct ids, the model's "
+                                  f"EOS ids among them, got {len(stop_ids)}.")
+    for t in stop_ids:
         if t < 0 or (vocab_size and t >= vocab_size):
             return "stop_token_ids", f"stop_token_ids: {t} is not a token id of this model (vocab {vocab_size})."
     bias = values.get("logit_bias") or ()

@@ -16,6 +16,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.schemas import resolve_max_tokens
+from laneserve.sampling import MAX_STOP_TOKEN_IDS
 
 CTX_RE = re.compile(r"This model's maximum context length is (\d+) tokens\. However, you requested (\d+) tokens "
                     r"\((\d+) in the messages, (\d+) in the completion\)\. Please reduce the length of the messages "
@@ -54,6 +55,22 @@ async def test_bad_requests_are_400_with_openai_error_json(stack):
         await _call(s, "POST", stack.url("/v1/chat/completions"), 400, json={"messages": []})
         await _call(s, "POST", stack.url("/v1/chat/completions"), 400,
                     json={"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
+        # stop_token_ids: at most MAX_STOP_TOKEN_IDS with the model's EOS ids (tiny's: 257 and 259)
+        ids = [t for t in range(320) if t not in (257, 259)][:MAX_STOP_TOKEN_IDS]
+        err, _ = await _call(s, "POST", url, 400, json={"prompt": "x", "stop_token_ids": ids})
+        assert err["param"] == "stop_token_ids" and str(MAX_STOP_TOKEN_IDS) in err["message"]
+        await _call(s, "POST", url, 200, json={"prompt": "x", "max_tokens": 1, "stop_token_ids": ids,
+                                               "ignore_eos": True})
+        # a whole answer's logprobs past MAX_SAMPLED_SCORES entries (n x max_tokens x (k + 1))
+        err, _ = await _call(s, "POST", url, 400, json={"prompt": "x", "n": 32, "max_tokens": 8000, "logprobs": 20})
+        assert err["param"] == "logprobs"
+        chat = stack.url("/v1/chat/completions")
+        msgs = [{"role": "user", "content": "x"}]
+        await _call(s, "POST", chat, 200, json={"messages": msgs, "max_tokens": 0, "max_completion_tokens": 1})
+        err, _ = await _call(s, "POST", chat, 400, json={"messages": msgs, "max_tokens": 0})
+        assert err["param"] == "max_tokens" and "echo" not in err["message"]
+        err, _ = await _call(s, "POST", chat, 400, json={"messages": msgs, "structured_outputs": {"json_object": 0}})
+        assert err["param"] == "structured_outputs"
         # unknown fields are ignored, as vLLM does
         ok, _ = await _call(s, "POST", url, 200, json={"prompt": "x", "max_tokens": 2, "frobnicate": {"a": 1}})
         assert ok["usage"]["completion_tokens"] <= 2

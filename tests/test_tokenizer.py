@@ -9,7 +9,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from gateway.detokenizer import IncrementalDetokenizer, StopStrings, TextStream
+from gateway.detokenizer import MAX_HELD, IncrementalDetokenizer, StopStrings, TextStream
 from gateway.tokenizer import CHATML_TEMPLATE, build_tiny_tokenizer, load_tokenizer
 from laneserve import modelspec
 
@@ -99,6 +99,25 @@ def test_an_incomplete_character_is_held_then_flushed_as_replacement():
     assert [detok.step(t) for t in "€".encode()] == ["", "", "€"]
     assert detok.step(0xE2) == ""  # first byte of a 3-byte character, never completed
     assert detok.flush() == "\ufffd"
+
+
+def test_tokens_that_never_decode_are_emitted_as_they_come_in_a_bounded_window():
+    # lone continuation bytes (a model can sample them forever) and skipped special tokens: each step decodes a
+    # window of at most 2 x MAX_HELD tokens, and the text comes out as the tokens do, not all at the end
+    for token, text in ((0x80, "\ufffd"), (258, "")):
+        detok = IncrementalDetokenizer(TINY, prompt_ids=TINY.encode("ctx: "))
+        pieces = []
+        for _ in range(1000):
+            pieces.append(detok.step(token))
+            assert len(detok.ids) - detok.prefix_offset <= 2 * MAX_HELD + 1
+        pieces.append(detok.flush())
+        assert "".join(pieces) == text * 1000
+        streamed = "".join(pieces[:-1])
+        assert streamed == text * len(streamed) and (not text or len(streamed) >= 1000 - MAX_HELD)
+    # a character that completes after such a run still comes out whole
+    detok = IncrementalDetokenizer(TINY)
+    ids = [0x80] * (MAX_HELD + 5) + list("€ok".encode())
+    assert "".join([detok.step(t) for t in ids] + [detok.flush()]) == "\ufffd" * (MAX_HELD + 5) + "€ok"
 
 
 def _reference_stop(text: str, stops: list[str]) -> str:

@@ -162,6 +162,17 @@ def test_llama3_no_call():
         assert parse("llama3_json", text) == (text, [])
 
 
+@pytest.mark.parametrize("parser, head", [("hermes", "<tool_call>"), ("mistral", "[TOOL_CALLS]"),
+                                          ("llama3_json", "{\"name\": \"f\", \"arguments\": ")])
+def test_json_nested_past_the_recursion_limit_is_text_not_an_error(parser, head):
+    text = head + "[" * 5000 + "]" * 5000 + "}" * head.count("{")  # a model can write this; Python's json can't read it
+    assert parse(parser, text) == (text, [])
+    stream = StreamParser(parser)
+    streamed = stream.feed(text)
+    rest, calls = stream.finish()
+    assert streamed + rest == text and calls == []
+
+
 def test_unknown_parser_is_a_value_error():
     with pytest.raises(ValueError, match="pythonic"):
         parse("pythonic", "x")
