@@ -23,7 +23,8 @@ class BatcherConfig:
                                                                   "by prompts (chained token hash)"))
     warm_prefix: str = field(default="", metadata=flag(
         "JSON/JSONL file of token-id lists (RAG system prompts) prefilled at start and pinned in every worker's "
-        "prefix cache; the batcher has no tokenizer, so token ids, not text"))
+        "prefix cache; the batcher has no tokenizer, so token ids, not text. Read once at start; one longer than "
+        "the context is cut to it, one with ids outside a worker's vocabulary skipped there"))
     watermark: float = field(default=0.01, metadata=flag(
         "admit a new request only if this fraction of the KV pool stays free after its prompt's blocks"))
     max_active_blocks: int = field(default=0, metadata=flag(

@@ -33,7 +33,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
-from batcher.config import BatcherConfig
+from batcher.config import BatcherConfig, load_warm_prefixes
 from batcher.cost_model import CostModel, default_cost_model
 from batcher.grammar import GrammarError, Grammars, follow
 from batcher.router import pick_worker
@@ -85,13 +85,15 @@ class Batcher:
             raise SystemExit(f"--on-worker-loss must be fail or requeue, got {cfg.on_worker_loss!r}")
         if cfg.lanes not in LANES:
             raise SystemExit(f"--lanes must be one of {', '.join(LANES)}, got {cfg.lanes!r}")
-        try:  # the policy's settings and the cost model, checked before anything listens
+        try:  # the policy's settings, the cost model and the warm prefixes, checked before anything listens
             SloPolicy(cfg)
+            # read once: a worker that (re)starts later gets the same ones, whatever became of the file since
+            self.warm_prefixes = load_warm_prefixes(cfg.warm_prefix) if cfg.warm_prefix else []
             SpecPolicy(cfg.speculative, cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
             # the scheduler's prior per lanes (a worker's, with --lanes auto, known when it is ready)
             self.cost_prior = {lanes: CostModel.load(cfg.cost_model or default_cost_model(lanes))
                                for lanes in ("mixed", "streams")}
-        except (ValueError, OSError) as exc:
+        except (ValueError, OSError, KeyError, TypeError) as exc:
             raise SystemExit(f"batcher: {exc}") from None
         try:
             self.trace = StepTrace(cfg.step_trace) if cfg.step_trace else None  # --step-trace (batcher/trace.py)
@@ -240,9 +242,13 @@ class Batcher:
         if self.cfg.schedule_lead_ms and (lanes == "streams" or not self.cfg.async_scheduling):
             log.warning("worker %d: --schedule-lead-ms applies to mixed lanes with --async-scheduling only: "
                         "ignored there", msg.worker_id)
+        warm = [ids for ids in self.warm_prefixes if not msg.vocab_size or all(0 <= t < msg.vocab_size for t in ids)]
+        if len(warm) < len(self.warm_prefixes):
+            log.warning("worker %d: %d of the %d warm prefixes hold ids outside its vocabulary (%d): not prefilled",
+                        msg.worker_id, len(self.warm_prefixes) - len(warm), len(self.warm_prefixes), msg.vocab_size)
         sched = Scheduler(dataclasses.replace(self.cfg, lanes=lanes, speculative=speculative), msg.num_blocks,
-                          msg.block_size, msg.max_model_len, cost=self.cost_prior[lanes], grammars=self.grammars,
-                          draft_size=msg.draft_size)
+                          msg.block_size, msg.max_model_len, warm_prefixes=warm, cost=self.cost_prior[lanes],
+                          grammars=self.grammars, draft_size=msg.draft_size)
         self.workers[msg.worker_id] = WorkerSlot(msg.worker_id, ident, sched, vocab_size=msg.vocab_size)
         if not self.owner:  # (nothing serving yet: the scheduler's block table is start-up heap)
             freeze_startup_heap()
@@ -271,13 +277,10 @@ class Batcher:
         # outputs of its other steps in flight are then void: update() drops them).
         try:
             deltas = slot.scheduler.update(msg, time.monotonic())
-        except StepFailed as exc:
-            log.error("worker %d failed step %d: %s", msg.worker_id, msg.step, msg.error)
+        except (StepFailed, StepOrderError) as exc:
+            log.error("worker %d, step %d: %s: failing its requests", msg.worker_id, msg.step, msg.error or exc)
             await self.emit(slot.scheduler.fail_all(str(exc)))
-            return
-        except StepOrderError as exc:
-            log.error("%s: failing its requests", exc)
-            await self.emit(slot.scheduler.fail_all(str(exc)))
+            await self.kick(msg.worker_id)  # the requeued warm prefixes and the finished ids: now, not at a request
             return
         if deltas is not None:  # None: a void step's output, nothing changed
             if self.trace is not None:

@@ -254,9 +254,11 @@ class Scheduler:
         return self.bm.lookup(req) if req.params.prompt_logprobs is None else 0
 
     def _queue_warm_prefixes(self) -> None:
-        """Warm prefixes are normal prefills of internal requests, first in line; see _finish_warm."""
-        for i, ids in enumerate(self.warm_prefixes):
-            full = len(ids) // self.block_size * self.block_size
+        """Warm prefixes are normal prefills of internal requests, first in line; see _finish_warm. One longer than
+        the context (with the sentinel token) is cut to the full blocks that fit. None without prefix caching (the
+        batcher's config refuses that pair): nothing would find them."""
+        for i, ids in enumerate(self.warm_prefixes if self.bm.enable_prefix_caching else ()):
+            full = min(len(ids), self.max_len - 1) // self.block_size * self.block_size
             if full == 0 or blocks_for(full, self.block_size) > self.bm.num_usable // 2:
                 continue  # nothing cacheable, or it would crowd out the traffic it is meant to speed up
             # The sentinel last token is never computed, so the worker never samples for it.
@@ -853,6 +855,14 @@ class Scheduler:
         if out.error is not None:
             del in_flight[i]
             raise StepFailed(f"worker error: {out.error.splitlines()[-1]}")
+        rows = len(out.request_ids)
+        if len(out.sampled_token_ids) != rows or not all(out.sampled_token_ids) \
+                or (out.logprobs is not None and len(out.logprobs) != rows):
+            del in_flight[i]  # (checked before anything changes: a request left half-applied would hang)
+            raise StepFailed(f"worker {out.worker_id} step {out.step}: {rows} request ids, "
+                             f"{len(out.sampled_token_ids)} rows of sampled tokens (an empty one among them: "
+                             f"{not all(out.sampled_token_ids)}), "
+                             f"{'no' if out.logprobs is None else len(out.logprobs)} rows of logprobs")
         entry = in_flight[i]
         execute_ms = out.execute_time * 1000.0  # (a worker's figure: a NaN or a wild one must not wipe the fit)
         learned = learned_ms(execute_ms, out.draft_time * 1000.0 if entry.draft_priced else 0.0)
@@ -1062,7 +1072,10 @@ class Scheduler:
 
     def _finish_warm(self, req: Request) -> None:
         self.bm.cache_full_blocks(req)
-        self.bm.pin(req.block_ids)
+        # the blocks the prefix cache maps: two warm prefixes sharing leading blocks, prefilled together, compute
+        # those twice, and the copy the cache did not take goes back to the pool with the request
+        cached = self.bm.cached
+        self.bm.pin([cached[h] for h in req.block_hashes if h in cached])
         self._finish(req)
         self.num_internal -= 1
 

@@ -605,3 +605,43 @@ def test_soak_with_hostile_clients_next_to_normal_load_loses_nothing(make_stack)
     assert not any("LATE" in k for k in hostile.outcomes) and len(hostile.outcomes) >= 5, hostile.outcomes
     assert p99(normal.latencies) < 3 * p99(calm.latencies) + 1.0  # no freeze: the loop kept serving
     assert _zombies(launcher) == []
+
+
+async def test_warm_prefixes_are_read_once_checked_against_the_model_and_cut_to_its_context(make_stack, tmp_path):
+    """A review found: a warm prefix with ids outside the vocabulary, or longer than the context, failed every
+    request's step until a restart (they queue behind it); and a restarted worker re-read the file, so with the file
+    gone it never registered again."""
+    path = tmp_path / "warm.jsonl"
+    good, long = list(range(100, 140)), list(range(1, 301))  # 2 blocks; 300 ids cut to 240 by a 256 context
+    path.write_text("\n".join(map(json.dumps, (good, [5, 99999, 7] * 16, long))))
+    st = make_stack("--warm-prefix", str(path), "--max-model-len", "256", "--max-restarts", "3",
+                    "--on-worker-loss", "requeue")
+    assert any("1 of the 3 warm prefixes hold ids outside its vocabulary" in line for line in st.lines)
+
+    async def complete(s, prompt: list[int]) -> int:
+        async with s.post(st.url("/v1/completions"), json={"model": "tiny", "prompt": prompt, "max_tokens": 2}) as r:
+            return r.status
+
+    async def hits(s) -> float:
+        async with s.get(st.url("/metrics")) as r:
+            (line,) = [x for x in (await r.text()).splitlines() if x.startswith("laneserve:prefix_cache_hits")]
+            return float(line.split()[-1])
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+        assert await complete(s, good + [5]) == 200 and await complete(s, long[:200]) == 200
+        assert await hits(s) == 32 + 192  # both prefixes served from the pinned blocks
+        path.unlink()
+        worker = _pid_of(st.proc.pid, "worker")
+        os.kill(worker, signal.SIGKILL)
+        statuses = []
+
+        async def served() -> bool:  # (polling: 503, or 429 from the batcher, until the new worker registers)
+            statuses.append(await complete(s, good + [6]))
+            return statuses[-1] == 200
+
+        await _wait(served, "served by a restarted worker", 60)
+        assert set(statuses) <= {200, 429, 503} and _pid_of(st.proc.pid, "worker") != worker
+        # its warm pool was prefilled from the prefixes read at start (a poll the lost worker took hits again where
+        # it is requeued)
+        after = await hits(s)
+        assert after > 32 + 192 and (after - 32 - 192) % 32 == 0

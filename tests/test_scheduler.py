@@ -8,7 +8,7 @@ import pytest
 
 from batcher.config import BatcherConfig
 from laneserve.wire.protocol import AddRequest, FinishReason, SamplingParams, StepOutput, TokenLogprobs
-from batcher.scheduler import Scheduler
+from batcher.scheduler import Scheduler, StepFailed
 from batcher.sim.engine import SimWorker
 
 BS = 16
@@ -212,6 +212,37 @@ def test_warm_prefixes_that_no_longer_fit_once_others_are_pinned_are_dropped_not
     add(s, "user", 5, base=500, max_tokens=2)
     d.run()
     assert d.finish == {"user": FinishReason.LENGTH} and len(s.bm.pinned) == 8 and s.num_unfinished == 0
+
+
+def test_warm_prefixes_sharing_blocks_pin_each_cached_block_once_and_a_long_one_is_cut_to_the_context():
+    """A review found the copy of a shared block that the cache did not take pinned for good, and a prefix longer
+    than the context sent to the worker whole (past its position table)."""
+    head = list(range(1000, 1032))  # 2 blocks both prefixes start with; prefilled together, both compute them
+    s = Scheduler(cfg(), 64, BS, 96, warm_prefixes=[head + list(range(2000, 2032)), head + list(range(3000, 3032)),
+                                                    list(range(4000, 4200))])
+    d = Driver(s)
+    d.step()
+    assert s.num_unfinished == 0 and s.bm.pinned == set(s.bm.cached.values())
+    assert len(s.bm.pinned) == 2 + 2 + 2 + 5  # the shared head once; the third cut to 80 of 96 - 1 tokens
+    assert max(len(ids) for ids in (nr.prompt_token_ids for nr in d.steps[0].new_reqs)) == 81  # (+ the sentinel)
+    add(s, "user", 70, base=1000, max_tokens=2)
+    d.run()
+    assert d.finish == {"user": FinishReason.LENGTH}
+
+
+@pytest.mark.parametrize("rows, logprobs", [([[7]], None), ([], None), ([[7], []], None), ([[7], [8]], [[]])])
+def test_a_step_output_whose_rows_do_not_match_its_request_ids_fails_the_step_before_anything_changes(rows, logprobs):
+    s = Scheduler(cfg(), 64, BS, 8192)
+    d = Driver(s)
+    add(s, "a", 20, max_tokens=5)
+    add(s, "b", 20, base=500, max_tokens=5)
+    st = s.schedule(0.0)
+    with pytest.raises(StepFailed, match="2 request ids"):
+        s.update(StepOutput(step=st.step, worker_id=0, request_ids=["a", "b"], sampled_token_ids=rows,
+                            logprobs=logprobs), 0.01)
+    d.take(s.fail_all("bad rows"))
+    assert d.finish == {"a": FinishReason.ERROR, "b": FinishReason.ERROR} and not s.in_flight
+    assert s.num_unfinished == 0 and s.bm.num_free == 64
 
 
 def test_max_active_blocks_stops_generation_with_length():
