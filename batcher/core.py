@@ -280,7 +280,6 @@ class Batcher:
         except (StepFailed, StepOrderError) as exc:
             log.error("worker %d, step %d: %s: failing its requests", msg.worker_id, msg.step, msg.error or exc)
             await self.emit(slot.scheduler.fail_all(str(exc)))
-            await self.kick(msg.worker_id)  # the requeued warm prefixes and the finished ids: now, not at a request
             return
         if deltas is not None:  # None: a void step's output, nothing changed
             if self.trace is not None:

@@ -96,8 +96,12 @@ class BatcherClient:
         q = DeltaQueue()
         for r in requests:
             self.queues[r.request_id] = q
-        for r in requests:
-            self._send(r)
+        try:
+            for r in requests:
+                self._send(r)
+        except zmq.ZMQError as exc:  # the socket closed (shutdown): a 503, and nothing of the request left behind
+            self.abort([r.request_id for r in requests])
+            q.put_nowait(BatcherLost(f"the batcher connection is closed: {exc}"))
         return q
 
     def abort(self, request_ids: list[str]) -> None:

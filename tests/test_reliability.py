@@ -296,6 +296,21 @@ async def test_rogue_frames_on_both_sockets_are_dropped_and_the_batcher_still_se
     assert "dropped malformed frame" in caplog.text and "3-frame message" in caplog.text
 
 
+async def test_a_request_sent_on_a_closed_batcher_socket_ends_as_batcher_lost_and_leaves_nothing(tmp_path):
+    """A review found a send failing at shutdown raised out of the handler with its request's counters and queue
+    kept: the drain then never saw zero in flight."""
+    client = BatcherClient(GatewayConfig(batcher_address=f"ipc://{tmp_path}/none.sock"))
+    client.monitor.close()
+    client.sock.close(linger=0)
+    try:
+        q = client.submit([P.AddRequest(request_id=rid, prompt_token_ids=[1], params=P.SamplingParams(),
+                                        arrival_time=0.0) for rid in ("x", "y")])
+        item = q.get_nowait()
+        assert isinstance(item, BatcherLost) and "closed" in item.reason and client.num_in_flight == 0
+    finally:
+        client.ctx.term()
+
+
 async def test_the_gateway_client_drops_junk_from_its_batcher_and_fails_in_flight_when_it_goes(tmp_path):
     """The gateway's side: a fake batcher (a raw ROUTER) answers junk, then a real Pong, then goes away."""
     address = f"ipc://{tmp_path}/fake.sock"
