@@ -18,6 +18,7 @@ the same flags build the same trace in both.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -257,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--max-requests", type=count, default=None)
     w.add_argument("--max-input-tokens", type=count, default=None, help="cap each prompt (e.g. for a small model)")
     w.add_argument("--max-output-tokens", type=count, default=None, help="cap each output")
+    w.add_argument("--salt", type=whole, default=0,
+                   help="tell this run's prompts from other runs' with the same --seed on the same server (as a sweep's "
+                        "runs are): their unique parts, and rag's fresh documents, differ by salt; 0: as before")
     _add_limits(w)
     _add_request_args(p)
     _add_output_args(p, "directory for report.json, records.jsonl and plots")
@@ -318,13 +322,15 @@ def run_main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     slo = report.parse_slo(args.slo)
     trace = make_trace(args)
+    if args.salt and args.trace == "rag":  # (a sweep's run k: its fresh documents, apart from other runs')
+        trace = traces.rag_fresh_docs_apart(trace, args.num_docs, args.doc_tokens, run=args.salt)
     check_url(args.url)
     span = check_span(trace, args.speedup, "check --rate and --speedup, or cut the trace with --duration or "
                                            "--max-requests")
     writable_dir(args.out, "--out")
     console = Console(stderr=True)
     console.print(f"replaying {len(trace)} requests over {span:.1f}s against {args.url}")
-    cfg = _load_config(args, args.speedup)
+    cfg = dataclasses.replace(_load_config(args, args.speedup), salt=args.salt)
     try:
         records, meta = _run(trace, cfg, console, args.progress and console.is_terminal)
     except (aiohttp.ClientError, OSError, RuntimeError, ValueError) as exc:  # the probe failed

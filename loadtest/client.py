@@ -30,6 +30,7 @@ from loadtest.traces import TraceRequest, synth_token_ids
 # Text tokenized once to learn ordinary (non-special) token ids of the server's vocabulary; fewer distinct ids
 # than MIN_ALPHABET and the fallback alphabet is used instead.
 MIN_ALPHABET = 32
+JSON_HEADERS = {"Content-Type": "application/json"}  # (bodies are encoded before the run's clock: _prepare)
 PROBE_TIMEOUT = 30.0  # s for each request of the probe (a server that takes the connection and never answers)
 PROBE_TEXT = (
     "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs! "
@@ -217,49 +218,55 @@ class LoadRunner:
                           json={"model": self.info.model, "tokens": ids})
         return out["prompt"]
 
-    def _payload(self, prompt, max_tokens: int) -> tuple[str, dict]:
+    def _payload(self, prompt, max_tokens: int) -> tuple[str, bytes]:
+        """(path, the JSON body encoded)."""
         body = {"model": self.info.model, "max_tokens": max_tokens, "stream": True,
                 "stream_options": {"include_usage": True}, "temperature": 0.0}
         if self.cfg.ignore_eos:
             body["ignore_eos"] = True
         if self.cfg.endpoint == "chat":
-            return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}
-        return "/v1/completions", {**body, "prompt": prompt}
+            path, body = "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}
+        else:
+            path, body = "/v1/completions", {**body, "prompt": prompt}
+        return path, json.dumps(body, separators=(",", ":")).encode()
 
     # ------------------------------------------------------------------ one request
-    async def _prepare(self, session, rows: list[tuple[int, TraceRequest, TraceRequest, bool]]) -> dict[int, str]:
-        """Text prompts (`--prompt-mode text`, and chat) made with the server's /detokenize before the run's clock
-        starts, {trace row: prompt}, so that a run sends the server its completions alone (made at each request's
-        send time, as before 2026-12-07, the /detokenize calls loaded the gateway in the trace's own bursts). A
-        prompt that fails here is made again at its send time, where its error is recorded. rows: run()'s (trace row,
-        request, request fitted to the context, clamped) of the requests it will send."""
-        if self.cfg.prompt_mode == "ids" and self.cfg.endpoint == "completions":
-            return {}
+    async def _prepare(self, session, rows: list[tuple[int, TraceRequest, TraceRequest, bool]]
+                       ) -> dict[int, tuple[str, bytes]]:
+        """Every request's body, encoded, before the run's clock starts, {trace row: _payload()}: the run's event
+        loop then only sends and reads. Text prompts (`--prompt-mode text`, and chat) are made with the server's
+        /detokenize here, so that a run sends the server its completions alone (made at each request's send time,
+        as before 2026-12-07, the /detokenize calls loaded the gateway in the trace's own bursts); token-id prompts
+        were made and encoded at send time until 2026-12-07 too, ~2.5 ms a Mooncake prompt on the loop that times
+        the other streams. A prompt that fails here is made again at its send time, where its error is recorded.
+        rows: run()'s (trace row, request, request fitted to the context, clamped) of the requests it will send."""
         gate = asyncio.Semaphore(8)
 
-        async def one(i: int, fitted: TraceRequest) -> tuple[int, str | None]:
+        async def one(i: int, fitted: TraceRequest) -> tuple[int, tuple[str, bytes] | None]:
             async with gate:
                 try:
-                    return i, await self._prompt(session, fitted, self.indices[i])
+                    prompt = await self._prompt(session, fitted, self.indices[i])
                 except (aiohttp.ClientError, RuntimeError, KeyError, TypeError):
                     return i, None
+            return i, self._payload(prompt, fitted.output_tokens)
 
         made = await asyncio.gather(*(one(i, fitted) for i, _, fitted, _ in rows))
         return {i: p for i, p in made if p is not None}
 
-    async def _one(self, session, rec: RequestRecord, req: TraceRequest, t0: float, prompt=None) -> None:
+    async def _one(self, session, rec: RequestRecord, req: TraceRequest, t0: float,
+                   payload: tuple[str, bytes] | None = None) -> None:
         loop = asyncio.get_running_loop()
         try:
-            if prompt is None:
-                prompt = await self._prompt(session, req, rec.index)
-            path, body = self._payload(prompt, rec.max_tokens)
+            if payload is None:  # (_prepare could not make it)
+                payload = self._payload(await self._prompt(session, req, rec.index), rec.max_tokens)
+            path, body = payload
             rec.sent = loop.time() - t0
             start = loop.time()
             rec.sent_wall = time.time()
             full = self.pool.locked()
             async with self.pool:
                 rec.pool_wait = loop.time() - start if full else 0.0
-                async with session.post(_base(self.cfg.url) + path, json=body) as resp:
+                async with session.post(_base(self.cfg.url) + path, data=body, headers=JSON_HEADERS) as resp:
                     rec.status = resp.status
                     if resp.status != 200:
                         rec.error = f"HTTP {resp.status} {resp.reason}{_error_detail(await resp.read())}"

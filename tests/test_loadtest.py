@@ -12,11 +12,12 @@ import asyncio
 import json
 import time
 
+import aiohttp
 import pytest
 from aiohttp import web
 
 from loadtest import cli, report, sweep, traces
-from loadtest.client import PROBE_TEXT, LoadConfig, LoadRunner, RequestRecord, fit_to_context, run_load
+from loadtest.client import PROBE_TEXT, LoadConfig, LoadRunner, RequestRecord, fit_to_context, probe, run_load
 from loadtest.traces import DATA_DIR as TRACES
 from loadtest.traces import TraceRequest, load_trace, rag
 
@@ -176,6 +177,23 @@ async def test_text_prompts_are_made_before_the_clock_starts():
     assert sorted(len(b["prompt"]) for b in server.bodies) == sorted(r.input_tokens for r in records)
 
 
+async def test_token_id_bodies_are_encoded_before_the_clock_starts():
+    """A review found token-id prompts made and JSON-encoded at send time, on the loop that times every stream."""
+    trace = rag(50.0, 6, num_docs=2, doc_tokens=64, question_tokens=8, output_tokens=2, hit_rate=1.0, seed=1)
+    server = StandIn()
+    url = await server.start()
+    try:
+        runner = LoadRunner(trace, LoadConfig(url=url))
+        async with aiohttp.ClientSession() as session:
+            runner.info = await probe(session, runner.cfg)
+            made = await runner._prepare(session, [(i, tr, tr, False) for i, tr in enumerate(trace)])
+    finally:
+        await server.stop()
+    assert sorted(made) == list(range(len(trace))) and server.calls == []  # (the ids need no server)
+    bodies = [json.loads(made[i][1]) for i in range(len(trace))]
+    assert [(len(b["prompt"]), b["max_tokens"]) for b in bodies] == [(tr.input_tokens, 2) for tr in trace]
+
+
 def test_fit_to_context():
     assert fit_to_context(TraceRequest(0, 10, 10), None) == (TraceRequest(0, 10, 10), False)
     assert fit_to_context(TraceRequest(0, 10, 10), 20)[1] is False
@@ -283,7 +301,7 @@ def test_a_replay_shared_by_client_processes_sends_the_same_requests(stack, tmp_
         assert cli.main(["--url", stack.base_url, "--trace", "rag", "--rate", "40", "--num-requests", "10",
                          "--num-docs", "2", "--doc-tokens", "64", "--question-tokens", "4:12", "--output-tokens", "3",
                          "--client-procs", str(procs), "--time-limit", "120", "--no-progress", "--no-plots",
-                         "--out", str(out)]) == 0
+                         "--salt", "3", "--out", str(out)]) == 0
         runs[procs] = (report.load_records(out / "records.jsonl"), json.loads((out / "report.json").read_text()))
     (one, _), (three, rep) = runs[1], runs[3]
     assert [r.index for r in three] == list(range(10)) and all(r.ok for r in three)

@@ -87,9 +87,11 @@ if [ "${SKIP_REPLAY:-0}" != 1 ]; then
   SERVE=$!
   for _ in $(seq 600); do grep -q "laneserve ready" "$OUT/serve.log" && break; kill -0 $SERVE || break; sleep 0.5; done
   grep "laneserve ready\|exited\|Error" "$OUT/serve.log" | head -5
-  for rate in ${REPLAY_RATE:-24}; do  # a space-separated list: one replay per rate, same server
+  salt=0
+  for rate in ${REPLAY_RATE:-24}; do  # a space-separated list: one replay per rate, same server (each its own fresh
+    salt=$((salt + 1))  # documents and question tails: a later rate would find an earlier one's in the prefix cache)
     python3 -m laneserve.cli loadtest --url http://127.0.0.1:8011 --trace rag --num-requests ${REPLAY_N:-600} \
-      --rate $rate --burstiness 0.5 --num-docs 16 --doc-tokens 1536 --question-tokens 256:512 \
+      --salt $salt --rate $rate --burstiness 0.5 --num-docs 16 --doc-tokens 1536 --question-tokens 256:512 \
       --output-tokens 128:256 --hit-rate 0.8 --slo ttft=120ms,tpot=30ms --no-progress --no-plots \
       --out "$OUT/replay_$rate" 2>&1 | tail -40
   done
