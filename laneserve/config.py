@@ -57,6 +57,7 @@ BOUNDS: dict[str, tuple[float | None, float | None, bool]] = {
     "max_num_seqs": (1, None, False),
     "max_num_batched_tokens": (1, None, False),
     "tensor_parallel_size": (1, None, False),
+    "decode_gemv_rows": (-1, 8, False),  # -1: auto (workers/config.py)
     "gpu_memory_utilization": (0, 1, True),
     "watermark": (0, 0.5, False),
     "startup_timeout": (0, None, True),

@@ -30,7 +30,7 @@ import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
 
-from laneserve.config import flag, secret_env, to_argv
+from laneserve.config import env_vars, flag, secret_env, to_argv
 
 POLL_S = 0.1
 RESTART_WINDOW_S = 60.0
@@ -91,10 +91,10 @@ def cpu_threads(num_workers: int) -> int:
 
 class Child:
     def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None, restartable: bool = True,
-                 liveness: str = ""):
+                 liveness: str = "", base_env: dict[str, str] | None = None):
         self.name = name
         self.cmd = [sys.executable, "-m", "laneserve.cli", *argv]
-        self.env = {**os.environ, **(env or {})}
+        self.env = {**(os.environ if base_env is None else base_env), **(env or {})}
         self.restartable = restartable
         self.restarts: deque[float] = deque()  # monotonic times of recent restarts
         self.liveness = liveness  # a worker's --liveness-file ('' = none)
@@ -163,9 +163,14 @@ def serve(lc: LauncherConfig, gw, bc, wc, log_level: str = "INFO") -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    # The children get their settings as flags alone: a LANESERVE_* variable of a setting left in their environment
+    # would win over a flag that to_argv leaves out for equalling the default (`serve --max-num-seqs 384` with
+    # LANESERVE_MAX_NUM_SEQS=64 set ran the batcher at 64). Secrets go by secret_env.
+    settings = set(env_vars(type(lc), type(gw), type(bc), type(wc)))
+    base = {k: v for k, v in os.environ.items() if k not in settings}
     children: list[Child] = []
     try:
-        children.append(Child("batcher", [*common, "batcher", *to_argv(bc)]))
+        children.append(Child("batcher", [*common, "batcher", *to_argv(bc)], base_env=base))
         threads = wc.num_threads or cpu_threads(num_workers)
         for i in range(num_workers):
             group = [gpus[(i * tp + r) % len(gpus)] for r in range(tp)] if gpus else []
@@ -173,8 +178,9 @@ def serve(lc: LauncherConfig, gw, bc, wc, log_level: str = "INFO") -> int:
             worker = dataclasses.replace(wc, worker_id=i, num_threads=threads if not gpus else wc.num_threads,
                                          liveness_file=f"{run_dir}/worker-{i}.alive")
             children.append(Child(f"worker {i}", [*common, "worker", *to_argv(worker)], env,
-                                  liveness=worker.liveness_file))
-        children.append(Child("gateway", [*common, "gateway", *to_argv(gw)], secret_env(gw), restartable=False))
+                                  liveness=worker.liveness_file, base_env=base))
+        children.append(Child("gateway", [*common, "gateway", *to_argv(gw)], secret_env(gw), restartable=False,
+                              base_env=base))
         code = _supervise(children, gw, num_workers, lc, stopping, bc.worker_timeout)
     finally:
         # Gateway first so it stops accepting and drains (its --drain-timeout, then a terminal event for each

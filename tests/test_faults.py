@@ -645,3 +645,12 @@ async def test_warm_prefixes_are_read_once_checked_against_the_model_and_cut_to_
         # it is requeued)
         after = await hits(s)
         assert after > 32 + 192 and (after - 32 - 192) % 32 == 0
+
+
+def test_a_flag_given_its_default_wins_over_a_laneserve_variable_in_every_child(make_stack):
+    """A review found the children inheriting the launcher's environment: a LANESERVE_* variable there won over a
+    flag that the children's argv leaves out for equalling its default, so the batcher ran at 2 sequences here."""
+    st = make_stack("--max-num-seqs", "384", env={"LANESERVE_MAX_NUM_SEQS": "2", "LANESERVE_GC_FREEZE": "1"})
+    for role in ("batcher", "worker", "gateway"):
+        environ = Path(f"/proc/{_pid_of(st.proc.pid, role)}/environ").read_bytes().split(b"\0")
+        assert b"LANESERVE_MAX_NUM_SEQS=2" not in environ and b"LANESERVE_GC_FREEZE=1" in environ, role

@@ -161,6 +161,7 @@ def test_vllm_flags_parse_to_the_same_config():
     (["serve", "--port", "70000"], "--port 70000: must be >= 1 and <= 65535"),
     (["serve", "--request-timeout", "nan"], "--request-timeout nan: must be a finite number"),
     (["serve", "--max-waiting-requests", "-1"], "--max-waiting-requests -1: must be >= 0"),
+    (["serve", "--decode-gemv-rows", "9"], "--decode-gemv-rows 9: must be >= -1 and <= 8"),  # (-1, auto, passes)
     (["serve", "--seed", "99999999999999999999999"], "--seed 1e+23: must be >= 0 and <= 1.84467e+19"),
     (["serve", "--gpu-memory-utilization", "5"], "must be > 0 and <= 1"),
     (["serve", "--decode-buckets", "a,b"], "--decode-buckets 'a,b': must be comma-separated whole numbers"),
@@ -175,6 +176,13 @@ def test_a_flag_laneserve_lacks_is_a_clear_error(argv, says):
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
     assert says in str(e.value)
+
+
+def test_a_documented_negative_value_passes_the_bounds():
+    from laneserve.config import check_numbers
+    from workers.config import WorkerConfig
+
+    check_numbers(WorkerConfig, {"decode_gemv_rows": -1})  # auto: a review found it refused as "must be >= 0"
 
 
 def test_a_tools_bad_value_is_one_line_not_a_traceback(capsys):
