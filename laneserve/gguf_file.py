@@ -128,6 +128,6 @@ def hf_config(path: str) -> dict[str, Any]:
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in tensor_names,
-        "sliding_window": window, "use_sliding_window": window is not None,
+        "sliding_window": window, "use_sliding_window": window is not None, "max_window_layers": 0,  # every layer
         "eos_token_id": md.get("tokenizer.ggml.eos_token_id"), "torch_dtype": "gguf",
     }

@@ -19,6 +19,9 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_MAX_POSITION_EMBEDDINGS = 4096  # the context limit of a config.json that does not give one
 
 
+QWEN2_MAX_WINDOW_LAYERS = 28  # transformers' Qwen2Config default
+
+
 class ModelConfigError(ValueError):
     """A checkpoint whose config.json we cannot serve; the message names the file."""
 
@@ -82,8 +85,15 @@ class ModelConfig:
         if arch == "Qwen2ForCausalLM":
             qkv_bias, o_bias = True, False
             window = d.get("sliding_window") if d.get("use_sliding_window") else None
-            if window is not None and d.get("max_window_layers", 0) < d["num_hidden_layers"]:
-                raise ModelConfigError(f"{source}: per-layer sliding windows (max_window_layers) are not supported")
+            if window is not None:  # transformers' rule: layer i has the window from max_window_layers (28) on
+                first = d.get("max_window_layers", QWEN2_MAX_WINDOW_LAYERS)
+                kinds = set(d.get("layer_types") or ("sliding_attention" if i >= first else "full_attention"
+                                                     for i in range(d["num_hidden_layers"])))
+                if kinds == {"full_attention"}:
+                    window = None
+                elif kinds != {"sliding_attention"}:
+                    raise ModelConfigError(f"{source}: a sliding window on some layers only (max_window_layers "
+                                           f"{first} of {d['num_hidden_layers']}, or layer_types) is not supported")
         else:
             qkv_bias = o_bias = bool(d.get("attention_bias", False))
             window = d.get("sliding_window") if arch == "MistralForCausalLM" else None

@@ -50,6 +50,28 @@ def test_missing_directory_and_unsupported_rope(tmp_path):
         ModelConfig.from_dict(cfg, source="x/config.json")
 
 
+@pytest.mark.parametrize("extra, window", [
+    ({}, None),  # max_window_layers 28 (transformers' default) of 4 layers: every layer full
+    ({"max_window_layers": 4}, None), ({"max_window_layers": 0}, 64),
+    ({"layer_types": ["sliding_attention"] * 4}, 64), ({"use_sliding_window": False, "max_window_layers": 0}, None),
+    ({"max_window_layers": 2}, "some layers only"), ({"layer_types": ["full_attention", "sliding_attention"] * 2},
+                                                     "some layers only"),
+])
+def test_qwen2_sliding_windows_follow_transformers_layer_rule(extra, window):
+    """A review found the rule the wrong way round: a window on every layer where transformers has it on none."""
+    from transformers import Qwen2Config
+
+    d = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "intermediate_size": 128, "vocab_size": 10,
+         "num_hidden_layers": 4, "num_attention_heads": 4, "use_sliding_window": True, "sliding_window": 64, **extra}
+    if isinstance(window, str):
+        with pytest.raises(ModelConfigError, match=window):
+            ModelConfig.from_dict(d)
+        return
+    assert ModelConfig.from_dict(d).sliding_window == window
+    hf = Qwen2Config(**{k: v for k, v in d.items() if k != "architectures"})  # the reference
+    assert {hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types} == {window}
+
+
 def test_missing_tensor_is_named(ckpt, tmp_path):
     path = copy_ckpt(ckpt, tmp_path / "m")
     file = os.path.join(path, "model.safetensors")
