@@ -113,7 +113,8 @@ def hf_config(path: str) -> dict[str, Any]:
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
     kv = get("attention.head_count_kv", heads)
-    tensor_names = {t.name for t in reader(path).tensors}
+    tensors = {t.name: t for t in reader(path).tensors}
+    tensor_names = set(tensors)
     vocab = md.get(f"{arch}.vocab_size") or len(md.get("tokenizer.ggml.tokens") or [])
     if not vocab:
         raise GGUFError(f"{path}: metadata gives no vocabulary size")
@@ -130,4 +131,17 @@ def hf_config(path: str) -> dict[str, Any]:
         "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in tensor_names,
         "sliding_window": window, "use_sliding_window": window is not None, "max_window_layers": 0,  # every layer
         "eos_token_id": md.get("tokenizer.ggml.eos_token_id"), "torch_dtype": "gguf",
+        **_rope_scaling(md, arch, tensors.get("rope_freqs.weight")),
     }
+
+
+def _rope_scaling(md: dict[str, Any], arch: str, freqs) -> dict[str, Any]:
+    """config.json's rope_scaling for the file's RoPE scaling: its `rope_freqs` tensor (llama.cpp's per-dimension
+    frequency divisors, as its converter writes Llama 3.x's scaling), else `{arch}.rope.scaling.*` (linear; another
+    type goes on to laneserve.modelspec, which names it as unsupported). Left out, RoPE was plain for such files."""
+    if freqs is not None:
+        return {"rope_scaling": {"rope_type": "freq_factors", "factors": [float(x) for x in freqs.data]}}
+    kind = md.get(f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return {}
+    return {"rope_scaling": {"rope_type": kind, "factor": float(md.get(f"{arch}.rope.scaling.factor", 1.0))}}

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")  # freq_factors: a GGUF file's rope_freqs
 DEFAULT_MAX_POSITION_EMBEDDINGS = 4096  # the context limit of a config.json that does not give one
 
 
@@ -38,7 +38,7 @@ class ModelConfig:
     head_dim: int
     max_position_embeddings: int
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # {"rope_type": "llama3"|"linear", ...}; None = default RoPE
+    rope_scaling: dict | None = None  # {"rope_type": "llama3"|"linear"|"freq_factors", ...}; None = default RoPE
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2; Llama with attention_bias
@@ -82,6 +82,10 @@ class ModelConfig:
             raise ModelConfigError(f"{source}: rope type {rope_type!r} is not supported "
                                    f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
         rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+        head_dim = d.get("head_dim") or hidden // num_heads
+        if rope_type == "freq_factors" and len(rope["factors"]) != head_dim // 2:
+            raise ModelConfigError(f"{source}: {len(rope['factors'])} RoPE frequency factors for a head_dim of "
+                                   f"{head_dim} (it needs {head_dim // 2})")
         if arch == "Qwen2ForCausalLM":
             qkv_bias, o_bias = True, False
             window = d.get("sliding_window") if d.get("use_sliding_window") else None
@@ -103,7 +107,7 @@ class ModelConfig:
             architecture=arch, vocab_size=d["vocab_size"], hidden_size=hidden,
             intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"], num_heads=num_heads,
             num_kv_heads=d.get("num_key_value_heads") or num_heads,
-            head_dim=d.get("head_dim") or hidden // num_heads,
+            head_dim=head_dim,
             max_position_embeddings=max_position_embeddings(d), rope_theta=theta,
             rope_scaling=rope_scaling, rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), qkv_bias=qkv_bias, o_bias=o_bias,

@@ -167,8 +167,10 @@ def encode(w: np.ndarray, qtype, rng: np.random.Generator) -> np.ndarray:
     return gguf.quants.quantize(w, qtype)
 
 
-def write_tiny(path: str, qtype, seed: int = 0, *, odd: dict | None = None, arch: str = "llama") -> None:
-    """A 2-layer llama GGUF, every matrix in qtype (odd: tensor name -> another type), norms in F32."""
+def write_tiny(path: str, qtype, seed: int = 0, *, odd: dict | None = None, arch: str = "llama",
+               rope_freqs: np.ndarray | None = None, scaling: tuple | None = None) -> None:
+    """A 2-layer llama GGUF, every matrix in qtype (odd: tensor name -> another type), norms in F32; rope_freqs:
+    llama.cpp's RoPE frequency divisors tensor; scaling: (gguf.RopeScalingType, factor) metadata."""
     d = DIMS
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, arch)
@@ -185,6 +187,11 @@ def write_tiny(path: str, qtype, seed: int = 0, *, odd: dict | None = None, arch
     w.add_token_list([f"t{i}" for i in range(d["vocab"])])
     w.add_token_types([1] * d["vocab"])
     w.add_eos_token_id(0)
+    if scaling is not None:
+        w.add_rope_scaling_type(scaling[0])
+        w.add_rope_scaling_factor(scaling[1])
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
 
     def mat(name: str, rows: int, cols: int, n_head: int | None = None) -> None:
         x = rng.normal(0, 0.05, (rows, cols)).astype(np.float32)
@@ -242,6 +249,67 @@ def test_every_supported_type_loads_exactly(type_name, tmp_path):
         ref_logits = hf(torch.tensor([prompt])).logits[0]
     rel = rel_err(prefill_logits(runner, prompt), ref_logits)
     assert rel < 1e-4, f"{type_name}: max relative logit error {rel:.2e}"
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+
+
+def llama3_rope_freqs(head_dim: int, theta: float, s: dict) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py for a Llama 3.x checkpoint: its llama3 scaling as rope_freqs divisors."""
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    old, low, high = s["original_max_position_embeddings"], s["low_freq_factor"], s["high_freq_factor"]
+    out = []
+    for f in freqs:
+        wavelen = 2 * math.pi / f
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(s["factor"])
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / s["factor"] + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+@pytest.mark.parametrize("scaling", ["llama3", "linear"])
+def test_a_files_rope_scaling_is_applied_as_transformers_applies_the_checkpoints(scaling, tmp_path):
+    """A review found a GGUF file's RoPE scaling dropped (rope_freqs ignored, rope.scaling.* unread): Llama 3.x GGUF
+    files served with plain RoPE. The reference: transformers' Llama with the same weights and the HF config's
+    scaling (llama3: what the converter turned into rope_freqs)."""
+    transformers = pytest.importorskip("transformers")
+    path = str(tmp_path / "scaled.gguf")
+    head_dim = DIMS["hidden"] // DIMS["heads"]
+    if scaling == "llama3":
+        write_tiny(path, Q.F32, rope_freqs=llama3_rope_freqs(head_dim, 10000.0, LLAMA3))
+        hf_scaling = LLAMA3
+    else:
+        write_tiny(path, Q.F32, scaling=(gguf.RopeScalingType.LINEAR, 4.0))
+        hf_scaling = {"rope_type": "linear", "factor": 4.0}
+    runner = runner_for(path, max_model_len=128)
+    assert runner.model_config.rope_scaling["rope_type"] == ("freq_factors" if scaling == "llama3" else "linear")
+    d = DIMS
+    prompt = list(range(3, 103))  # past original_max_position_embeddings: every band of the scaling in play
+
+    def reference(rope_scaling: dict | None) -> torch.Tensor:
+        cfg = transformers.LlamaConfig(
+            vocab_size=d["vocab"], hidden_size=d["hidden"], intermediate_size=d["inter"], num_hidden_layers=d["layers"],
+            num_attention_heads=d["heads"], num_key_value_heads=d["kv"], max_position_embeddings=256,
+            rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=rope_scaling, tie_word_embeddings=False)
+        hf = transformers.LlamaForCausalLM(cfg).eval()
+        hf.load_state_dict(runner.model.checkpoint_state_dict(), strict=False)
+        with torch.inference_mode():
+            return hf(torch.tensor([prompt])).logits[0]
+
+    ref = reference(hf_scaling)
+    assert rel_err(prefill_logits(runner, prompt), ref) < 1e-4 < rel_err(reference(None), ref)  # (scaling matters)
+
+
+def test_a_rope_scaling_laneserve_lacks_is_a_clear_error(tmp_path):
+    path = str(tmp_path / "yarn.gguf")
+    write_tiny(path, Q.F32, scaling=(gguf.RopeScalingType.YARN, 4.0))
+    with pytest.raises(ValueError, match=r"yarn\.gguf.*rope type 'yarn' is not supported"):
+        load_model_config(path)
 
 
 def test_unpermute_inverts_the_converters_permute():

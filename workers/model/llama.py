@@ -46,13 +46,16 @@ from workers.model.layers import ColumnParallelLinear, MergedLinear, RowParallel
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """As transformers' ROPE_INIT_FUNCTIONS computes it (default, linear, llama3)."""
+    """As transformers' ROPE_INIT_FUNCTIONS computes it (default, linear, llama3); freq_factors: divided by a GGUF
+    file's rope_freqs, as llama.cpp's RoPE divides (its converter writes Llama 3.x's llama3 scaling so)."""
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", "default")
     if kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
+    elif kind == "freq_factors":
+        inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     elif kind == "llama3":
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         old_len = scaling["original_max_position_embeddings"]
