@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 
 from gateway.memory import HeapTrimmer
-from tests.stack import descendants
+from tests.stack import alive, descendants
 
 REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=40)  # a request still open after this is a hang: lost
 BACKOFF_S = 0.2  # shorter than the Retry-After of 1 s, to keep the test short
@@ -416,6 +416,24 @@ def test_an_empty_run_dir_left_by_a_killed_launcher_is_removed_at_the_next_start
     (tmp_path / "laneserve-live" / "batcher.sock").write_text("")
     remove_stale_run_dirs()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["laneserve-live"]
+
+
+def test_a_killed_launchers_children_leave_its_run_dir_empty(make_stack):
+    """A review found a worker's liveness file left in the run dir after a launcher SIGKILL (its children get
+    SIGTERM), so the next start's clean-up, which removes empty run dirs only, never removed it."""
+    st = make_stack()
+    children = descendants(st.proc.pid)
+    argv = _cmdline(_pid_of(st.proc.pid, "worker")).split(b"\0")
+    run_dir = Path(argv[argv.index(b"--liveness-file") + 1].decode()).parent
+    assert run_dir.name.startswith("laneserve-") and any(run_dir.iterdir())
+    os.kill(st.proc.pid, signal.SIGKILL)
+    st.proc.wait(10)
+    deadline = time.monotonic() + 60
+    while any(alive(pid) for pid in children):  # each ends on its parent-death signal
+        assert time.monotonic() < deadline, [pid for pid in children if alive(pid)]
+        time.sleep(0.05)  # polling a condition, not synchronisation
+    assert not any(run_dir.iterdir()), sorted(p.name for p in run_dir.iterdir())
+    run_dir.rmdir()
 
 
 async def test_requeue_on_one_worker_carries_streams_through_its_kill_and_its_hang(make_stack):

@@ -103,6 +103,7 @@ def run(cfg: WorkerConfig) -> None:
                 continue
             send(submit(runner, msg, cfg.worker_id))
     finally:
+        alive.remove()  # (a launcher killed outright leaves its run dir to the next start, which removes empty ones)
         signal.set_wakeup_fd(-1)
         os.close(wake)
         os.close(wake_w)
@@ -128,6 +129,13 @@ class Liveness:
                 os.utime(self.path)
             except OSError:  # removed (a launcher's cleanup): recreated
                 open(self.path, "a").close()
+
+    def remove(self) -> None:
+        if self.path:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
 
 
 def submit(runner, step: P.StepInput, worker_id: int) -> list[P.StepOutput]:
