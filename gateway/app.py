@@ -186,7 +186,11 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None) -> None:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(guard.factory(runner.server), cfg.host, cfg.port, reuse_address=True)
+    try:
+        server = await loop.create_server(guard.factory(runner.server), cfg.host, cfg.port, reuse_address=True)
+    except OSError as exc:  # one line, not a traceback (laneserve serve checks the port before it starts anything)
+        await runner.cleanup()
+        raise SystemExit(f"laneserve gateway: --host {cfg.host} --port {cfg.port}: {exc.strerror or exc}") from None
     guard.start()
     freeze_startup_heap()  # (the tokenizer, the app: laneserve/gcheap.py)
     trimming = loop.create_task(app[TRIM_KEY].run())

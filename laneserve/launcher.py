@@ -138,10 +138,38 @@ class Child:
                 self.proc.wait()
 
 
+def check_port(host: str, port: int) -> None:
+    """SystemExit (one line) when the gateway could not listen on host:port: taken, say, by another server, whose
+    /health the launcher would otherwise have taken for its gateway's (a review found "laneserve ready" printed,
+    then the gateway's bind traceback)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, addr in infos:
+            with socket.socket(family, kind, proto) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as the gateway binds)
+                s.bind(addr)
+    except OSError as exc:
+        raise SystemExit(f"laneserve serve: --host {host} --port {port}: {exc.strerror or exc}") from None
+
+
 def serve(lc: LauncherConfig, gw, bc, wc, log_level: str = "INFO") -> int:
     if (bc.speculative == "draft") != bool(wc.draft_model):
         raise SystemExit("laneserve serve: --speculative draft and --draft-model go together (the batcher "
                          "schedules the drafts, the workers' draft model proposes them)")
+    check_port(gw.host, gw.port)
+    gpus = [] if wc.device == "cpu" else visible_gpus()
+    if wc.device.startswith("cuda:"):  # that GPU alone: its worker sees it as cuda (cuda:0 there)
+        index = wc.device.removeprefix("cuda:")
+        if not index.isdigit() or int(index) >= len(gpus):
+            raise SystemExit(f"laneserve serve: --device {wc.device}: {len(gpus)} GPUs visible (cuda:0 to cuda:N-1)")
+        gpus, wc = [gpus[int(index)]], dataclasses.replace(wc, device="cuda")
+    tp = max(1, wc.tensor_parallel_size)  # a worker is a TP group: it starts its other ranks itself
+    num_workers = lc.num_workers or max(1, len(gpus) // tp)
+    if gpus and num_workers * tp > len(gpus):  # (two workers on one GPU would each budget its memory)
+        raise SystemExit(f"laneserve serve: {num_workers} workers x --tensor-parallel-size {tp} need "
+                         f"{num_workers * tp} GPUs, {len(gpus)} visible")
     remove_stale_run_dirs()
     run_dir = tempfile.mkdtemp(prefix="laneserve-")
     default_front = type(bc)().batcher_address
@@ -152,9 +180,6 @@ def serve(lc: LauncherConfig, gw, bc, wc, log_level: str = "INFO") -> int:
         bc.worker_address = wc.worker_address = f"ipc://{run_dir}/workers.sock"
     gw.batcher_address, wc.worker_address = bc.batcher_address, bc.worker_address
 
-    gpus = [] if wc.device == "cpu" else visible_gpus()
-    tp = max(1, wc.tensor_parallel_size)  # a worker is a TP group: it starts its other ranks itself
-    num_workers = lc.num_workers or max(1, len(gpus) // tp)
     common = ["--log-level", log_level]
     stopping: list[int] = []
 

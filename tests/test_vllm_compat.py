@@ -178,6 +178,35 @@ def test_a_flag_laneserve_lacks_is_a_clear_error(argv, says):
     assert says in str(e.value)
 
 
+def test_a_port_in_use_is_one_line_before_anything_starts():
+    """A review found another server's /health on the port taken for the gateway's ("laneserve ready"), then the
+    gateway's bind traceback."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as e:
+            cli.main(["serve", "--host", "127.0.0.1", "--port", str(port)])
+    assert str(e.value) == f"laneserve serve: --host 127.0.0.1 --port {port}: Address already in use"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--device", "cuda:2"], "--device cuda:2: 2 GPUs visible"),
+    (["--device", "cuda", "--num-workers", "3"], "3 workers x --tensor-parallel-size 1 need 3 GPUs, 2 visible"),
+    (["--device", "cuda", "--tensor-parallel-size", "4"], "1 workers x --tensor-parallel-size 4 need 4 GPUs"),
+])
+def test_gpus_asked_for_beyond_the_visible_ones_are_one_line_before_anything_starts(argv, says, monkeypatch):
+    """A review found cuda:N unusable (each worker sees one GPU) and extra workers put on GPUs already taken."""
+    from tests.stack import free_port
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--port", str(free_port()), *argv])
+    assert says in str(e.value)
+
+
 def test_a_documented_negative_value_passes_the_bounds():
     from laneserve.config import check_numbers
     from workers.config import WorkerConfig
