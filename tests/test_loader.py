@@ -162,3 +162,12 @@ def test_kv_cache_memory_parsing():
         0, 0, 1 << 20, 256 << 20, 2 << 30, 1_500_000_000, 64_000]
     with pytest.raises(ValueError, match="kv-cache-memory"):
         parse_bytes("lots")
+
+
+def test_vllms_dtype_aliases_are_the_same_dtypes():
+    from workers.loader import resolve_dtype
+
+    cpu = torch.device("cpu")
+    assert resolve_dtype("float", cpu) == torch.float32 and resolve_dtype("half", cpu) == torch.float16
+    with pytest.raises(ValueError, match="--dtype 'double'"):
+        resolve_dtype("double", cpu)

@@ -13,7 +13,8 @@ class WorkerConfig:
     worker_id: int = field(default=0, metadata=flag("this worker's id (one per GPU)"))
     model: str = shared("model")
     device: str = field(default="auto", metadata=flag("auto | cpu | cuda | cuda:N"))
-    dtype: str = field(default="auto", metadata=flag("auto | float32 | bfloat16 | float16"))
+    dtype: str = field(default="auto", metadata=flag("auto | float32 | bfloat16 | float16 (vLLM's float and half "
+                                                      "are float32 and float16)"))
     load_format: str = field(default="auto", metadata=flag("auto | safetensors | gguf | dummy (random weights)"))
     seed: int = field(default=0, metadata=flag("seed of the tiny/dummy weights"))
     max_model_len: int = shared("max_model_len")

@@ -25,7 +25,8 @@ from workers.model.llama import LlamaForCausalLM
 from workers.model.random_weights import init_random_
 
 log = logging.getLogger("laneserve.worker")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float": torch.float32, "half": torch.float16}  # (the last two: vLLM's aliases)
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # tensors some checkpoints carry that the model recomputes or shares
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
