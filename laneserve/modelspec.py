@@ -62,6 +62,13 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
+        try:
+            return cls._from_dict(d, source)
+        except KeyError as exc:  # a field the family's configs always have: one line, not a traceback
+            raise ModelConfigError(f"{source}: no {exc.args[0]!r}") from None
+
+    @classmethod
+    def _from_dict(cls, d: dict, source: str) -> "ModelConfig":
         archs = d.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:

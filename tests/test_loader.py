@@ -72,6 +72,13 @@ def test_qwen2_sliding_windows_follow_transformers_layer_rule(extra, window):
     assert {hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types} == {window}
 
 
+def test_a_config_without_a_field_the_family_always_has_is_one_line():
+    d = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+         "vocab_size": 10}
+    with pytest.raises(ModelConfigError, match=r"^x/config\.json: no 'intermediate_size'$"):
+        ModelConfig.from_dict(d, source="x/config.json")
+
+
 def test_missing_tensor_is_named(ckpt, tmp_path):
     path = copy_ckpt(ckpt, tmp_path / "m")
     file = os.path.join(path, "model.safetensors")
