@@ -99,9 +99,9 @@ def _parse_bool(text: str) -> bool:
     lowered = text.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
         return True
-    if lowered in ("0", "false", "no", "off", ""):
+    if lowered in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"not a boolean: {text!r}")
+    raise ValueError(f"not a boolean: {text!r}")  # ('' too: a Compose ${X:-} pass-through turned a default on off)
 
 
 def _converter(tp: Any):

@@ -207,6 +207,19 @@ def test_gpus_asked_for_beyond_the_visible_ones_are_one_line_before_anything_sta
     assert says in str(e.value)
 
 
+@pytest.mark.parametrize("value, ok", [("", False), ("off", True), ("maybe", False)])
+def test_an_empty_boolean_variable_is_an_error_not_false(value, ok):
+    from batcher.config import BatcherConfig
+    from laneserve.config import from_args
+
+    env = {"LANESERVE_ENABLE_PREFIX_CACHING": value}
+    if ok:
+        assert from_args(BatcherConfig, env=env).enable_prefix_caching is False
+        return
+    with pytest.raises(SystemExit, match=f"invalid LANESERVE_ENABLE_PREFIX_CACHING={value!r}: not a boolean"):
+        from_args(BatcherConfig, env=env)
+
+
 def test_a_documented_negative_value_passes_the_bounds():
     from laneserve.config import check_numbers
     from workers.config import WorkerConfig
