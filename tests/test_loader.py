@@ -167,8 +167,9 @@ def test_kv_cache_memory_parsing():
 
     assert [parse_bytes(t) for t in ("", "0", "1048576", "256MiB", "2GiB", "1.5GB", "64k")] == [
         0, 0, 1 << 20, 256 << 20, 2 << 30, 1_500_000_000, 64_000]
-    with pytest.raises(ValueError, match="kv-cache-memory"):
-        parse_bytes("lots")
+    for bad in ("lots", "1.2.3", "."):  # (1.2.3 was float()'s error, naming no flag)
+        with pytest.raises(ValueError, match="kv-cache-memory"):
+            parse_bytes(bad)
 
 
 def test_vllms_dtype_aliases_are_the_same_dtypes():

@@ -189,7 +189,7 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "m
 
 def parse_bytes(text: str) -> int:
     """'256MiB', '2GiB', '1.5GB', '1048576' -> bytes; '' or '0' -> 0 (= auto)."""
-    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?(?:e[0-9]+)?|\.[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not str(text).strip():
         return 0
     if not m or m.group(2).lower() not in _UNITS:
