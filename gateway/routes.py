@@ -379,8 +379,8 @@ class _Run:
         self.model = api.tok.model_id
         self.response: web.StreamResponse | None = None
         opts = req.stream_options if req.stream else None
-        self.continuous_usage = bool(opts and opts.continuous_usage_stats)
-        self.include_usage = bool(opts and opts.include_usage) or self.continuous_usage
+        self.include_usage = bool(opts and opts.include_usage)
+        self.continuous_usage = self.include_usage and bool(opts.continuous_usage_stats)  # (vLLM's: it needs both)
         self.submitted = time.monotonic()  # handed to the batcher
         self.sizes: dict[str, tuple[int, int]] = {}  # request id -> (prompt tokens, max_tokens), for the metrics
         # request id -> when a step first scheduled it, on this clock: the hand-off plus the batcher's wait

@@ -119,6 +119,11 @@ async def test_continuous_usage_stats_put_usage_in_every_chunk(stack):
     assert all(u is not None for u in usages) and usages[-1]["completion_tokens"] == 32, usages
     counts = [u["completion_tokens"] for u in usages]
     assert counts == sorted(counts) and counts[0] < 32, usages
+    body["stream_options"] = {"continuous_usage_stats": True}  # without include_usage: none at all, as vLLM
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{stack.base_url}/v1/completions", json=body) as r:
+            chunks = [json.loads(line[6:]) async for line in r.content if line.startswith(b"data: {")]
+    assert chunks and not any("usage" in c for c in chunks)
 
 
 def test_retry_after_is_jittered_and_given_in_ms_too():
