@@ -36,9 +36,9 @@ MAX_LINGERING = 64  # refused connections kept open for LINGER_S at once; more a
 def _error_bytes(err: ApiError) -> bytes:
     """A whole HTTP/1.1 503 response, for a connection refused before aiohttp parses anything."""
     body = msgspec.json.encode(err.body())
+    retry = "".join(f"{k}: {v}\r\n" for k, v in err.retry_headers().items())
     head = (f"HTTP/1.1 {err.status} Service Unavailable\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nRetry-After: {max(1, round(err.retry_after or 1))}\r\n"
-            "Connection: close\r\n\r\n")
+            f"Content-Length: {len(body)}\r\n{retry}Connection: close\r\n\r\n")
     return head.encode() + body
 
 

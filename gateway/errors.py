@@ -45,16 +45,18 @@ class ApiError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def retry_headers(self) -> dict[str, str]:
+        """Retry-After, jittered so rejected clients spread their retries; retry-after-ms (read by the openai SDK)
+        carries it exactly, Retry-After in whole seconds (at least 1). None without retry_after."""
+        if self.retry_after is None:
+            return {}
+        ms = max(1, round(self.retry_after * random.uniform(1 - RETRY_JITTER, 1 + RETRY_JITTER) * 1000))
+        return {"Retry-After": str(max(1, round(ms / 1000))),  # (from ms: 1499.6 ms was 1 s but 1,500 ms)
+                "retry-after-ms": str(ms)}
+
     def response(self) -> web.Response:
-        headers = {}
-        if self.retry_after is not None:
-            # jittered, so rejected clients spread their retries; retry-after-ms (read by the openai SDK) carries it
-            # exactly, Retry-After in whole seconds (at least 1)
-            ms = max(1, round(self.retry_after * random.uniform(1 - RETRY_JITTER, 1 + RETRY_JITTER) * 1000))
-            headers["Retry-After"] = str(max(1, round(ms / 1000)))  # (from ms: 1499.6 ms was 1 s but 1,500 ms)
-            headers["retry-after-ms"] = str(ms)
         return web.Response(status=self.status, body=msgspec.json.encode(self.body()),
-                            content_type="application/json", headers=headers)
+                            content_type="application/json", headers=self.retry_headers())
 
     def sse(self) -> bytes:
         """The error as an SSE event, for a stream that already began (the openai SDK raises it)."""

@@ -14,6 +14,7 @@
 #     "lead:--slo-ttft-ms 120 --slo-tpot-ms 30 --max-num-batched-tokens 8192 --schedule-lead-ms 3"
 # Each argument is NAME:SERVE_ARGS, or NAME@DIR:SERVE_ARGS for a server run from DIR's code (another commit's
 # files, e.g. `git archive COMMIT | tar -x -C DIR`, carried beside the tree; the load tester stays this tree's).
+# RATES defaults to 8,12,16,20,24 and SEEDS to 2 (the headline capacities in README.md and docs/perf.md: SEEDS=3).
 # LOAD_ARGS overrides the replay's shape; PROMPT_MODE is ids or text; MODEL_ARGS the model (a dry run on a CPU:
 # MODEL_ARGS="--model tiny"); CLIENT_PROCS the load tester's processes (4; before 2026-12-05's last commits the
 # sweeps here ran one); OFFLINE_RUNS adds issue 19's offline throughput runs (1,000
