@@ -1,7 +1,12 @@
 # Sourced by the device scripts here: wheels the GPU image lacks (pyzmq, msgspec, llguidance), carried by the device
 # call as .whl/, installed to /tmp/site; PYTHONPATH set either way.
 if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  # one at a time, in name order: a newer wheel of the same package (llguidance 1.9, manylinux_2_31) replaces an older
+  # one (1.6, manylinux_2_28) where the image's glibc takes it, and one it refuses leaves the rest installed
+  for wheel in .whl/*.whl; do
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$wheel" \
+      || echo "device_env: $wheel not installed"
+  done
   export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD
