@@ -335,6 +335,9 @@ def check_prompt_scoring_size(scored_tokens: int, k: int) -> None:
                           "sequences, or ask for a smaller k.", param="prompt_logprobs")
 
 
+MIN_TEMPERATURE = 0.01  # vLLM's: a temperature above 0 and below it samples at it (smaller ones overflow)
+
+
 def sampling_params(req: _Sampling, tok: ModelTokenizer, max_tokens: int, logprobs: int | None,
                     index: int = 0, prompt_logprobs: int | None = None) -> SamplingParams:
     """The SamplingParams of choice `index` (seeded choices get seed + index, as vLLM does)."""
@@ -342,13 +345,14 @@ def sampling_params(req: _Sampling, tok: ModelTokenizer, max_tokens: int, logpro
     if min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens}).", param="min_tokens")
     top_k = req.top_k or 0
+    temperature = 1.0 if req.temperature is None else float(req.temperature)
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else float(req.temperature),
+        temperature=max(temperature, MIN_TEMPERATURE) if temperature > 0 else 0.0,
         top_p=1.0 if req.top_p is None else float(req.top_p),
         top_k=0 if top_k < 0 else min(top_k, tok.vocab_size),
         min_p=float(req.min_p or 0.0),
-        seed=None if req.seed is None else req.seed + index,
+        seed=None if req.seed in (None, -1) else req.seed + index,  # (-1: none, as vLLM)
         stop_token_ids=stop_token_ids(req, tok),
         min_tokens=min_tokens,
         repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),

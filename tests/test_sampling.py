@@ -21,6 +21,12 @@ def test_top_k_mask_keeps_the_k_largest_per_row():
     assert drop.tolist() == [[True, False, False, True], [False] * 4, [False] * 4]
 
 
+def test_top_k_keeps_tokens_tied_with_the_kth_as_vllm():
+    logits = torch.tensor([[2.0, 2.0, 1.0, 0.0], [3.0, 1.0, 1.0, 1.0]])
+    drop = top_k_top_p_mask(logits, torch.tensor([1, 2]), torch.tensor([1.0, 1.0]))
+    assert drop.tolist() == [[False, False, True, True], [False] * 4]
+
+
 def test_top_p_keeps_smallest_prefix_reaching_p():
     probs = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
     logits = probs.log()

@@ -137,6 +137,20 @@ def test_sampling_takes_only_tokens_the_mask_allows():
         assert tokens[2] == int(logits[2].argmax())
 
 
+def test_a_masked_rows_logprobs_are_of_the_tokens_the_grammar_allows():
+    """vLLM masks the logits before its sampler, so its raw logprobs are the allowed tokens' (a review found
+    ours listing forbidden tokens as the top ones)."""
+    logits = torch.tensor([[5.0, 1.0, 0.0, 3.0], [5.0, 1.0, 0.0, 3.0]])
+    m = torch.tensor([0b0110], dtype=torch.int32).numpy().tobytes()  # tokens 1 and 2
+    rows = [SampleRow(SamplingParams(temperature=0.0, logprobs=2), [1], 1, allowed=m),
+            SampleRow(SamplingParams(temperature=0.0, logprobs=1), [1], 1)]
+    tokens, lps = sample(logits.clone(), rows)
+    allowed = torch.tensor([1.0, 0.0]).log_softmax(-1)
+    assert tokens == [1, 0] and lps[0].top_ids == [1, 2] and lps[0].logprob == pytest.approx(allowed[0].item())
+    assert lps[0].top_logprobs == pytest.approx(allowed.tolist())
+    assert lps[1].top_ids == [0] and lps[1].logprob == pytest.approx(logits[1].log_softmax(-1)[0].item())
+
+
 # ---------------------------------------------------------------- batcher: matchers and masks, simulated time
 def grammars() -> Grammars:
     g = Grammars()

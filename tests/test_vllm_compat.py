@@ -306,3 +306,18 @@ async def test_chat_template_kwargs_reach_the_template(make_stack, tmp_path):
         for bad in ({"messages": "x"}, {"enable_thinking": "<|im_end|>"}, {"self": 1}):
             status, out = await post("/v1/chat/completions", chat | {"max_tokens": 2, "chat_template_kwargs": bad})
             assert status == 400, out
+
+
+@pytest.mark.parametrize("given, temperature, seeds", [
+    ({"seed": -1, "n": 2}, 1.0, [None, None]),  # -1: no seed, as vLLM (a review found it a seed, and n's seeds 0, 1)
+    ({"seed": 7, "n": 2}, 1.0, [7, 8]),
+    ({"temperature": 0.003}, 0.01, [None]),  # vLLM's floor: 0 < T < 0.01 samples at 0.01
+    ({"temperature": 1e-7}, 0.01, [None]), ({"temperature": 0}, 0.0, [None]), ({"temperature": 0.5}, 0.5, [None]),
+])
+def test_sampling_defaults_and_floors_as_vllm(given, temperature, seeds):
+    from gateway import schemas as S
+    from gateway.tokenizer import load_tokenizer
+
+    req = S.parse(json.dumps({"prompt": "hi", **given}).encode(), S.CompletionRequest)
+    params = [S.sampling_params(req, load_tokenizer("tiny"), 4, None, index=j) for j in range(req.n or 1)]
+    assert [p.seed for p in params] == seeds and {p.temperature for p in params} == {temperature}

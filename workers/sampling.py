@@ -11,15 +11,16 @@ Semantics (vLLM's):
 - logit_bias: each (token, bias) added to that token's logit first, before everything below.
 - min_tokens: the request's stop_token_ids are masked until it has that many outputs.
 - structured output: a row with an `allowed` bitmask (its grammar's, from the batcher) may only sample the
-  tokens it allows; applied after the penalties, before temperature and the top-k/top-p/min-p filters, so
-  those act on the allowed tokens alone (vLLM's order).
+  tokens it allows; applied to the logits first, as vLLM's model runner applies it before its sampler: its
+  logprobs are of the allowed tokens, and the filters below act on them alone.
 - order: logit_bias -> penalties -> temperature -> min-p -> top-k -> top-p (top-p on the top-k
   renormalised distribution) -> sample as argmax(probs / Exp(1) noise).
 - seed: a seeded request's noise comes from a generator seeded with (seed, output index),
   so its tokens depend on nothing but its own seed and history: not on batch mates, not
   on preemption and recompute.
 - logprobs: of the model's raw distribution (log_softmax of the logits before penalties,
-  temperature and masks), vLLM's default "raw_logprobs": the sampled token's plus top-N.
+  temperature and filters; a grammar's mask applied), vLLM's default "raw_logprobs": the sampled token's plus
+  top-N.
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(V, device=logits.device)[None, :]
     k = torch.where(top_k > 0, top_k, V).clamp(max=V)
-    drop_sorted = rank >= k[:, None]
+    # past the k-th, except tokens tied with it (vLLM keeps every logit >= the k-th's: bf16 logits tie often)
+    drop_sorted = (rank >= k[:, None]) & (sorted_logits < sorted_logits.gather(1, (k - 1)[:, None]))
     probs = sorted_logits.masked_fill(drop_sorted, float("-inf")).softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     p = torch.where(top_p < 1.0, top_p, 2.0)  # top_p 1: never drop, whatever the rounding of cumsum
@@ -187,9 +189,11 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
 def sample_on_device(logits: torch.Tensor, rows: list[SampleRow]) -> Sampled:
     """The sampling kernels for logits [B, V], launched without waiting for the device: every decision
     about which kernels to run is taken from the rows' (host) parameters."""
-    logits = raw = logits.float()
+    logits = logits.float()
     B, V = logits.shape
     device = logits.device
+    if any(r.allowed is not None for r in rows):  # (a copy: .float() of fp32 logits is the model's own tensor)
+        logits = apply_allowed(logits.clone(), rows)
     raw_logprobs = logits.log_softmax(dim=-1) if any(r.params.logprobs is not None for r in rows) else None
     if any(r.params.logit_bias for r in rows):
         logits = logits.clone()
@@ -210,9 +214,6 @@ def sample_on_device(logits: torch.Tensor, rows: list[SampleRow]) -> Sampled:
            for r in rows):
         logits = logits.clone()
         apply_penalties(logits, rows)
-
-    if any(r.allowed is not None for r in rows):
-        logits = apply_allowed(logits if logits is not raw else logits.clone(), rows)
 
     tokens = logits.argmax(dim=-1)
     temps = [r.params.temperature for r in rows]
