@@ -24,7 +24,7 @@ from gateway.errors import ApiError
 from gateway.memory import HeapTrimmer, mmap_large_blocks
 from gateway.metrics import PREFIXES, Metrics, watch_loop_lag
 from gateway.routes import ARRIVAL, Api
-from gateway.tokenizer import ModelTokenizer, load_tokenizer, read_chat_template
+from gateway.tokenizer import ModelTokenizer, load_tokenizer, model_sampling_defaults, read_chat_template
 from laneserve.gcheap import freeze_startup_heap
 from laneserve.wire.protocol import EngineStats, Vocabulary
 
@@ -144,6 +144,13 @@ def create_app(cfg: GatewayConfig, tokenizer: ModelTokenizer | None = None) -> w
         raise SystemExit(f"--tool-call-parser must be one of {', '.join(tool_calls.PARSERS)} (or ''), got "
                          f"{cfg.tool_call_parser!r}")
     tok = tokenizer or load_tokenizer(cfg.model, cfg.served_model_name, cfg.max_model_len, cfg.tokenizer)
+    if cfg.generation_config not in ("auto", "vllm"):
+        raise SystemExit(f"--generation-config must be auto or vllm, got {cfg.generation_config!r}")
+    if cfg.generation_config == "auto" and tokenizer is None:
+        tok.sampling_defaults = model_sampling_defaults(cfg.model)
+        if tok.sampling_defaults:  # (as vLLM says it)
+            log.warning("the model's generation_config.json sets the sampling defaults %s: --generation-config vllm "
+                        "to use laneserve's", tok.sampling_defaults)
     if cfg.chat_template:
         tok.chat_template = read_chat_template(cfg.chat_template)
     middlewares = [error_middleware]

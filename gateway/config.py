@@ -22,6 +22,10 @@ class GatewayConfig:
     tokenizer: str = field(default="", metadata=flag(
         "an HF tokenizer dir (tokenizer.json + tokenizer_config.json) to use instead of the model's own tokenizer; "
         "the model still sets the context length ('' = the model's)"))
+    generation_config: str = field(default="auto", metadata=flag(
+        "auto: the model dir's generation_config.json sampling values (temperature, top_p, top_k, min_p, "
+        "repetition_penalty) are the defaults of a request that leaves them out, as vLLM's --generation-config "
+        "auto; vllm: they are not (temperature 1, top_p 1, no top_k)"))
     chat_template: str = field(default="", metadata=flag(
         "a Jinja chat template to use instead of the tokenizer's: a file's path, or the template itself (as vLLM's "
         "--chat-template); '' = the tokenizer's own"))

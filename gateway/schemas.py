@@ -344,18 +344,20 @@ def sampling_params(req: _Sampling, tok: ModelTokenizer, max_tokens: int, logpro
     min_tokens = req.min_tokens or 0
     if min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens}).", param="min_tokens")
-    top_k = req.top_k or 0
-    temperature = 1.0 if req.temperature is None else float(req.temperature)
+    given = tok.sampling_defaults  # (the model's generation_config.json, --generation-config auto)
+    top_k = int(given.get("top_k", 0) if req.top_k is None else req.top_k)
+    temperature = float(given.get("temperature", 1.0) if req.temperature is None else req.temperature)
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=max(temperature, MIN_TEMPERATURE) if temperature > 0 else 0.0,
-        top_p=1.0 if req.top_p is None else float(req.top_p),
+        top_p=float(given.get("top_p", 1.0) if req.top_p is None else req.top_p),
         top_k=0 if top_k < 0 else min(top_k, tok.vocab_size),
-        min_p=float(req.min_p or 0.0),
+        min_p=float(given.get("min_p", 0.0) if req.min_p is None else req.min_p),
         seed=None if req.seed in (None, -1) else req.seed + index,  # (-1: none, as vLLM)
         stop_token_ids=stop_token_ids(req, tok),
         min_tokens=min_tokens,
-        repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
+        repetition_penalty=float(given.get("repetition_penalty", 1.0) if req.repetition_penalty is None
+                                 else req.repetition_penalty),
         presence_penalty=float(req.presence_penalty or 0.0),
         frequency_penalty=float(req.frequency_penalty or 0.0),
         logprobs=logprobs,

@@ -24,7 +24,7 @@ import jinja2.sandbox
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from gateway import gguf_tokenizer
-from laneserve import modelspec
+from laneserve import modelspec, sampling
 
 CHATML_TEMPLATE = (  # an assistant turn's tool calls as <tool_call> JSON lines after its text (which may be none)
     "{% for message in messages %}"
@@ -57,6 +57,8 @@ class ModelTokenizer:
     chat_template: str | None = None
     template_vars: dict = field(default_factory=dict)  # other special tokens the template may use
     add_bos_token: bool = False  # prepend bos when tokenizer.json's post-processor does not
+    # a request's sampling values where it gives none (--generation-config auto: model_sampling_defaults)
+    sampling_defaults: dict = field(default_factory=dict)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # encode_batch releases the GIL while it works (encode does not): the gateway tokenizes in a thread, and the
@@ -317,6 +319,33 @@ def _model_id(model: str, path: str) -> str:
     if path.endswith(".gguf"):
         return os.path.basename(path)[: -len(".gguf")]
     return os.path.basename(os.path.normpath(path))
+
+
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def model_sampling_defaults(model: str) -> dict:
+    """The sampling values of an HF model dir's generation_config.json (vLLM's `--generation-config auto` takes the
+    same keys but max_new_tokens), checked as a request's are; {} for tiny, a GGUF file or none given. SystemExit
+    naming the file for a value out of range."""
+    from laneserve import gguf_file
+
+    if model == "tiny":
+        return {}
+    try:
+        path = gguf_file.resolve_model(model)
+    except ValueError:
+        return {}
+    file = os.path.join(path, "generation_config.json")
+    if not os.path.isdir(path) or not os.path.exists(file):
+        return {}
+    gcfg = _read_json(file)
+    found = {k: gcfg[k] for k in SAMPLING_DEFAULT_KEYS
+             if isinstance(gcfg.get(k), (int, float)) and not isinstance(gcfg.get(k), bool)}
+    bad = sampling.check_sampling(found)
+    if bad is not None:
+        raise SystemExit(f"{file}: {bad[1]} (--generation-config vllm ignores the file's sampling values)")
+    return found
 
 
 def _model_limits(path: str, name: str) -> ModelTokenizer:

@@ -173,3 +173,30 @@ def test_stop_strings_wait_for_min_tokens_as_vllm():
     assert ts.add(TINY.encode("ba")) == "aab" and ts.stop_str == "a"  # the fifth token's 'a' ends it
     ts = TextStream(TINY, None, stops=["xyz"], min_tokens=2)
     assert ts.add(TINY.encode("xy")) == "" and ts.add(TINY.encode("z")) == "" and ts.stop_str == "xyz"
+
+
+@pytest.mark.parametrize("mode", ["auto", "vllm"])
+def test_the_models_generation_config_sets_a_requests_sampling_defaults_as_vllm(hf_dir, tmp_path, mode):
+    """vLLM's --generation-config auto (its default): a model dir's sampling values are the defaults of a request
+    that leaves them out (a review found them ignored: Qwen2.5 sampled at temperature 1 where vLLM uses 0.7)."""
+    import shutil
+
+    from gateway import schemas as S
+    from gateway.app import API_KEY, create_app
+    from gateway.config import GatewayConfig
+
+    d = tmp_path / "m"
+    shutil.copytree(hf_dir, d)
+    (d / "generation_config.json").write_text(json.dumps({
+        "eos_token_id": 257, "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
+        "repetition_penalty": 1.05, "max_new_tokens": 10}))
+    app = create_app(GatewayConfig(model=str(d), generation_config=mode, batcher_address=f"ipc://{tmp_path}/b"))
+    tok = app[API_KEY].tok
+    params = [S.sampling_params(S.parse(json.dumps(body).encode(), S.CompletionRequest), tok, 4, None)
+              for body in ({"prompt": "x"}, {"prompt": "x", "temperature": 0, "top_k": -1, "top_p": 1})]
+    penalty = 1.05 if mode == "auto" else 1.0  # (the second request leaves it out too)
+    assert [(p.temperature, p.top_p, p.top_k, p.repetition_penalty) for p in params] == [
+        (0.7, 0.8, 20, 1.05) if mode == "auto" else (1.0, 1.0, 0, 1.0), (0.0, 1.0, 0, penalty)]
+    (d / "generation_config.json").write_text(json.dumps({"top_p": 2.0}))
+    with pytest.raises(SystemExit, match=r"generation_config\.json: top_p must be in \(0\.0, 1\.0\], got 2\.0"):
+        create_app(GatewayConfig(model=str(d), batcher_address=f"ipc://{tmp_path}/b"))
