@@ -47,7 +47,7 @@ class ApiError(Exception):
 
     def retry_headers(self) -> dict[str, str]:
         """Retry-After, jittered so rejected clients spread their retries; retry-after-ms (read by the openai SDK)
-        carries it exactly, Retry-After in whole seconds (at least 1). None without retry_after."""
+        carries it exactly, Retry-After in whole seconds (at least 1). None ({}) without retry_after."""
         if self.retry_after is None:
             return {}
         ms = max(1, round(self.retry_after * random.uniform(1 - RETRY_JITTER, 1 + RETRY_JITTER) * 1000))
