@@ -246,7 +246,7 @@ class ChatShape(_Shape):
     def _entry(self, token_id: int, logprob: float, as_id: bool) -> dict:
         """OpenAI's entry: the token's text (or "token_id:N"), its logprob, and its own bytes (a piece of a UTF-8
         character is that piece, not the U+FFFD its text shows)."""
-        return {"token": self.token_text(token_id, as_id), "logprob": logprob,
+        return {"token": self.token_text(token_id, as_id), "logprob": max(logprob, MIN_LOGPROB),  # (a grammar's -inf)
                 "bytes": list(self.tok.token_bytes(token_id))}
 
     def logprobs(self, ids: list[int], lps: list, as_id: bool = False) -> dict | None:

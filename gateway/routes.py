@@ -74,6 +74,9 @@ class Api:
         self.cfg = cfg
         self.tok = tok
         self.metrics = metrics
+        # the names a request's `model` may give: the served id, and without --served-model-name the --model string
+        # as given too (vLLM's served name; lm-eval and LiteLLM configs send the path)
+        self.model_names = {tok.model_id} | (set() if cfg.served_model_name else {cfg.model, cfg.model.rstrip("/")})
         self.client: BatcherClient | None = None  # set on startup (needs the running loop)
         self.in_flight = 0  # sequences submitted and not finished (admission cap)
         self.active = 0  # generation handlers running (graceful drain waits for 0)
@@ -262,7 +265,7 @@ class Api:
             run.queue.put_nowait(BatcherLost(reason))
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.tok.model_id:
+        if model is not None and model not in self.model_names:
             raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
     def _template_kwargs(self, kwargs: dict | None) -> dict:

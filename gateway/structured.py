@@ -15,6 +15,8 @@ Must not import torch.
 from __future__ import annotations
 
 import json
+import random
+import string
 import uuid
 from dataclasses import dataclass
 from functools import lru_cache
@@ -25,6 +27,7 @@ from gateway import tool_calls
 from gateway.errors import bad_request
 
 _FORMATS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+ALPHANUMERIC = string.ascii_letters + string.digits
 
 
 @dataclass
@@ -217,11 +220,6 @@ def _rebase(schema, prefix: str):
     return schema
 
 
-def _call(name: str, arguments: str, index: int) -> dict:
-    return {"index": index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
-
-
 class ToolOutput:
     """One chat choice's text as tool calls. Streaming: feed() each text piece -> (content to send, tool-call
     deltas to send); finish() -> the same for what was held back. Whole: calls(text) -> (content, calls)."""
@@ -233,6 +231,13 @@ class ToolOutput:
         self.named_sent = False
         self.held: list[str] = []  # required: the JSON list, parsed at the end
         self.called = False  # calls were found (finish_reason tool_calls, but for a named function: stop)
+
+    def _call(self, name: str, arguments: str, index: int) -> dict:
+        # Mistral's chat templates take back only 9-character alphanumeric call ids (vLLM's mistral parser makes
+        # such ones): a client sending the calls back with their results would get a 400 from the template
+        call_id = "".join(random.choices(ALPHANUMERIC, k=9)) if self.parser == "mistral" else \
+            f"call_{uuid.uuid4().hex[:24]}"
+        return {"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
     def finish_reason(self, reason: str | None) -> str | None:
         """OpenAI's: tool_calls when the model stopped after calling tools (a named function's call: stop)."""
@@ -246,10 +251,10 @@ class ToolOutput:
 
     def _calls(self, text: str) -> tuple[str | None, list[dict]]:
         if self.c.tools == "named":
-            return None, [_call(self.c.tool_name, text, 0)]
+            return None, [self._call(self.c.tool_name, text, 0)]
         if self.c.tools == "required":
             try:  # the grammar's list of calls, unless max_tokens cut it or it nests past Python's recursion limit
-                return None, [_call(it["name"], json.dumps(it["parameters"], ensure_ascii=False), i)
+                return None, [self._call(it["name"], json.dumps(it["parameters"], ensure_ascii=False), i)
                               for i, it in enumerate(json.loads(text))]
             except (ValueError, RecursionError):
                 return text, []
@@ -258,13 +263,13 @@ class ToolOutput:
 
     def _parsed(self, found: list[tool_calls.ParsedCall]) -> list[dict]:
         """The calls a parser found, as OpenAI's (the first only, with parallel_tool_calls false)."""
-        return [_call(f.name, f.arguments, i) for i, f in enumerate(found if self.c.parallel else found[:1])]
+        return [self._call(f.name, f.arguments, i) for i, f in enumerate(found if self.c.parallel else found[:1])]
 
     def feed(self, piece: str) -> tuple[str, list[dict]]:
         if self.c.tools == "named":  # the arguments stream as they come
             if not self.named_sent:
                 self.named_sent = True
-                return "", [_call(self.c.tool_name, piece, 0)]
+                return "", [self._call(self.c.tool_name, piece, 0)]
             return "", [{"index": 0, "function": {"arguments": piece}}] if piece else []
         if self.c.tools == "required":
             self.held.append(piece)
@@ -273,7 +278,7 @@ class ToolOutput:
 
     def finish(self) -> tuple[str, list[dict]]:
         if self.c.tools == "named":
-            return "", [] if self.named_sent else [_call(self.c.tool_name, "", 0)]
+            return "", [] if self.named_sent else [self._call(self.c.tool_name, "", 0)]
         if self.c.tools == "required":
             content, calls = self.calls("".join(self.held))
             return content or "", calls

@@ -474,3 +474,23 @@ async def test_a_constrained_request_survives_a_worker_loss_and_a_grammar_needs_
     ds = first + rest
     assert [d.finish_reason for d in ds if d.finish_reason is not None] == [FinishReason.STOP]
     jsonschema.validate(json.loads(TOK.decode([t for d in ds for t in d.new_token_ids])), SCHEMA)
+
+
+@pytest.mark.parametrize("parser, pattern", [("mistral", r"[A-Za-z0-9]{9}"), ("hermes", r"call_[0-9a-f]{24}")])
+def test_tool_call_ids_are_the_form_the_parsers_chat_templates_take_back(parser, pattern):
+    """Mistral's templates refuse any call id but 9 alphanumeric characters (a review found ours refused with a 400
+    when a client sent the calls back with their results); vLLM's mistral parser makes such ids."""
+    import re
+
+    out = structured.ToolOutput(structured.Constraint("", "named", "f"), parser)
+    _, calls = out.calls("{}")
+    assert re.fullmatch(pattern, calls[0]["id"]) and calls[0]["function"] == {"name": "f", "arguments": "{}"}
+
+
+def test_a_chat_logprob_of_minus_infinity_is_shown_as_vllm_shows_it():
+    """A grammar's mask makes forbidden tokens' logprobs -inf, which JSON writes as null; vLLM shows -9999.0."""
+    from gateway.output import MIN_LOGPROB, ChatShape
+    from laneserve.wire.protocol import TokenLogprobs
+
+    shown = ChatShape(TOK).logprobs([65], [TokenLogprobs(-0.5, [65, 66], [-0.5, float("-inf")])])["content"][0]
+    assert shown["logprob"] == -0.5 and [e["logprob"] for e in shown["top_logprobs"]] == [-0.5, MIN_LOGPROB]

@@ -200,3 +200,20 @@ def test_the_models_generation_config_sets_a_requests_sampling_defaults_as_vllm(
     (d / "generation_config.json").write_text(json.dumps({"top_p": 2.0}))
     with pytest.raises(SystemExit, match=r"generation_config\.json: top_p must be in \(0\.0, 1\.0\], got 2\.0"):
         create_app(GatewayConfig(model=str(d), batcher_address=f"ipc://{tmp_path}/b"))
+
+
+def test_a_request_may_name_the_model_by_the_model_flag_as_vllm_serves_it(hf_dir, tmp_path):
+    """vLLM serves `--model PATH` as PATH; ours as the dir's name, and a request giving PATH got a 404 (a review)."""
+    from gateway.app import API_KEY, create_app
+    from gateway.config import GatewayConfig
+    from gateway.errors import ApiError
+
+    path = str(hf_dir)
+    api = create_app(GatewayConfig(model=path + "/", batcher_address=f"ipc://{tmp_path}/b"))[API_KEY]
+    for name in (path + "/", path, hf_dir.name, None):  # (as given, without its trailing slash, the dir's name)
+        api._check_model(name)
+    named = create_app(GatewayConfig(model=path, served_model_name="m", batcher_address=f"ipc://{tmp_path}/b"))
+    for name in (path, hf_dir.name):  # --served-model-name: that name alone, as vLLM
+        with pytest.raises(ApiError, match="does not exist"):
+            named[API_KEY]._check_model(name)
+    named[API_KEY]._check_model("m")
