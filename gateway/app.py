@@ -16,7 +16,7 @@ import time
 
 from aiohttp import web
 
-from gateway import tool_calls
+from gateway import cors, tool_calls
 from gateway.client import BatcherClient
 from gateway.config import AUTO_BODY_CAP, GatewayConfig
 from gateway.connections import Connection, Guard, raise_fd_limit
@@ -158,7 +158,9 @@ def create_app(cfg: GatewayConfig, tokenizer: ModelTokenizer | None = None) -> w
     if api_key:
         middlewares.append(auth_middleware(api_key))
     middlewares.append(body_middleware)
-    app = web.Application(client_max_size=body_limit(cfg, tok), middlewares=middlewares)
+    app = web.Application(client_max_size=body_limit(cfg, tok))
+    preflight = cors.install(app, cors.parse_origins(cfg.allowed_origins))  # (before the API key's check)
+    app.middlewares.extend(([preflight] if preflight else []) + middlewares)
     if cfg.metrics_prefix not in PREFIXES:
         raise SystemExit(f"--metrics-prefix must be one of {', '.join(PREFIXES)}, got {cfg.metrics_prefix!r}")
     metrics = Metrics(lambda: (api.client.stats, api.client.workers_alive) if api.client

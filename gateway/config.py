@@ -22,6 +22,9 @@ class GatewayConfig:
     tokenizer: str = field(default="", metadata=flag(
         "an HF tokenizer dir (tokenizer.json + tokenizer_config.json) to use instead of the model's own tokenizer; "
         "the model still sets the context length ('' = the model's)"))
+    allowed_origins: str = field(default="*", metadata=flag(
+        "CORS for browser clients, as vLLM's: '*' (the default) or a comma list of origins whose pages may call the "
+        "API (a preflight is answered before the API key's check); '' = no CORS headers"))
     generation_config: str = field(default="auto", metadata=flag(
         "auto: the model dir's generation_config.json sampling values (temperature, top_p, top_k, min_p, "
         "repetition_penalty) are the defaults of a request that leaves them out, as vLLM's --generation-config "

@@ -164,6 +164,36 @@ async def test_api_key_guards_everything_but_health_and_metrics(guarded):
             assert r.status == 200 and "laneserve:kv_cache_blocks_free" in await r.text()
 
 
+async def test_browser_clients_get_cors_as_from_vllm(guarded):
+    """A review found no CORS: a browser's preflight got the API key's 401 (vLLM allows every origin by default)."""
+    page = {"Origin": "https://app.example"}
+    async with aiohttp.ClientSession() as s:
+        async with s.options(guarded.url("/v1/chat/completions"), headers={
+                **page, "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type"}) as r:
+            assert r.status == 200  # before the API key's check: a preflight carries none
+            assert r.headers["Access-Control-Allow-Origin"] == "*"
+            assert "POST" in r.headers["Access-Control-Allow-Methods"]
+            assert r.headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+        body = {"prompt": "x", "max_tokens": 2, "stream": True}
+        async with s.post(guarded.url("/v1/completions"), json=body, headers={**AUTH, **page}) as r:
+            assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == "*"  # a stream's headers too
+            await r.read()
+        async with s.post(guarded.url("/v1/completions"), json=body, headers=page) as r:
+            assert r.status == 401 and r.headers["Access-Control-Allow-Origin"] == "*"  # (so the page reads why)
+        async with s.get(guarded.url("/health")) as r:
+            assert "Access-Control-Allow-Origin" not in r.headers  # no Origin, no CORS headers
+
+
+def test_an_origin_list_allows_those_origins_alone():
+    from gateway.cors import _allowed, parse_origins
+
+    origins = parse_origins(" https://a.example, https://b.example ")
+    assert [_allowed(origins, o) for o in ("https://a.example", "https://c.example", None)] == [
+        "https://a.example", None, None]
+    assert _allowed(parse_origins(""), "https://a.example") is None  # --allowed-origins '': off
+
+
 async def test_body_over_max_body_bytes_is_413(guarded):
     async with aiohttp.ClientSession() as s:
         err, _ = await _call(s, "POST", guarded.url("/v1/completions"), 413, json={"prompt": "x" * 5000},
