@@ -705,9 +705,14 @@ class Scheduler:
         bs = self.block_size
         bm = self.bm
         by_model = self.spec.draft_model
+        # blocks the requests still to come need for their one token each: drafts may not take them (a request's
+        # drafts taking the last free block had a later request preempted for its one token)
+        reserve = sum(1 for req in run_decodes if req.num_computed_tokens >= len(req.block_ids) * bs)
         for req in run_decodes:
             if budget <= 0:
                 break
+            if req.num_computed_tokens >= len(req.block_ids) * bs:
+                reserve -= 1  # (its own one token's block is its own to take)
             drafts, job = [], None
             if not req.num_output_placeholders and self._may_draft(req):
                 room = min(self.spec_k, budget - 1, req.length_limit - len(req.token_ids) - 1)
@@ -722,7 +727,8 @@ class Scheduler:
             done = req.num_computed_tokens + n
             if done > len(req.block_ids) * bs:
                 before = len(req.block_ids)
-                if not (k and bm.allocate(req, n)):  # drafts take free blocks only: they never preempt
+                if not (k and bm.num_free - bm.blocks_needed(req, n) >= reserve and bm.allocate(req, n)):
+                    # drafts take free blocks only, and none a later request's one token needs: they never preempt
                     if k:
                         drafts, n, done = [], 1, req.num_computed_tokens + 1
                         job = DraftJob(job.start, job.stop, 0) if job is not None else None

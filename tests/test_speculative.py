@@ -519,3 +519,22 @@ async def test_stack_gives_the_same_text_with_drafts_streamed_or_not(stack, make
     steps = next(float(line.split()[-1]) for line in metrics.splitlines()
                  if line.startswith("laneserve:spec_decode_num_steps_total"))
     assert steps > 0
+
+
+def test_drafts_never_take_the_block_a_later_decode_needs_for_its_one_token():
+    """A review found A's drafts taking the pool's last free block, so B (later in the step) was preempted for its
+    one token: drafts may take free blocks only, and not those the step's other decodes need."""
+    stop = 999
+
+    def model(rid: str, toks: list[int]) -> int:
+        return (6 if len(toks) == 15 else stop) if rid == "A" else 7  # A: one more of its pattern, then its stop
+
+    s = Scheduler(cfg(async_scheduling=False, speculative="ngram"), 3, BS, 8192, cost=CHEAP_VERIFY)
+    d = Driver(s, model)
+    s.add_request(AddRequest(request_id="A", prompt_token_ids=[5, 6] * 7 + [5], arrival_time=0.0,
+                             params=SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=(stop,))))
+    s.add_request(AddRequest(request_id="B", prompt_token_ids=list(range(100, 116)), arrival_time=0.0,
+                             params=SamplingParams(max_tokens=30, temperature=0.0)))
+    d.run()
+    assert s.preemptions == 0 and [len(d.tokens[r]) for r in "AB"] == [2, 30]
+    assert dict(d.steps[1].num_scheduled_tokens) == {"A": 1, "B": 1}  # A's drafts had no block to spare
