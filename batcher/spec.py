@@ -63,7 +63,8 @@ class NgramIndex:
 
     __slots__ = ("min_n", "max_n", "last", "done")
     # (n-grams that end more than INDEX_WINDOW tokens back are never indexed: a long context's first proposal would
-    # otherwise stall the batcher's step for ~0.25 s per 32k tokens)
+    # otherwise stall the batcher's step for ~0.25 s per 32k tokens; nor matched, and dropped from `last` once it
+    # holds twice the window's worth: a long generation's index grew with it)
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
@@ -80,6 +81,8 @@ class NgramIndex:
             for n in range(lo, min(hi, end) + 1):
                 last[tuple(tokens[end - n:end])] = end
         self.done = max(self.done, stop)
+        if len(last) > 2 * INDEX_WINDOW * (hi - lo + 1):  # entries from before the window dropped, now and then
+            self.last = {g: at for g, at in last.items() if at >= len(tokens) - INDEX_WINDOW}  # (amortised O(1))
         return max(stop - start, 0)
 
     def ready(self, tokens: list[int]) -> bool:
@@ -92,10 +95,10 @@ class NgramIndex:
             return []
         if self.done < len(tokens):
             self.grow(tokens)
-        last = self.last
+        last, oldest = self.last, len(tokens) - INDEX_WINDOW
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             start = last.get(tuple(tokens[-n:]))
-            if start is not None and start < len(tokens):
+            if start is not None and oldest <= start < len(tokens):
                 return tokens[start:start + k]
         return []
 

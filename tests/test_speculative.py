@@ -538,3 +538,19 @@ def test_drafts_never_take_the_block_a_later_decode_needs_for_its_one_token():
     d.run()
     assert s.preemptions == 0 and [len(d.tokens[r]) for r in "AB"] == [2, 30]
     assert dict(d.steps[1].num_scheduled_tokens) == {"A": 1, "B": 1}  # A's drafts had no block to spare
+
+
+def test_the_ngram_index_keeps_the_latest_window_only():
+    """A review found it growing with the generation (60k entries after 20k tokens) and proposing from position 3 of
+    a 6,000-token sequence, though it looks up the latest INDEX_WINDOW tokens only."""
+    from batcher.spec import INDEX_WINDOW
+
+    rng = random.Random(0)
+    tokens = [1, 2, 3, 4] + [rng.randrange(100, 10_000) for _ in range(20_000)] + [1, 2, 3]
+    index = NgramIndex(1, 3)
+    for end in range(1, len(tokens) + 1, 500):
+        index.grow(tokens[:end])
+    assert index.propose(tokens, 4) == []  # (1, 2, 3) last occurred 20k tokens back
+    assert len(index.last) <= 2 * INDEX_WINDOW * 3
+    recent = tokens + [7, 8, 9, 1, 2, 3]
+    assert index.propose(recent, 3) == [7, 8, 9]
