@@ -415,6 +415,11 @@ class Scheduler:
             if drafts:
                 drafters += 1
                 draft_context += r.num_computed_tokens
+        if by_model and not drafters and self.catchup:
+            # none caught up: priced as if those catching up had (their catch-up runs in steps with K > 0 only, so a
+            # prompt lagging more than DRAFT_CATCHUP behind never drafted unless another request did)
+            caught = [r for r in may_draft if r.request_id in self.catchup]
+            drafters, draft_context = len(caught), sum(r.num_computed_tokens for r in caught)
         others = len(self.running) - drafters
         other_context = total - draft_context
         return self.spec.choose_k(drafters, draft_context, self.fit.model, self.cfg.max_num_seqs, others,

@@ -109,6 +109,17 @@ def test_a_long_prompt_catches_up_over_several_steps_then_drafts():
     assert d.s.stats().spec_accepted > 0
 
 
+@pytest.mark.parametrize("others", [[], [(2 * DRAFT_CATCHUP + 100, 40)] * 2])
+def test_long_prompts_alone_catch_up_and_draft(others):
+    """A review found a prompt lagging more than DRAFT_CATCHUP never drafting unless a short request did: catch-up
+    runs in steps with K > 0 only, and K stayed 0 with no request caught up."""
+    prompt = DRAFT_CATCHUP + 100
+    d = _run(DRIVERS["sync"], {"async_scheduling": False, "speculative": "draft"}, pool=2048,
+             jobs=[(prompt, 60), *others])
+    drafted = {rid for step in d.steps for rid, job in step.draft_jobs.items() if job.k > 0}
+    assert drafted == {f"r{i}" for i in range(1 + len(others))} and d.s.stats().spec_accepted > 0
+
+
 @pytest.mark.parametrize("pool", [10, 14])
 def test_a_tight_pool_preempts_requests_with_draft_jobs_and_loses_nothing(pool):
     plain = _run(DRIVERS["sync"], {"async_scheduling": False}, pool=pool)
