@@ -259,8 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--max-input-tokens", type=count, default=None, help="cap each prompt (e.g. for a small model)")
     w.add_argument("--max-output-tokens", type=count, default=None, help="cap each output")
     w.add_argument("--salt", type=whole, default=0,
-                   help="tell this run's prompts from other runs' with the same --seed on the same server (as a sweep's "
-                        "runs are): their unique parts, and rag's fresh documents, differ by salt; 0: as before")
+                   help="tell this run's prompts from other runs' with the same --seed on the same server (as a "
+                        "sweep's runs are): their unique parts, and rag's fresh documents, differ by salt; 0: as "
+                        "before")
     _add_limits(w)
     _add_request_args(p)
     _add_output_args(p, "directory for report.json, records.jsonl and plots")
