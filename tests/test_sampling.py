@@ -110,6 +110,26 @@ def test_seeded_rows_ignore_batch_mates_and_depend_on_output_index():
     assert seed_for(42, 0) != seed_for(42, 1) != seed_for(43, 0)
 
 
+def test_seeded_rows_with_filters_on_tied_bf16_logits_ignore_their_batch_on_the_device():
+    """A seeded row's token is the same alone, in a batch of other filters, in a slice of it and again, where bf16
+    logits tie often at the top-k / top-p cutoff (WORKER_TEST_DEVICE=cuda runs it on a GPU: its sort and cumsum
+    must not depend on the batch's shape)."""
+    from tests.helpers_models import DEVICE
+
+    torch.manual_seed(0)
+    logits = (torch.randn(6, 3000) * 4).bfloat16().to(DEVICE)
+    kinds = [dict(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05), dict(temperature=1.0, top_k=20),
+             dict(temperature=1.3, top_p=0.95), dict(temperature=0.0), dict(temperature=1.0, min_p=0.1)]
+    for i in range(6):
+        seeded = row(tokens=[1] * 5, prompt=5, seed=1000 + i, **kinds[i % len(kinds)])
+        mates = [row(tokens=[1] * 5, prompt=5, temperature=1.0, top_k=j % 7, top_p=0.5 + 0.05 * j,
+                     presence_penalty=0.1 * (j % 3)) for j in range(6)]
+        mates[i] = seeded
+        alone = sample(logits[i:i + 1], [seeded])[0][0]
+        assert alone == sample(logits, mates)[0][i] == sample(logits[:i + 1], mates[:i + 1])[0][-1], i
+        assert sample(logits[i:i + 1], [seeded])[0][0] == alone
+
+
 def test_logprobs_are_raw_model_logprobs_with_top_n():
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [1.0, 3.0, 2.0, 0.0]])
     rows = [row(temperature=0.0, logprobs=2, presence_penalty=10.0, tokens=[0, 1]), row(temperature=0.0)]

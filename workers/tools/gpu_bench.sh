@@ -20,7 +20,7 @@ if [ "${SKIP_KERNELS:-0}" != 1 ]; then
   # the worker paths on the device (fp32): Triton backend (both decode kernels; the GEMV path), the draft model's
   # graph passes, the runner's (piecewise graphs against eager among them)
   WORKER_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_triton_backend.py \
-    tests/test_draft_model.py tests/test_runner.py -k "not stack" > "$OUT/worker_tests.txt" 2>&1
+    tests/test_draft_model.py tests/test_runner.py tests/test_sampling.py -k "not stack" > "$OUT/worker_tests.txt" 2>&1
   tail -5 "$OUT/worker_tests.txt" | tee -a "$OUT/kernels.txt"
 fi
 if [ "${PERSISTENT:-0}" = 1 ]; then  # issue 25: persistent against partitioned decode attention
