@@ -24,7 +24,8 @@ from gateway.errors import ApiError
 from gateway.memory import HeapTrimmer, mmap_large_blocks
 from gateway.metrics import PREFIXES, Metrics, watch_loop_lag
 from gateway.routes import ARRIVAL, Api
-from gateway.tokenizer import ModelTokenizer, load_tokenizer, model_sampling_defaults, read_chat_template
+from gateway.tokenizer import ModelTokenizer, load_tokenizer, read_chat_template
+from laneserve import sampling
 from laneserve.gcheap import freeze_startup_heap
 from laneserve.wire.protocol import EngineStats, Vocabulary
 
@@ -146,11 +147,15 @@ def create_app(cfg: GatewayConfig, tokenizer: ModelTokenizer | None = None) -> w
     tok = tokenizer or load_tokenizer(cfg.model, cfg.served_model_name, cfg.max_model_len, cfg.tokenizer)
     if cfg.generation_config not in ("auto", "vllm"):
         raise SystemExit(f"--generation-config must be auto or vllm, got {cfg.generation_config!r}")
-    if cfg.generation_config == "auto" and tokenizer is None:
-        tok.sampling_defaults = model_sampling_defaults(cfg.model)
-        if tok.sampling_defaults:  # (as vLLM says it)
-            log.warning("the model's generation_config.json sets the sampling defaults %s: --generation-config vllm "
-                        "to use laneserve's", tok.sampling_defaults)
+    if cfg.generation_config == "vllm":  # (the loader read an HF model dir's generation_config.json's)
+        tok.sampling_defaults = {}
+    elif tok.sampling_defaults:
+        bad = sampling.check_sampling(tok.sampling_defaults)  # checked as a request's values are
+        if bad is not None:
+            raise SystemExit(f"{cfg.model}: its generation_config.json: {bad[1]} (--generation-config vllm ignores "
+                             "the file's sampling values)")
+        log.warning("the model's generation_config.json sets the sampling defaults %s: --generation-config vllm "
+                    "to use laneserve's", tok.sampling_defaults)  # (as vLLM says it)
     if cfg.chat_template:
         tok.chat_template = read_chat_template(cfg.chat_template)
     middlewares = [error_middleware]

@@ -24,7 +24,7 @@ import jinja2.sandbox
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from gateway import gguf_tokenizer
-from laneserve import modelspec, sampling
+from laneserve import modelspec
 
 CHATML_TEMPLATE = (  # an assistant turn's tool calls as <tool_call> JSON lines after its text (which may be none)
     "{% for message in messages %}"
@@ -57,7 +57,7 @@ class ModelTokenizer:
     chat_template: str | None = None
     template_vars: dict = field(default_factory=dict)  # other special tokens the template may use
     add_bos_token: bool = False  # prepend bos when tokenizer.json's post-processor does not
-    # a request's sampling values where it gives none (--generation-config auto: model_sampling_defaults)
+    # a request's sampling values where it gives none: an HF model dir's generation_config.json's (--generation-config)
     sampling_defaults: dict = field(default_factory=dict)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -324,28 +324,11 @@ def _model_id(model: str, path: str) -> str:
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def model_sampling_defaults(model: str) -> dict:
-    """The sampling values of an HF model dir's generation_config.json (vLLM's `--generation-config auto` takes the
-    same keys but max_new_tokens), checked as a request's are; {} for tiny, a GGUF file or none given. SystemExit
-    naming the file for a value out of range."""
-    from laneserve import gguf_file
-
-    if model == "tiny":
-        return {}
-    try:
-        path = gguf_file.resolve_model(model)
-    except ValueError:
-        return {}
-    file = os.path.join(path, "generation_config.json")
-    if not os.path.isdir(path) or not os.path.exists(file):
-        return {}
-    gcfg = _read_json(file)
-    found = {k: gcfg[k] for k in SAMPLING_DEFAULT_KEYS
-             if isinstance(gcfg.get(k), (int, float)) and not isinstance(gcfg.get(k), bool)}
-    bad = sampling.check_sampling(found)
-    if bad is not None:
-        raise SystemExit(f"{file}: {bad[1]} (--generation-config vllm ignores the file's sampling values)")
-    return found
+def _sampling_defaults(gcfg: dict) -> dict:
+    """The sampling values of a generation_config.json (vLLM's `--generation-config auto` takes the same keys but
+    max_new_tokens); the gateway checks them as a request's when it uses them (gateway/app.py)."""
+    return {k: gcfg[k] for k in SAMPLING_DEFAULT_KEYS
+            if isinstance(gcfg.get(k), (int, float)) and not isinstance(gcfg.get(k), bool)}
 
 
 def _model_limits(path: str, name: str) -> ModelTokenizer:
@@ -354,7 +337,7 @@ def _model_limits(path: str, name: str) -> ModelTokenizer:
 
     if gguf_file.is_gguf(path):
         mc = modelspec.load_model_config(path)
-        vocab, max_len, eos = mc.vocab_size, mc.max_position_embeddings, mc.eos_token_ids
+        vocab, max_len, eos, defaults = mc.vocab_size, mc.max_position_embeddings, mc.eos_token_ids, {}
     else:
         mcfg = _read_json(os.path.join(path, "config.json"))
         text_cfg = mcfg.get("text_config", mcfg)
@@ -362,8 +345,10 @@ def _model_limits(path: str, name: str) -> ModelTokenizer:
         vocab = int(text_cfg.get("vocab_size") or 0)
         max_len = modelspec.max_position_embeddings(text_cfg)
         eos = tuple(dict.fromkeys(_as_ids(gcfg.get("eos_token_id")) + _as_ids(text_cfg.get("eos_token_id"))))
+        defaults = _sampling_defaults(gcfg)
     return ModelTokenizer(tokenizer=None, model_id=name, vocab_size=vocab,  # type: ignore[arg-type]
-                          max_model_len=max_len, eos_token_ids=tuple(eos))
+                          max_model_len=max_len, eos_token_ids=tuple(eos),
+                          sampling_defaults=defaults)
 
 
 def _override(model: ModelTokenizer, tokenizer_dir: str) -> ModelTokenizer:
@@ -374,6 +359,7 @@ def _override(model: ModelTokenizer, tokenizer_dir: str) -> ModelTokenizer:
     tok.vocab_size = max(model.vocab_size, tok.tokenizer.get_vocab_size(with_added_tokens=True))
     tok.max_model_len = model.max_model_len
     tok.eos_token_ids = tuple(dict.fromkeys(tok.eos_token_ids + model.eos_token_ids))
+    tok.sampling_defaults = model.sampling_defaults
     return tok
 
 
@@ -451,4 +437,4 @@ def _load_dir(path: str, served_model_name: str) -> ModelTokenizer:
     return ModelTokenizer(tokenizer=tokenizer, model_id=served_model_name or os.path.basename(os.path.normpath(path)),
                           vocab_size=vocab, max_model_len=max_len, eos_token_ids=tuple(eos_ids), bos_token=bos,
                           eos_token=eos, bos_token_id=bos_id, chat_template=template, template_vars=extra,
-                          add_bos_token=add_bos)
+                          add_bos_token=add_bos, sampling_defaults=_sampling_defaults(gcfg))
