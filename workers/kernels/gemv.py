@@ -68,11 +68,12 @@ GEMV_CONFIGS = {
     (32000, 4096): {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
 }
 # the same shapes' best at batch 1 on an H100 80GB HBM3 (2026-12-05, stop 42: 4.864 ms for a batch-1 step's weights
-# against 5.066 with the H200's configs and 5.131 with cuBLAS); chosen by the device's name
+# against 5.066 with the H200's configs and 5.131 with cuBLAS; gate/up from whole steps, 2026-12-07, stop 57: a
+# batch-1 step 5.42-5.45 ms against 5.53 with stop 42's 32/512/5, batch 2-8 no slower); chosen by the device's name
 GEMV_CONFIGS_BY_GPU = {"H100": {
     (6144, 4096): {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
     (4096, 4096): {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 4, "num_stages": 5},
-    (28672, 4096): {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 4, "num_stages": 5},
+    (28672, 4096): {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
     (4096, 14336): {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3},
     (32000, 4096): {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3},
 }}
