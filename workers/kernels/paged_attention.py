@@ -49,7 +49,6 @@ MAX_PARTITIONS = 32
 # kernel itself (_merge_if_last), one launch a layer fewer. Not measured on a GPU yet (docs/perf.md, "Still
 # waiting"): `python -m workers.tools.kernel_bench --merge` times both. Cascade decodes always take the reduce.
 DECODE_MERGE = "reduce"
-MERGE_COUNTERS = 1 << 16  # (sequence, KV head) pairs the fused merge counts for (256 KB a device)
 _MERGE_COUNTERS: dict[str, torch.Tensor] = {}  # device -> int32 counters, zero between launches
 
 
@@ -545,17 +544,16 @@ def num_partitions(batch: int, num_kv_heads: int, max_model_len: int, num_sms: i
 
 def _merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
     """The fused merge's counters for n (sequence, KV head) pairs on this device, zero between launches (each
-    launch's last programs set theirs back to 0). One set a device, made once and never replaced (CUDA graphs
-    captured with it replay it): decode attention runs on one stream at a time (with --lanes streams the prefill
-    lane has no decode rows; layers run in order). None, and the caller merges with the reduce kernel, for more
-    than MERGE_COUNTERS pairs, or while a CUDA graph is being captured before the set exists (zeroing it there
-    would be captured too; the graphs' warm-up passes make it first)."""
+    launch's last programs set theirs back to 0). One set a device: decode attention runs on one stream at a time
+    (with --lanes streams the prefill lane has no decode rows; layers run in order). None while a CUDA graph is
+    being captured and none large enough exists yet (zeroing them there would be captured too): the caller then
+    merges with the reduce kernel."""
     have = _MERGE_COUNTERS.get(str(device))
-    if have is None:
-        if n > MERGE_COUNTERS or device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if have is None or have.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        _MERGE_COUNTERS[str(device)] = have = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
-    return have if n <= MERGE_COUNTERS else None
+        _MERGE_COUNTERS[str(device)] = have = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return have
 
 
 def _v_strides(v_cache: torch.Tensor) -> tuple[int, int, int]:

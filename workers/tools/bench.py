@@ -439,10 +439,6 @@ def main(argv: list[str] | None = None) -> int:
                          "off or N (each GEMV asks L2 for the first N elements of its weight rows before it waits "
                          "for the kernel before it), or a comma list (off,0,1024): the engine part runs once per "
                          "value and prints the ratios against the first (sm_90 or newer)")
-    ap.add_argument("--decode-merge", type=names(("reduce", "fused"), "merge", repeat=False), default="reduce",
-                    help="an experiment (issue 25): how a partitioned decode merges its partitions, reduce (a second "
-                         "kernel) or fused (the last partition merges, in the decode kernel), or a comma list "
-                         "(reduce,fused): the engine part runs once per value and prints the ratios against the first")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--out", default="", help="write JSON here")
     args = ap.parse_args(argv)
@@ -460,9 +456,6 @@ def main(argv: list[str] | None = None) -> int:
                  "GEMV kernels; this machine has no GPU")
     for why in filter(None, map(pdl_refusal, args.gemv_pdl)):
         ap.error(f"argument --gemv-pdl: {why}")
-    if "fused" in args.decode_merge and not gpu:
-        ap.error("argument --decode-merge: fused is the GPU attention backend's Triton decode kernel; this machine "
-                 "has no GPU")
     if (len(args.decode_attention) > 1 or "persistent" in args.decode_attention) and not gpu:
         ap.error(f"argument --decode-attention: {','.join(args.decode_attention)} picks among the GPU attention "
                  "backend's Triton kernels; this machine has no GPU")
@@ -492,20 +485,15 @@ def main(argv: list[str] | None = None) -> int:
     variants = {(f"KV {kv}" + (f", {da} decode" if len(args.decode_attention) > 1 else "")
                  + (f", pieces {pw}" if len(pieces) > 1 else "") + (f", gemv {g}" if len(gemv_rows) > 1 else "")
                  + (f", pdl {'off' if pdl is None else pdl}" if len(args.gemv_pdl) > 1 else "")
-                 + (f", merge {merge}" if len(args.decode_merge) > 1 else "")
-                 ): (kv, da, pw, g, pdl, merge)
+                 ): (kv, da, pw, g, pdl)
                 for kv in args.kv_cache_dtype for da in args.decode_attention for pw in pieces for g in gemv_rows
-                for pdl in args.gemv_pdl for merge in args.decode_merge}
-    # name -> (KV dtype, decode kernel, piecewise graph tokens, GEMV rows, GEMV PDL, partitions' merge)
-    labels = list(variants)
+                for pdl in args.gemv_pdl}
+    labels = list(variants)  # name -> (KV dtype, decode kernel, piecewise graph tokens, GEMV rows, GEMV PDL)
     # before any model is loaded: its KV pool takes the memory the copy needs (an H100's 80 GB ran out)
     bw = measure_copy_bandwidth() if "roofline" in parts and gpu else None
     for name in labels if parts & {"engine", "mixed", "breakdown"} else labels[:1]:
-        kv_dtype, decode_attention, piecewise, gemv, pdl, merge = variants[name]
-        set_pdl(pdl)  # (read as the runner captures its graphs, as the merge is)
-        if gpu:
-            from workers.kernels import paged_attention
-            paged_attention.DECODE_MERGE = merge
+        kv_dtype, decode_attention, piecewise, gemv, pdl = variants[name]
+        set_pdl(pdl)  # (read as the runner captures its graphs)
         if not parts & {"engine", "mixed", "roofline", "breakdown"}:
             break
         cfg = WorkerConfig(model=model, load_format="dummy" if model != "tiny" else "auto",
