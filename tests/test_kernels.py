@@ -71,33 +71,16 @@ if ON_GPU:
     CASES += [(16, 32, 8, 128, 1024, 1), (4, 32, 8, 128, 4000, 8), (8, 28, 4, 128, 777, 4)]
 
 
-@pytest.mark.parametrize("merge", ["reduce", "fused"])
 @pytest.mark.parametrize("batch,heads,kv_heads,dim,max_len,parts", CASES)
-def test_paged_decode_matches_reference(batch, heads, kv_heads, dim, max_len, parts, merge):
-    for seed in range(2):  # fresh inputs each check (fused: the counters the first launch left must be zero)
+def test_paged_decode_matches_reference(batch, heads, kv_heads, dim, max_len, parts):
+    for seed in range(2):  # fresh inputs each check
         q, kc, vc, bt, lens = make_case(batch, heads, kv_heads, dim, max_len, seed + 10 * batch)
         scale = dim ** -0.5
         out = torch.full_like(q, float("nan"))
-        paged_decode(q, kc, vc, bt, lens, scale, num_parts=parts, out=out, merge=merge)
+        paged_decode(q, kc, vc, bt, lens, scale, num_parts=parts, out=out)
         ref = reference_decode(q, kc, vc, bt, lens, scale)
         assert not torch.isnan(out).any()
         assert rel_err(out, ref) < (1e-2 if ON_GPU else 1e-5)
-    if merge == "fused" and parts > 1:  # every last partition set its counter back
-        assert all(int(c.count_nonzero()) == 0 for c in pa._MERGE_COUNTERS.values())
-
-
-def test_fused_merge_agrees_with_the_reduce():
-    """The last partition of each (sequence, KV head) merges: the same output as the reduce kernel's (to float
-    rounding), with a sliding window and on an int8 pool too."""
-    q, kc, vc, bt, lens = make_case(4, 8, 2, 32, 150, 3)
-    for window in (None, 40):
-        outs = {m: paged_decode(q, kc, vc, bt, lens, 32 ** -0.5, num_parts=4, window=window, merge=m)
-                for m in ("reduce", "fused")}
-        assert torch.allclose(outs["fused"], outs["reduce"], rtol=1e-5, atol=1e-6)
-    kq, vq, k_scale, v_scale = int8_pool(kc, vc)
-    outs = {m: paged_decode(q, kq, vq, bt, lens, 32 ** -0.5, num_parts=4, k_scale=k_scale, v_scale=v_scale, merge=m)
-            for m in ("reduce", "fused")}
-    assert torch.allclose(outs["fused"], outs["reduce"], rtol=1e-5, atol=1e-6)
 
 
 def test_paged_decode_sliding_window():

@@ -44,12 +44,6 @@ DECODE_CONFIG_INT8 = {"BLOCK_N": 64, "num_warps": 1, "num_stages": 2, "INT8_QK":
 PREFILL_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
 PREFILL_CONFIG_CPU = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 MAX_PARTITIONS = 32
-# How a decode split into partitions merges them (issue 25, "fewer launches per layer"): "reduce", a second kernel
-# (_reduce_kernel); "fused", the last partition of each sequence and KV head to finish merges them in the decode
-# kernel itself (_merge_if_last), one launch a layer fewer. Not measured on a GPU yet (docs/perf.md, "Still
-# waiting"): `python -m workers.tools.kernel_bench --merge` times both. Cascade decodes always take the reduce.
-DECODE_MERGE = "reduce"
-_MERGE_COUNTERS: dict[str, torch.Tensor] = {}  # device -> int32 counters, zero between launches
 
 
 @triton.jit
@@ -197,12 +191,12 @@ def _window_start(seq_len, WINDOW: tl.constexpr):
 @triton.jit(do_not_specialize=["s_btb"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, ks_ptr, vs_ptr, pre_ptr,
-    out_ptr, po_ptr, pm_ptr, pl_ptr, cnt_ptr,
+    out_ptr, po_ptr, pm_ptr, pl_ptr,
     sm_scale,
     s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vh, s_vd, s_btb, s_ob, s_oh,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_PARTS: tl.constexpr, QUANT: tl.constexpr, WINDOW: tl.constexpr, INT8_QK: tl.constexpr,
-    INT8_PV: tl.constexpr, CASCADE: tl.constexpr, SLOTS: tl.constexpr, MERGE: tl.constexpr,
+    INT8_PV: tl.constexpr, CASCADE: tl.constexpr, SLOTS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -251,39 +245,6 @@ def _decode_kernel(
         tl.store(pm_ptr + row, m_i, mask=mask_g)
         tl.store(pl_ptr + row, l_i, mask=mask_g)
         tl.store(po_ptr + row[:, None] * D + offs_d[None, :], acc, mask=mask_g[:, None])
-        if MERGE:  # the last of the sequence's partitions to finish merges them (no reduce launch)
-            _merge_if_last(cnt_ptr + b * tl.num_programs(1) + kvh, row - part, heads, mask_g, po_ptr, pm_ptr, pl_ptr,
-                           out_ptr + b * s_ob, s_oh, G_PAD, D, NUM_PARTS)
-
-
-@triton.jit
-def _merge_if_last(cnt_ptr, rows, heads, mask_g, po_ptr, pm_ptr, pl_ptr, out_ptr, s_oh, G_PAD: tl.constexpr,
-                   D: tl.constexpr, NUM_PARTS: tl.constexpr):
-    """A partition's program after storing its partial results (slot 0 of each query head at `rows`): counts
-    itself in at cnt_ptr (one counter per sequence and KV head); the last one in reads every partition's results
-    (from L2: written by other programs) and writes the merged output, then sets the counter back to 0 for the next
-    launch (a CUDA graph replays it). The barrier and the counter's acquire-release make the others' stores
-    visible to it (the split-K semaphore)."""
-    tl.debug_barrier()  # every thread's stores done before the count
-    if tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == NUM_PARTS - 1:
-        offs_d = tl.arange(0, D)
-        m_max = tl.full([G_PAD], float("-inf"), tl.float32)
-        for p in range(NUM_PARTS):
-            m_max = tl.maximum(m_max, tl.load(pm_ptr + rows + p, mask=mask_g, other=float("-inf"),
-                                              cache_modifier=".cg"))
-        acc = tl.zeros([G_PAD, D], tl.float32)
-        l_sum = tl.zeros([G_PAD], tl.float32)
-        for p in range(NUM_PARTS):
-            l_p = tl.load(pl_ptr + rows + p, mask=mask_g, other=0.0, cache_modifier=".cg")
-            w = tl.where(l_p > 0, tl.exp2(tl.load(pm_ptr + rows + p, mask=mask_g, other=0.0, cache_modifier=".cg")
-                                          - m_max), 0.0)
-            acc += tl.load(po_ptr + (rows + p)[:, None] * D + offs_d[None, :], mask=mask_g[:, None], other=0.0,
-                           cache_modifier=".cg") * w[:, None]
-            l_sum += l_p * w
-        out = acc / tl.where(mask_g, l_sum, 1.0)[:, None]
-        tl.store(out_ptr + heads[:, None] * s_oh + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=mask_g[:, None])
-        tl.atomic_xchg(cnt_ptr, 0)
 
 
 @triton.jit(do_not_specialize=["s_btb"])
@@ -542,20 +503,6 @@ def num_partitions(batch: int, num_kv_heads: int, max_model_len: int, num_sms: i
     return min(triton.next_power_of_2(want), triton.next_power_of_2(cap), MAX_PARTITIONS)
 
 
-def _merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """The fused merge's counters for n (sequence, KV head) pairs on this device, zero between launches (each
-    launch's last programs set theirs back to 0). One set a device: decode attention runs on one stream at a time
-    (with --lanes streams the prefill lane has no decode rows; layers run in order). None while a CUDA graph is
-    being captured and none large enough exists yet (zeroing them there would be captured too): the caller then
-    merges with the reduce kernel."""
-    have = _MERGE_COUNTERS.get(str(device))
-    if have is None or have.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        _MERGE_COUNTERS[str(device)] = have = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return have
-
-
 def _v_strides(v_cache: torch.Tensor) -> tuple[int, int, int]:
     """(block, KV head, dim) strides of an int8 pool's page-transposed V [num_blocks, Hkv, D, page]; the
     kernels read other pools' V with K's strides."""
@@ -566,14 +513,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  seq_lens: torch.Tensor, sm_scale: float, num_parts: int = 1,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, window: int | None = None,
-                 config: dict | None = None, cascade: CascadeBuffers | None = None,
-                 merge: str | None = None) -> torch.Tensor:
+                 config: dict | None = None, cascade: CascadeBuffers | None = None) -> torch.Tensor:
     """q [B, Hq, D]; k_cache [num_blocks, page, Hkv, D], v_cache the same or, int8, [num_blocks, Hkv, D, page];
     block_tables [B, max_blocks] int32;
     seq_lens [B] int32 (context length incl. the new token, already written). Returns [B, Hq, D].
     config: BLOCK_N / num_warps / num_stages overrides (the kernel bench sweeps them). cascade: shared prefixes
-    computed once per group (CascadeBuffers, filled by fill(); not with a window). merge: how partitions merge,
-    DECODE_MERGE's choices (None: DECODE_MERGE)."""
+    computed once per group (CascadeBuffers, filled by fill(); not with a window)."""
     batch, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -594,8 +539,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     int8_qk = cfg.pop("INT8_QK") and quant
     int8_pv = cfg.pop("INT8_PV") and quant
     dummy = seq_lens
-    counters = _merge_counters(q.device, batch * num_kv_heads) if (
-        num_parts > 1 and cascade is None and (merge or DECODE_MERGE) == "fused") else None
     if cascade is not None:  # (first: with one part the decode kernel merges its results into the output)
         c = CASCADE_CONFIG_CPU if INTERPRETED else CASCADE_CONFIG
         _prefix_kernel[(cascade.items.shape[0], num_kv_heads, CASCADE_CHUNKS)](
@@ -606,15 +549,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             INT8_PV=int8_pv, **c)
     _decode_kernel[(batch, num_kv_heads, num_parts)](
         q, k_cache, v_cache, block_tables, seq_lens, k_scale if quant else dummy, v_scale if quant else dummy,
-        cascade.prefix_lens if cascade is not None else dummy, out, po, pm, pl,
-        counters if counters is not None else dummy, sm_scale,
+        cascade.prefix_lens if cascade is not None else dummy, out, po, pm, pl, sm_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *_v_strides(v_cache),
         block_tables.stride(0), out.stride(0), out.stride(1),
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=head_dim, PAGE=page, NUM_PARTS=num_parts,
         QUANT=quant, WINDOW=window or 0, INT8_QK=int8_qk, INT8_PV=int8_pv, CASCADE=cascade is not None,
-        SLOTS=slots, MERGE=counters is not None, **cfg,
+        SLOTS=slots, **cfg,
     )
-    if num_parts > 1 and counters is None:
+    if num_parts > 1:
         _reduce_kernel[(batch, num_heads)](po, pm, pl, cascade.prefix_lens if cascade is not None else dummy, out,
                                            out.stride(0), out.stride(1), num_heads, D=head_dim, NUM_PARTS=num_parts,
                                            SLOTS=slots, SLOTS_P2=triton.next_power_of_2(slots),

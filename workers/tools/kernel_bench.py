@@ -9,8 +9,7 @@ decode kernel (issue 25) against the partitioned one on skewed and uniform batch
 RoPE + K/V write in one launch against today's two; --gemv the small-batch linear (workers/kernels/gemv.py) against
 cuBLAS on the 7B's weight shapes, as bytes of weights read per second against the copy bandwidth, then a whole
 step's weights layer by layer with the decoder layer's small ops fused into the GEMVs (`--decode-gemv-rows`);
---cascade decodes that share a prefix (`--cascade-attention`) against the partitioned kernel reading it per sequence;
---merge the partitioned decode merged by its last partition (paged_decode's merge="fused") against the reduce kernel.
+--cascade decodes that share a prefix (`--cascade-attention`) against the partitioned kernel reading it per sequence.
 """
 
 from __future__ import annotations
@@ -49,7 +48,6 @@ SKEWED = [[(1, 32768), (63, 512)], [(8, 16384), (120, 256)], [(1, 8192), (7, 128
 # the Mistral-7B shape's weights [N, K]: merged qkv, o, merged gate/up, down (each x 32 layers), lm_head
 GEMV_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
                "lm_head": (32000, 4096)}
-MERGE_SHAPES = [(1, 1024), (1, 4096), (4, 1024), (8, 1024), (32, 1024)]  # --merge: (batch, context), partitioned
 PDL_PREFETCH = (0, 512, 2048)  # --gemv's layers with programmatic dependent launch: weight elements prefetched a row
 PREFILL_GRID = {"BLOCK_M": [64, 128], "BLOCK_N": [64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}
 
@@ -91,8 +89,7 @@ def pages(num_seqs: int, ctx: int, kv_dtype: torch.dtype):
     return k, v, blocks, scales
 
 
-def bench_decode(batch: int, ctx: int, kv_dtype: torch.dtype, config: dict | None, parts: int | None = None,
-                 merge: str | None = None) -> dict:
+def bench_decode(batch: int, ctx: int, kv_dtype: torch.dtype, config: dict | None, parts: int | None = None) -> dict:
     """Also reports the output's max error relative to the exact-dequantisation path's (int8: K/V converted
     to bf16 for tl.dot; the int8 tensor-core default also rounds q, and p to two int8 digits)."""
     torch.manual_seed(batch * ctx)
@@ -102,7 +99,7 @@ def bench_decode(batch: int, ctx: int, kv_dtype: torch.dtype, config: dict | Non
     out = torch.empty_like(q)
     parts = parts or num_partitions(batch, KV_HEADS, ctx)
     run = lambda cfg: paged_decode(q, k, v, bt, lens, DIM ** -0.5, num_parts=parts, k_scale=ks, v_scale=vs,  # noqa: E731
-                                   out=out, config=cfg, merge=merge)
+                                   out=out, config=cfg)
     ms = time_ms(lambda: run(config))
     got = out.float().clone()
     ref = run({"INT8_QK": False, "INT8_PV": False}).float()
@@ -418,8 +415,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gemv", action="store_true", help="the small-batch linear against cuBLAS on the 7B's weight "
                     "shapes (issue 25)")
     ap.add_argument("--cascade", action="store_true", help="decodes sharing a prefix: cascade against partitioned")
-    ap.add_argument("--merge", action="store_true", help="partitioned decode merged by the last partition (fused) "
-                    "against the reduce kernel, at the batches the partitions serve")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -459,16 +454,6 @@ def main(argv: list[str] | None = None) -> int:
         result["gemv"] = bench_gemv(copy)
         result["qkv_rope_sweep"] = bench_qkv_rope_sweep()
         result["gemv_layers"] = bench_gemv_layers()
-    if args.merge:
-        result["merge"] = []
-        for kv, (batch, ctx) in itertools.product((bf16, i8), MERGE_SHAPES):
-            rows = {m: bench_decode(batch, ctx, kv, None, merge=m) for m in ("reduce", "fused")}
-            result["merge"].append({"batch": batch, "ctx": ctx, "kv": rows["fused"]["kv"],
-                                    "parts": rows["fused"]["parts"], **{f"{m}_us": r["us"] for m, r in rows.items()}})
-            print(f"  merge  {rows['fused']['kv']:9} batch {batch:4d} ctx {ctx:5d} parts {rows['fused']['parts']:2d}: "
-                  f"reduce kernel {rows['reduce']['us']:6.1f} us, fused {rows['fused']['us']:6.1f} us "
-                  f"({rows['reduce']['us'] / rows['fused']['us']:.2f}x; x {LAYERS} layers: "
-                  f"{(rows['reduce']['us'] - rows['fused']['us']) * LAYERS / 1e3:+.3f} ms a step)", flush=True)
     if args.parts:
         for batch, ctx in PARTS_SHAPES:
             rows = [bench_decode(batch, ctx, bf16, None, parts) for parts in (1, 2, 4, 8, 16, 32)]
