@@ -51,8 +51,6 @@ def a_file(tmp_path):
     (["--kv-cache-dtype", "int8,int8"], "argument --kv-cache-dtype: 'int8,int8': give each KV cache dtype once"),
     (["--decode-attention", "grid"], "argument --decode-attention: unknown decode attention 'grid'; choose from "
      "partitioned, persistent, auto"),
-    (["--decode-merge", "reduce,reduce"], "argument --decode-merge: 'reduce,reduce': give each merge once"),
-    (["--decode-merge", "tree"], "argument --decode-merge: unknown merge 'tree'; choose from reduce, fused"),
     (["--long-context", "-1"], "argument --long-context: '-1': must be at least 0"),
     (["--model", "tiny", "--parts", "engine", "--long-context", "99999"], "lower --long-context"),
     (["--model", "tiny", "--parts", "hf"], "--parts: hf needs a checkpoint that transformers can build"),
@@ -82,13 +80,11 @@ def test_bench_parts_a_cpu_cannot_run_are_an_error_not_an_empty_table(capsys, pa
 
 
 @NO_GPU
-def test_bench_persistent_decode_attention_and_the_fused_merge_need_a_gpu(capsys):
+def test_bench_persistent_decode_attention_needs_a_gpu(capsys):
     line = _error(capsys, ["bench", "--parts", "engine", "--decode-attention", "partitioned,auto"])
     assert line.startswith("laneserve bench: error: argument --decode-attention: partitioned,auto picks among"), line
     line = _error(capsys, ["bench", "--parts", "engine", "--decode-attention", "persistent"])
     assert line.startswith("laneserve bench: error: argument --decode-attention: persistent picks among"), line
-    line = _error(capsys, ["bench", "--parts", "engine", "--decode-merge", "reduce,fused"])
-    assert line.startswith("laneserve bench: error: argument --decode-merge: fused is the GPU attention"), line
 
 
 @NO_GPU

@@ -46,10 +46,6 @@ except ImportError:  # CPU-only installs
     triton = None
 
 MAX_M = 8
-# Programmatic dependent launch (sm_90+, an experiment: docs/perf.md): None, off; an int P, each GEMV launches while
-# the kernel before it still runs, asks L2 for the first P elements of each of its weight rows (weights no kernel
-# writes), then waits for the kernel before it (griddepcontrol.wait) and lets the next one launch. Read at capture.
-PDL: int | None = None
 # The norm runs in the GEMV's prologue for at most this many rows, above as its own kernel first. Every program
 # computes the rows' rstd before streaming its weights, and that pass grows with the rows: on an H100 (2026-12-06,
 # kernel_bench --gemv, a step's layers) the fused path ran 1.02x cuBLAS at one row, 0.88x at 4 and 0.80x at 8, while
@@ -79,19 +75,6 @@ GEMV_CONFIGS_BY_GPU = {"H100": {
 }}
 
 if triton is not None:
-    @triton.jit
-    def _pdl_start(w_ptr, rows, row_ok, stride_wn, K, PREFETCH: tl.constexpr, LINE: tl.constexpr):
-        """A GEMV launched with programmatic dependent launch: ask L2 for the first PREFETCH elements of each of
-        `rows` of w (a request per LINE elements, 128 bytes; w is read-only, so this may run beside the kernel
-        before), then wait for that kernel to finish (its writes visible) and let the next kernel launch."""
-        if PREFETCH > 0:
-            ks = tl.minimum(tl.arange(0, PREFETCH // LINE) * LINE, K - 1)
-            at = w_ptr + tl.where(row_ok, rows, 0)[:, None] * stride_wn + ks[None, :]
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [at], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
     @triton.jit
     def _rstd(x_ptr, M, K, stride_xm, eps, RSTD_K: tl.constexpr):
         """RMSNorm's 1 / rms of each input row [16] (rows past M: 0), over all of K: a row at a time, RSTD_K of it per
@@ -136,7 +119,7 @@ if triton is not None:
     def _gemv(x_ptr, w_ptr, b_ptr, nw_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, eps,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RSTD_K: tl.constexpr, NORMED: tl.constexpr,
               SILU: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, UPCAST: tl.constexpr,
-              PRECISION: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr):
+              PRECISION: tl.constexpr):
         """Program p owns BLOCK_N rows of w; with SILU (w a merged gate/up weight [2N, K]) BLOCK_N / 2 gate rows and
         the same up rows, and writes silu(gate) * up for those columns."""
         if SILU:
@@ -149,8 +132,6 @@ if triton is not None:
             cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
             rows = cols
             row_ok = rows < N
-        if PDL:
-            _pdl_start(w_ptr, rows, row_ok, stride_wn, K, PREFETCH, LINE)
         dtype = x_ptr.dtype.element_ty
         if NORMED:
             rstd = _rstd(x_ptr, M, K, stride_xm, eps, RSTD_K)
@@ -179,7 +160,7 @@ if triton is not None:
                   M, K, stride_xm, stride_wn, stride_ym, s_cos, s_cb, s_ct, s_ch, eps, HQ, HK,
                   D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   RSTD_K: tl.constexpr, NORMED: tl.constexpr, BIAS: tl.constexpr, UPCAST: tl.constexpr,
-                  PRECISION: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr):
+                  PRECISION: tl.constexpr):
         """RMSNorm (NORMED; else x comes normalised) + the qkv projection, then RoPE on the q and k heads and the
         K/V write into a paged pool that is not int8. Program p owns BLOCK_N / 2 columns of one head's first half
         and the same columns of its second half (the pairs RoPE rotates together)."""
@@ -189,8 +170,6 @@ if triton is not None:
         dl = tl.program_id(0) % chunks * HALF_N + tl.arange(0, HALF_N)  # this program's columns of the first half
         i = tl.arange(0, BLOCK_N)
         rows = head * D + tl.program_id(0) % chunks * HALF_N + i % HALF_N + i // HALF_N * (D // 2)
-        if PDL:
-            _pdl_start(w_ptr, rows, rows >= 0, stride_wn, K, PREFETCH, LINE)
         ms = tl.arange(0, 16)
         m_ok = ms < M
         dtype = x_ptr.dtype.element_ty
@@ -236,44 +215,21 @@ def _launch(kernel, grid: tuple, args: tuple, config: dict, overrides: dict | No
     H200's 227 KB; an A100 has 163 KB, sm_86 / sm_89 99 KB): Triton refuses such a launch before it starts, so
     nothing ran. The first launch of each variant finds its stages (the runner's warm-up, before any CUDA graph
     capture). Overrides that name the stages (a benchmark's sweep) run them as given, and the refusal is raised."""
-    constexprs.update(UPCAST=INTERPRETED, PRECISION="ieee" if dtype == torch.float32 else "tf32", PDL=PDL is not None,
-                      PREFETCH=PDL or 0, LINE=128 // dtype.itemsize)
-    launch = {"launch_pdl": True} if PDL is not None else {}
+    constexprs.update(UPCAST=INTERPRETED, PRECISION="ieee" if dtype == torch.float32 else "tf32")
     if "num_stages" in (overrides or {}):
-        kernel[grid](*args, **constexprs, num_warps=config["num_warps"], num_stages=config["num_stages"], **launch)
+        kernel[grid](*args, **constexprs, num_warps=config["num_warps"], num_stages=config["num_stages"])
         return
     key = (kernel, dtype, config["num_stages"], config["num_warps"], *constexprs.items())
     stages = _STAGES.get(key, config["num_stages"])
     while True:
         try:
-            kernel[grid](*args, **constexprs, num_warps=config["num_warps"], num_stages=stages, **launch)
+            kernel[grid](*args, **constexprs, num_warps=config["num_warps"], num_stages=stages)
             break
         except OutOfResources as exc:
             if exc.name != "shared memory" or stages <= 1:
                 raise
             stages -= 1
     _STAGES[key] = stages
-
-
-def pdl_refusal(prefetch: int | None) -> str | None:
-    """Why set_pdl(prefetch) cannot be, or None."""
-    if prefetch is None:
-        return None
-    if INTERPRETED or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
-        return "programmatic dependent launch needs an sm_90 or newer GPU"
-    if prefetch and (prefetch < 64 or prefetch & (prefetch - 1)):
-        return f"PDL prefetch {prefetch}: 0 or a power of two of at least 64 elements"
-    return None
-
-
-def set_pdl(prefetch: int | None) -> None:
-    """PDL (the GEMVs launched after it, CUDA graphs captured after it): None off, else the elements of each weight
-    row each GEMV asks L2 for before it waits (0, or a power of two of at least 128 bytes: 64 in bf16)."""
-    global PDL
-    why = pdl_refusal(prefetch)
-    if why:
-        raise ValueError(why)
-    PDL = prefetch
 
 
 def _norm_first(x: torch.Tensor, norm: tuple[torch.Tensor, float] | None):

@@ -28,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.kernels import gemv as _gemv
 from workers.kernels.fused import INTERPRETED
 
 LOG2E = 1.4426950408889634
@@ -298,13 +297,9 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ks_ptr, vs_ptr, items_ptr, membe
 
 @triton.jit
 def _reduce_kernel(po_ptr, pm_ptr, pl_ptr, pre_ptr, out_ptr, s_ob, s_oh, H, D: tl.constexpr,
-                   NUM_PARTS: tl.constexpr, SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr, CASCADE: tl.constexpr,
-                   TRIGGER: tl.constexpr):
+                   NUM_PARTS: tl.constexpr, SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr, CASCADE: tl.constexpr):
     """Merges a sequence's partitions and, CASCADE, its shared prefix's chunks (slots NUM_PARTS .. SLOTS - 1, read
-    only where pre_ptr[b] > 0: a sequence outside a group has none written). TRIGGER: the o GEMV after it is
-    launched with programmatic dependent launch (gemv.PDL) and may start now (it waits for this kernel's end)."""
-    if TRIGGER:
-        tl.extra.cuda.gdc_launch_dependents()
+    only where pre_ptr[b] > 0: a sequence outside a group has none written)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_p = tl.arange(0, SLOTS_P2)
@@ -560,8 +555,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         _reduce_kernel[(batch, num_heads)](po, pm, pl, cascade.prefix_lens if cascade is not None else dummy, out,
                                            out.stride(0), out.stride(1), num_heads, D=head_dim, NUM_PARTS=num_parts,
                                            SLOTS=slots, SLOTS_P2=triton.next_power_of_2(slots),
-                                           CASCADE=cascade is not None, TRIGGER=_gemv.PDL is not None,
-                                           num_warps=4)
+                                           CASCADE=cascade is not None, num_warps=4)
     return out
 
 

@@ -30,7 +30,7 @@ import torch
 from laneserve.modelspec import load_model_config
 from workers.config import WorkerConfig
 from workers.attention import DECODE_KERNELS
-from workers.kernels.gemv import MAX_M as GEMV_MAX_M, pdl_refusal, set_pdl
+from workers.kernels.gemv import MAX_M as GEMV_MAX_M
 from workers.kv_cache import BLOCK_SIZE, KV_CACHE_DTYPES
 from workers.runner import ModelRunner
 from workers.tools.breakdown import breakdown
@@ -103,14 +103,6 @@ def counts(text: str) -> list[int]:
 def token_counts(text: str) -> list[int]:
     """A comma list of whole numbers >= 0, no repeats."""
     values = [whole(0)(t) for t in text.split(",")]
-    if len(set(values)) < len(values):
-        raise argparse.ArgumentTypeError(f"{text!r}: a value repeats")
-    return values
-
-
-def pdl_values(text: str) -> list[int | None]:
-    """--gemv-pdl: a comma list of `off` and prefetch sizes, no repeats (main() checks each with gemv.pdl_refusal)."""
-    values = [None if t.strip() == "off" else whole(0)(t) for t in text.split(",")]
     if len(set(values)) < len(values):
         raise argparse.ArgumentTypeError(f"{text!r}: a value repeats")
     return values
@@ -434,11 +426,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="laneserve serve's --decode-gemv-rows (a GPU's fused GEMV path for steps of <= 8 tokens; 0: "
                          "cuBLAS; by default serve's auto: 8 on a GPU with a bf16 or fp16 model), or a comma list "
                          "(0,8): the engine part runs once per value and prints the ratios against the first")
-    ap.add_argument("--gemv-pdl", type=pdl_values, default=[None],
-                    help="an experiment (issue 25): the GEMV path's kernels with programmatic dependent launch, "
-                         "off or N (each GEMV asks L2 for the first N elements of its weight rows before it waits "
-                         "for the kernel before it), or a comma list (off,0,1024): the engine part runs once per "
-                         "value and prints the ratios against the first (sm_90 or newer)")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--out", default="", help="write JSON here")
     args = ap.parse_args(argv)
@@ -454,8 +441,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.decode_gemv_rows not in ([0], [-1]) and not gpu:
         ap.error(f"argument --decode-gemv-rows: {','.join(map(str, args.decode_gemv_rows))} runs the GPU's Triton "
                  "GEMV kernels; this machine has no GPU")
-    for why in filter(None, map(pdl_refusal, args.gemv_pdl)):
-        ap.error(f"argument --gemv-pdl: {why}")
     if (len(args.decode_attention) > 1 or "persistent" in args.decode_attention) and not gpu:
         ap.error(f"argument --decode-attention: {','.join(args.decode_attention)} picks among the GPU attention "
                  "backend's Triton kernels; this machine has no GPU")
@@ -484,16 +469,13 @@ def main(argv: list[str] | None = None) -> int:
     gemv_rows = args.decode_gemv_rows
     variants = {(f"KV {kv}" + (f", {da} decode" if len(args.decode_attention) > 1 else "")
                  + (f", pieces {pw}" if len(pieces) > 1 else "") + (f", gemv {g}" if len(gemv_rows) > 1 else "")
-                 + (f", pdl {'off' if pdl is None else pdl}" if len(args.gemv_pdl) > 1 else "")
-                 ): (kv, da, pw, g, pdl)
-                for kv in args.kv_cache_dtype for da in args.decode_attention for pw in pieces for g in gemv_rows
-                for pdl in args.gemv_pdl}
-    labels = list(variants)  # name -> (KV dtype, decode kernel, piecewise graph tokens, GEMV rows, GEMV PDL)
+                 ): (kv, da, pw, g)
+                for kv in args.kv_cache_dtype for da in args.decode_attention for pw in pieces for g in gemv_rows}
+    labels = list(variants)  # name -> (KV dtype, decode kernel, piecewise graph tokens, GEMV rows)
     # before any model is loaded: its KV pool takes the memory the copy needs (an H100's 80 GB ran out)
     bw = measure_copy_bandwidth() if "roofline" in parts and gpu else None
     for name in labels if parts & {"engine", "mixed", "breakdown"} else labels[:1]:
-        kv_dtype, decode_attention, piecewise, gemv, pdl = variants[name]
-        set_pdl(pdl)  # (read as the runner captures its graphs)
+        kv_dtype, decode_attention, piecewise, gemv = variants[name]
         if not parts & {"engine", "mixed", "roofline", "breakdown"}:
             break
         cfg = WorkerConfig(model=model, load_format="dummy" if model != "tiny" else "auto",

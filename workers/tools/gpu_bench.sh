@@ -6,7 +6,7 @@
 # Optional: PERSISTENT=1 (issue 25: persistent decode, fused RoPE + K/V write, small-batch GEMV), GEMV=1 (issue 25:
 # the fused GEMV path, kernels to whole steps), DRAFT=1 (issue 22's draft-model step costs), MIXED=1 (steps with a
 # prompt chunk, piecewise CUDA graphs against eager), CASCADE=1 (decodes sharing a prefix: --cascade-attention's kernel
-# against the partitioned one), BATCH1=1 (issue 25's batch-1 levers: the fused merge and PDL, with the breakdown);
+# against the partitioned one), BATCH1=1 (issue 25's batch 1: the GEMV sweep, whole steps and the breakdown);
 # SKIP_*=1 skip.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -46,16 +46,11 @@ if [ "${GEMV:-0}" = 1 ]; then  # issue 25: the fused GEMV path for steps of <= 8
   python3 -m laneserve.cli bench --parts roofline,engine --batches 1,2,4,8,32,128 --contexts 1024 \
     --decode-gemv-rows 0,8 --out "$OUT/gemv_engine.json" 2>&1 | tee -a "$OUT/gemv.txt"
 fi
-if [ "${BATCH1:-0}" = 1 ]; then  # issue 25's batch-1 levers, each against its default in one bench (docs/perf.md)
-  python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "matches_reference or fused_merge" \
-    > "$OUT/batch1_tests.txt" 2>&1  # the fused merge's memory ordering on a real GPU first
-  tail -3 "$OUT/batch1_tests.txt" | tee "$OUT/batch1.txt"
-  python3 -m workers.tools.kernel_bench --merge --gemv --out "$OUT/batch1_kernels.json" 2>&1 | grep -v "^    gemv" \
-    | tee -a "$OUT/batch1.txt"
-  # the partitions' merge x GEMV PDL, with where each variant's batch-1 and batch-8 step goes
+if [ "${BATCH1:-0}" = 1 ]; then  # issue 25's batch 1: the GEMV configs' sweep, then where a step's time goes
+  python3 -m workers.tools.kernel_bench --gemv --out "$OUT/batch1_kernels.json" 2>&1 | grep -v "^    gemv" \
+    | tee "$OUT/batch1.txt"
   python3 -m laneserve.cli bench --parts roofline,engine,breakdown --batches 1,2,4,8,32 --breakdown-batches 1,8 \
-    --contexts 1024 --decode-merge reduce,fused --gemv-pdl off,512,2048 --out "$OUT/batch1_engine.json" 2>&1 \
-    | tee -a "$OUT/batch1.txt"
+    --contexts 1024 --out "$OUT/batch1_engine.json" 2>&1 | tee -a "$OUT/batch1.txt"
 fi
 if [ "${CASCADE:-0}" = 1 ]; then  # issue 19's worker lever: decodes sharing a prefix read it once (--cascade-attention)
   python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k cascade > "$OUT/cascade_tests.txt" 2>&1

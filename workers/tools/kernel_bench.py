@@ -48,7 +48,6 @@ SKEWED = [[(1, 32768), (63, 512)], [(8, 16384), (120, 256)], [(1, 8192), (7, 128
 # the Mistral-7B shape's weights [N, K]: merged qkv, o, merged gate/up, down (each x 32 layers), lm_head
 GEMV_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
                "lm_head": (32000, 4096)}
-PDL_PREFETCH = (0, 512, 2048)  # --gemv's layers with programmatic dependent launch: weight elements prefetched a row
 PREFILL_GRID = {"BLOCK_M": [64, 128], "BLOCK_N": [64, 128], "num_warps": [4, 8], "num_stages": [2, 3]}
 
 
@@ -245,7 +244,7 @@ def bench_gemv_layers() -> list[dict]:
     (`--decode-gemv-rows`) with RoPE + the K/V write apart, and with them in the qkv GEMV (the path on a pool that
     is not int8). No attention."""
     from workers.kernels.fused import add_rms_norm, rms_norm, rope_write_kv_, silu_mul
-    from workers.kernels.gemv import gemv, qkv_rope_gemv, set_pdl
+    from workers.kernels.gemv import gemv, qkv_rope_gemv
 
     hidden, eps = GEMV_SHAPES["o"][0], 1e-5
     heads, kv_heads = hidden // DIM, (GEMV_SHAPES["qkv"][0] // DIM - hidden // DIM) // 2
@@ -285,19 +284,8 @@ def bench_gemv_layers() -> list[dict]:
             gemv(residual, lm_head, norm=(norm, eps))
         return step
 
-    def with_pdl(prefetch: int, step):  # programmatic dependent launch (sm_90+): read as the graph is captured
-        def run(*args) -> None:
-            set_pdl(prefetch)
-            try:
-                step(*args)
-            finally:
-                set_pdl(None)
-        return run
-
     steps = {"cublas": separate(F.linear), "gemv": separate(lambda x, w: gemv(x, w)), "gemv_fused": fused(False),
              "gemv_fused_rope": fused(True)}
-    if torch.cuda.get_device_capability()[0] >= 9:
-        steps.update({f"pdl_{p}": with_pdl(p, fused(True)) for p in PDL_PREFETCH})
     rows = []
     for m in (1, 4, 8):
         o = torch.randn(m, hidden, dtype=torch.bfloat16, device="cuda")
@@ -310,9 +298,7 @@ def bench_gemv_layers() -> list[dict]:
         print(f"  gemv layers batch {m}: {LAYERS} layers + lm_head, cuBLAS + separate kernels {ms['cublas']:.3f} ms, "
               f"gemv + separate {ms['gemv']:.3f} ({ms['cublas'] / ms['gemv']:.2f}x), fused gemv "
               f"{ms['gemv_fused']:.3f} ({ms['cublas'] / ms['gemv_fused']:.2f}x), RoPE + K/V in the qkv gemv too "
-              f"{ms['gemv_fused_rope']:.3f} ({ms['cublas'] / ms['gemv_fused_rope']:.2f}x)"
-              + "".join(f", with PDL prefetching {p} {ms[f'pdl_{p}']:.3f} ({ms['cublas'] / ms[f'pdl_{p}']:.2f}x)"
-                        for p in PDL_PREFETCH if f"pdl_{p}" in ms), flush=True)
+              f"{ms['gemv_fused_rope']:.3f} ({ms['cublas'] / ms['gemv_fused_rope']:.2f}x)", flush=True)
     return rows
 
 
