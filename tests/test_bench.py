@@ -182,3 +182,43 @@ def test_calibrate_rejects_bad_flags_before_loading_the_model(capsys, tmp_path, 
     line = _error(capsys, argv)
     assert line.startswith("laneserve calibrate-kv: error: ") and says.format(**paths) in line, line
     assert not (tmp_path / "scales.json").exists() and a_file.read_text() == "kept"
+
+
+def test_gemv_tune_keeps_the_fastest_alone_and_takes_a_step_only_where_batch_8_holds():
+    """workers.tools.gemv_tune's choice: the device's config first, then the isolated sweep's fastest; a candidate
+    wins on its batch-1 step only where its batch-8 step is within BATCH8_SLACK of the device's config's."""
+    from workers.tools.gemv_tune import BATCH8_SLACK, pick, shortlist
+
+    assert shortlist({"a": 3.0, "b": 1.0, "c": 2.0, "d": 4.0}, "d", 2) == ["d", "b", "c"]
+    assert shortlist({"a": 3.0, "b": 1.0, "c": 2.0}, "b", 2) == ["b", "c"]
+    steps = {"own": {1: 5.5, 8: 5.9}, "fast": {1: 5.4, 8: 5.9 * BATCH8_SLACK * 1.001}, "ok": {1: 5.45, 8: 5.95}}
+    assert pick(steps, "own") == "ok"  # "fast" is faster at batch 1 but too slow at batch 8
+    assert pick({"own": {1: 5.5, 8: 5.9}, "slow": {1: 5.6, 8: 5.0}}, "own") == "own"
+
+
+def test_gemv_use_configs_overrides_the_tuned_table_for_its_shapes_only():
+    from workers.kernels import gemv
+
+    tuned = gemv.gemv_config(28672, 4096)
+    mine = {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+    gemv.use_configs({(28672, 4096): mine})
+    try:
+        assert gemv.gemv_config(28672, 4096) == mine and mine != tuned
+        assert gemv.gemv_config(4096, 14336) == gemv._tuned_configs()[(4096, 14336)]
+    finally:
+        gemv.use_configs(None)
+    assert gemv.gemv_config(28672, 4096) == tuned
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--shapes", "gate_up,qkv"], "argument --shapes: unknown shape 'qkv'; choose from o, gate_up, down, lm_head"),
+    (["--reps", "0"], "argument --reps: must be at least 1"),
+    (["--final-reps", "0"], "argument --final-reps: must be at least 1"),
+    pytest.param([], "this machine has no GPU", marks=NO_GPU),
+])
+def test_gemv_tune_flags_are_checked(capsys, argv, says):
+    from workers.tools.gemv_tune import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and says in capsys.readouterr().err

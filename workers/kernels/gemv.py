@@ -252,10 +252,20 @@ def _tuned_configs() -> dict:
     return next((t for gpu, t in GEMV_CONFIGS_BY_GPU.items() if gpu in name), GEMV_CONFIGS)
 
 
+_OVERRIDES: dict = {}  # [n, k] -> config, before the tuned table's (use_configs)
+
+
+def use_configs(overrides: dict | None) -> None:
+    """For workers.tools.gemv_tune: launch configs for these [n, k] shapes instead of the tuned table's (None: the
+    table's again). Read as each GEMV launches: CUDA graphs captured after the call run with them."""
+    global _OVERRIDES
+    _OVERRIDES = dict(overrides or {})
+
+
 def gemv_config(n: int, k: int) -> dict:
-    """The launch config for a weight of [n, k]: the tuned table's entry for that shape (_tuned_configs), else
-    GEMV_CONFIG."""
-    return _tuned_configs().get((n, k), GEMV_CONFIG)
+    """The launch config for a weight of [n, k]: use_configs' for that shape, else the tuned table's entry
+    (_tuned_configs), else GEMV_CONFIG."""
+    return _OVERRIDES.get((n, k)) or _tuned_configs().get((n, k), GEMV_CONFIG)
 
 
 def qkv_rope_config(n: int, k: int) -> dict:

@@ -1,0 +1,149 @@
+"""Whole-step tuning of the GEMV path's launch configs (issue 25), for workers/kernels/gemv.py's tables.
+
+`python -m workers.tools.gemv_tune [--shapes gate_up,down,o,lm_head] [--top 3] [--reps 2] [--out FILE]` on a GPU.
+A config's time alone (kernel_bench --gemv's sweep: one weight read again and again) does not rank configs as a
+decode step does, where each layer's weights arrive cold after other kernels: on an H100 (2026-12-07, docs/perf.md)
+the gate/up config best alone was 5% faster there and 1.5-1.9% faster on whole batch-1 steps, and lm_head's best
+alone made no difference. So, per weight shape of the 7B model: every config of GEMV_GRID timed alone at one row,
+the --top fastest kept (with the device's own), then each of those timed on whole decode steps of the 7B shape
+(random weights, batch 1 and 8 at 1k context, --reps runs each, alternated), one shape at a time from the device's
+table; a config is taken where its batch-1 step is the fastest and its batch-8 step no more than 1% slower than
+the table's so far. Last, the chosen table against the device's, alternated --final-reps times at batch 1-8, and
+the table's lines to paste into gemv.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+
+import torch
+
+# kernel_bench.GEMV_SHAPES' names (not qkv: its fused RoPE kernel has its own sweep there, qkv_rope_sweep)
+SHAPES = ("o", "gate_up", "down", "lm_head")
+BATCH8_SLACK = 1.01  # a config faster at batch 1 is taken only where batch 8 is at most this much slower
+
+
+def shortlist(times: dict[str, float], own: str, top: int) -> list[str]:
+    """The `top` fastest configs (JSON keys) of an isolated sweep, and the device's own config, first: the
+    candidates a shape's whole-step rounds time."""
+    fastest = sorted(times, key=times.__getitem__)[:top]
+    return [own] + [c for c in fastest if c != own]
+
+
+def pick(steps: dict[str, dict[int, float]], own: str) -> str:
+    """The candidate whose batch-1 step is fastest among those whose batch-8 step is at most BATCH8_SLACK times
+    the device's own config's (`steps`: config -> batch -> median ms; own is always eligible)."""
+    ok = [c for c, t in steps.items() if c == own or t[8] <= steps[own][8] * BATCH8_SLACK]
+    return min(ok, key=lambda c: steps[c][1])
+
+
+def step_times(model: str, table: dict, batches: list[int], steps: int) -> dict[int, float]:
+    """Median ms per decode step at each batch (1k context) with `table`'s GEMV configs over the device's."""
+    from workers.config import WorkerConfig
+    from workers.kernels import gemv
+    from workers.runner import ModelRunner
+    from workers.tools.bench import bench_engine
+
+    gemv.use_configs(table)
+    try:
+        runner = ModelRunner(WorkerConfig(model=model, load_format="dummy", dtype="bfloat16",
+                                          max_num_seqs=max(batches), max_model_len=2048, max_num_batched_tokens=8192))
+        rows = bench_engine(runner, batches, 1024, steps, 32000, 8192)
+        del runner
+    finally:
+        gemv.use_configs(None)
+        gc.collect()
+        torch.cuda.empty_cache()
+    return {r.batch: r.ms_per_step for r in rows}
+
+
+def isolated(shape: tuple[int, int]) -> dict[str, float]:
+    """us per call at one row for each config of GEMV_GRID that compiles (kernel_bench's timing)."""
+    from workers.kernels.gemv import GEMV_GRID, gemv
+    from workers.tools.kernel_bench import grid, time_ms
+
+    w = torch.randn(*shape, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(1, shape[1], dtype=torch.bfloat16, device="cuda")
+    out = {}
+    for cfg in grid(GEMV_GRID):
+        try:
+            out[json.dumps(cfg)] = time_ms(lambda: gemv(x, w, cfg)) * 1e3
+        except Exception as exc:  # a config Triton refuses (shared memory)
+            print(f"    {cfg}: {type(exc).__name__}", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m workers.tools.gemv_tune", description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="gate_up,down,o,lm_head",
+                    help=f"weight shapes to tune, in order, a comma list of {', '.join(SHAPES)}")
+    ap.add_argument("--top", type=int, default=3, help="configs kept per shape from the isolated sweep (default 3)")
+    ap.add_argument("--reps", type=int, default=2, help="whole-step runs per candidate (default 2)")
+    ap.add_argument("--final-reps", type=int, default=3, help="alternated runs of the chosen table and the "
+                    "device's (default 3)")
+    ap.add_argument("--steps", type=int, default=40, help="timed decode steps per run (default 40)")
+    ap.add_argument("--out", default="", help="write JSON here")
+    args = ap.parse_args(argv)
+    shapes = [s.strip() for s in args.shapes.split(",")]
+    if bad := [s for s in shapes if s not in SHAPES]:
+        ap.error(f"argument --shapes: unknown shape {bad[0]!r}; choose from {', '.join(SHAPES)}")
+    for name in ("top", "reps", "final_reps", "steps"):
+        if getattr(args, name) < 1:
+            ap.error(f"argument --{name.replace('_', '-')}: must be at least 1")
+    if not torch.cuda.is_available():
+        ap.error("it times Triton GEMVs on whole decode steps; this machine has no GPU")
+
+    from workers.kernels import gemv
+    from workers.tools.bench import write_dummy_model_dir
+    from workers.tools.kernel_bench import GEMV_SHAPES
+
+    model = write_dummy_model_dir(tempfile.mkdtemp(prefix="gemv-tune-"))
+    own = {shape: gemv.gemv_config(*shape) for shape in (GEMV_SHAPES[s] for s in SHAPES)}
+    table = dict(own)
+    result: dict = {"device": torch.cuda.get_device_name(), "argv": sys.argv, "shapes": {}}
+    for name in shapes:
+        shape = GEMV_SHAPES[name]
+        alone = isolated(shape)
+        cands = shortlist(alone, json.dumps(table[shape]), args.top)
+        print(f"{name} {shape}: alone " + ", ".join(f"{c} {alone.get(c, float('nan')):.1f} us" for c in cands),
+              flush=True)
+        runs: dict[str, list[dict[int, float]]] = {c: [] for c in cands}
+        for _ in range(args.reps):
+            for c in cands:
+                runs[c].append(step_times(model, {**table, shape: json.loads(c)}, [1, 8], args.steps))
+        med = {c: {b: statistics.median(r[b] for r in rs) for b in (1, 8)} for c, rs in runs.items()}
+        for c, m in med.items():
+            print(f"  {name} {c}: batch 1 {m[1]:.3f} ms, batch 8 {m[8]:.3f} ms", flush=True)
+        table[shape] = json.loads(pick(med, cands[0]))
+        result["shapes"][name] = {"alone_us": alone, "steps_ms": med, "chosen": table[shape]}
+    batches = [1, 2, 4, 8]
+    final: dict[str, list[dict[int, float]]] = {"device's": [], "chosen": []}
+    for _ in range(args.final_reps):
+        for label, t in (("device's", own), ("chosen", table)):
+            final[label].append(step_times(model, t, batches, args.steps))
+    for b in batches:
+        line = []
+        for label, rs in final.items():
+            xs = [r[b] for r in rs]
+            line.append(f"{label} {min(xs):.3f}/{statistics.median(xs):.3f}/{max(xs):.3f} ms")
+        print(f"batch {b} (min/median/max): " + ", ".join(line), flush=True)
+    print(f"table for {torch.cuda.get_device_name()}:")
+    for shape, c in table.items():
+        print(f"    {shape}: {c},{'' if c == own[shape] else '  # was ' + json.dumps(own[shape])}")
+    result.update(final={k: [{str(b): t for b, t in r.items()} for r in v] for k, v in final.items()},
+                  table={str(k): v for k, v in table.items()})
+    result["shapes"] = {n: {**r, "steps_ms": {c: {str(b): t for b, t in m.items()} for c, m in r["steps_ms"].items()}}
+                        for n, r in result["shapes"].items()}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
