@@ -187,13 +187,15 @@ def test_calibrate_rejects_bad_flags_before_loading_the_model(capsys, tmp_path, 
 def test_gemv_tune_keeps_the_fastest_alone_and_takes_a_step_only_where_batch_8_holds():
     """workers.tools.gemv_tune's choice: the device's config first, then the isolated sweep's fastest; a candidate
     wins on its batch-1 step only where its batch-8 step is within BATCH8_SLACK of the device's config's."""
-    from workers.tools.gemv_tune import BATCH8_SLACK, pick, shortlist
+    from workers.tools.gemv_tune import BATCH8_SLACK, MIN_GAIN, pick, shortlist
 
     assert shortlist({"a": 3.0, "b": 1.0, "c": 2.0, "d": 4.0}, "d", 2) == ["d", "b", "c"]
     assert shortlist({"a": 3.0, "b": 1.0, "c": 2.0}, "b", 2) == ["b", "c"]
-    steps = {"own": {1: 5.5, 8: 5.9}, "fast": {1: 5.4, 8: 5.9 * BATCH8_SLACK * 1.001}, "ok": {1: 5.45, 8: 5.95}}
+    own = {1: 5.5, 8: 5.9}
+    steps = {"own": own, "fast": {1: 5.4, 8: 5.9 * BATCH8_SLACK * 1.001}, "ok": {1: 5.45, 8: 5.9 * BATCH8_SLACK}}
     assert pick(steps, "own") == "ok"  # "fast" is faster at batch 1 but too slow at batch 8
-    assert pick({"own": {1: 5.5, 8: 5.9}, "slow": {1: 5.6, 8: 5.0}}, "own") == "own"
+    assert pick({"own": own, "slow": {1: 5.6, 8: 5.0}}, "own") == "own"
+    assert pick({"own": own, "noise": {1: 5.5 * (1 - MIN_GAIN / 2), 8: 5.8}}, "own") == "own"
 
 
 def test_gemv_use_configs_overrides_the_tuned_table_for_its_shapes_only():
