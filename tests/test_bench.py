@@ -213,7 +213,7 @@ def test_gemv_use_configs_overrides_the_tuned_table_for_its_shapes_only():
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--shapes", "gate_up,qkv"], "argument --shapes: unknown shape 'qkv'; choose from o, gate_up, down, lm_head"),
+    (["--shapes", "gate_up,up"], "argument --shapes: unknown shape 'up'; choose from qkv, o, gate_up, down, lm_head"),
     (["--reps", "0"], "argument --reps: must be at least 1"),
     (["--final-reps", "0"], "argument --final-reps: must be at least 1"),
     pytest.param([], "this machine has no GPU", marks=NO_GPU),

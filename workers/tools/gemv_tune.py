@@ -1,6 +1,6 @@
 """Whole-step tuning of the GEMV path's launch configs (issue 25), for workers/kernels/gemv.py's tables.
 
-`python -m workers.tools.gemv_tune [--shapes gate_up,down,o,lm_head] [--top 3] [--reps 2] [--out FILE]` on a GPU.
+`python -m workers.tools.gemv_tune [--shapes gate_up,down,qkv,o,lm_head] [--top 3] [--reps 2] [--out F]` on a GPU.
 A config's time alone (kernel_bench --gemv's sweep: one weight read again and again) does not rank configs as a
 decode step does, where each layer's weights arrive cold after other kernels: on an H100 (2026-12-07, docs/perf.md)
 the gate/up config best alone was 5% faster there and 1.5-1.9% faster on whole batch-1 steps, and lm_head's best
@@ -8,8 +8,9 @@ alone made no difference. So, per weight shape of the 7B model: every config of 
 the --top fastest kept (with the device's own), then each of those timed on whole decode steps of the 7B shape
 (random weights, batch 1 and 8 at 1k context, --reps runs each, alternated), one shape at a time from the device's
 table; a config replaces the table's where its batch-1 step is the fastest, at least MIN_GAIN faster, and its
-batch-8 step at most BATCH8_SLACK slower. Last, the chosen table against the device's, alternated --final-reps times at batch 1-8, and
-the table's lines to paste into gemv.py.
+batch-8 step at most BATCH8_SLACK slower (qkv: configs with BLOCK_K <= 256, as its fused kernel runs them). Last,
+if anything changed, the chosen table against the device's, alternated --final-reps times at batch 1-8; then the
+table's lines to paste into gemv.py.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ import tempfile
 
 import torch
 
-# kernel_bench.GEMV_SHAPES' names (not qkv: its fused RoPE kernel has its own sweep there, qkv_rope_sweep)
-SHAPES = ("o", "gate_up", "down", "lm_head")
+# kernel_bench.GEMV_SHAPES' names; qkv's GEMV is qkv_rope_gemv, which runs its config with BLOCK_K <= 256
+SHAPES = ("qkv", "o", "gate_up", "down", "lm_head")
+QKV_MAX_BLOCK_K = 256  # (gemv.qkv_rope_config's cap)
 # A candidate replaces the device's config only where its batch-1 step is at least MIN_GAIN faster and its batch-8
 # step at most BATCH8_SLACK slower (the H100's spread over alternated runs in one call: ~0.2%; 2026-12-07, the first
 # run's rule, any gain and 1% at batch 8, took two changes of 0.0-0.3% that together made batch 2-8 0.3-0.5% slower)
@@ -67,17 +69,19 @@ def step_times(model: str, table: dict, batches: list[int], steps: int) -> dict[
     return {r.batch: r.ms_per_step for r in rows}
 
 
-def isolated(shape: tuple[int, int]) -> dict[str, float]:
-    """us per call at one row for each config of GEMV_GRID that compiles (kernel_bench's timing)."""
-    from workers.kernels.gemv import GEMV_GRID, gemv
-    from workers.tools.kernel_bench import grid, time_ms
+def isolated(name: str) -> dict[str, float]:
+    """us per call at one row for each config of GEMV_GRID that compiles and the step would run as given
+    (kernel_bench's timing of the step's kernel for that shape)."""
+    from workers.kernels.gemv import GEMV_GRID
+    from workers.tools.kernel_bench import gemv_timer, grid
 
-    w = torch.randn(*shape, dtype=torch.bfloat16, device="cuda")
-    x = torch.randn(1, shape[1], dtype=torch.bfloat16, device="cuda")
+    timer = gemv_timer(name)
     out = {}
     for cfg in grid(GEMV_GRID):
+        if name == "qkv" and cfg["BLOCK_K"] > QKV_MAX_BLOCK_K:
+            continue
         try:
-            out[json.dumps(cfg)] = time_ms(lambda: gemv(x, w, cfg)) * 1e3
+            out[json.dumps(cfg)] = timer(cfg)
         except Exception as exc:  # a config Triton refuses (shared memory)
             print(f"    {cfg}: {type(exc).__name__}", flush=True)
     return out
@@ -85,7 +89,7 @@ def isolated(shape: tuple[int, int]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m workers.tools.gemv_tune", description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default="gate_up,down,o,lm_head",
+    ap.add_argument("--shapes", default="gate_up,down,qkv,o,lm_head",
                     help=f"weight shapes to tune, in order, a comma list of {', '.join(SHAPES)}")
     ap.add_argument("--top", type=int, default=3, help="configs kept per shape from the isolated sweep (default 3)")
     ap.add_argument("--reps", type=int, default=2, help="whole-step runs per candidate (default 2)")
@@ -113,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"device": torch.cuda.get_device_name(), "argv": sys.argv, "shapes": {}}
     for name in shapes:
         shape = GEMV_SHAPES[name]
-        alone = isolated(shape)
+        alone = isolated(name)
         cands = shortlist(alone, json.dumps(table[shape]), args.top)
         print(f"{name} {shape}: alone " + ", ".join(f"{c} {alone.get(c, float('nan')):.1f} us" for c in cands),
               flush=True)
@@ -128,10 +132,12 @@ def main(argv: list[str] | None = None) -> int:
         result["shapes"][name] = {"alone_us": alone, "steps_ms": med, "chosen": table[shape]}
     batches = [1, 2, 4, 8]
     final: dict[str, list[dict[int, float]]] = {"device's": [], "chosen": []}
-    for _ in range(args.final_reps):
+    if table == own:
+        print("no change: no candidate met the rule, the device's table stands", flush=True)
+    for _ in range(args.final_reps if table != own else 0):
         for label, t in (("device's", own), ("chosen", table)):
             final[label].append(step_times(model, t, batches, args.steps))
-    for b in batches:
+    for b in batches if table != own else []:
         line = []
         for label, rs in final.items():
             xs = [r[b] for r in rs]

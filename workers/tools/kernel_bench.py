@@ -208,29 +208,41 @@ def bench_gemv(copy: float) -> dict:
     return {"copy_tb_s": copy, "rows": rows, "step_us": step}
 
 
-def bench_qkv_rope_sweep() -> dict:
-    """The fused norm + qkv + RoPE + K/V-write GEMV (`qkv_rope_gemv`) over GEMV_GRID at batch 1 on the qkv shape,
-    against the config it runs with (`qkv_rope_config`): its epilogue needs more registers than the plain GEMV the
-    per-shape configs were swept for (`python -m workers.tools.compile_check` lists the variants that spill), so its
-    best config may differ."""
-    from workers.kernels.gemv import GEMV_GRID, qkv_rope_config, qkv_rope_gemv
+def gemv_timer(name: str):
+    """A function of a launch config giving the us per call at one row of the GEMV a decode step runs for weight
+    shape `name` (GEMV_SHAPES): qkv_rope_gemv (norm + qkv + RoPE + the K/V write into a bf16 pool) for qkv, gemv
+    for the others."""
+    from workers.kernels.gemv import gemv, qkv_rope_gemv
 
-    n, k = GEMV_SHAPES["qkv"]
-    kv_heads = (n // DIM - k // DIM) // 2
+    n, k = GEMV_SHAPES[name]
     w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * k ** -0.5
     x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+    if name != "qkv":
+        return lambda c: time_ms(lambda: gemv(x, w, c)) * 1e3
+    kv_heads = (n // DIM - k // DIM) // 2
     norm = torch.ones(k, dtype=torch.bfloat16, device="cuda")
     kc, vc = (torch.zeros(64, PAGE, kv_heads, DIM, dtype=torch.bfloat16, device="cuda") for _ in range(2))
     cos, sin = (torch.rand(4096, DIM, device="cuda") for _ in range(2))
     positions = torch.tensor([100], device="cuda")
     slots = torch.tensor([7], device="cuda")
+    return lambda c: time_ms(lambda: qkv_rope_gemv(x, w, None, (norm, 1e-5), k // DIM, kv_heads, positions, cos, sin,
+                                                   kc, vc, slots, config=c)) * 1e3
+
+
+def bench_qkv_rope_sweep() -> dict:
+    """The fused norm + qkv + RoPE + K/V-write GEMV (`qkv_rope_gemv`) over GEMV_GRID at batch 1 on the qkv shape,
+    against the config it runs with (`qkv_rope_config`): its epilogue needs more registers than the plain GEMV the
+    per-shape configs were swept for (`python -m workers.tools.compile_check` lists the variants that spill), so its
+    best config may differ."""
+    from workers.kernels.gemv import GEMV_GRID, qkv_rope_config
+
+    timer = gemv_timer("qkv")
 
     def run(c: dict) -> dict:
-        us = time_ms(lambda: qkv_rope_gemv(x, w, None, (norm, 1e-5), k // DIM, kv_heads, positions, cos, sin, kc, vc,
-                                           slots, config=c)) * 1e3
+        us = timer(c)
         return {"config": c, "us": us, "neg_us": -us}
 
-    tuned = run(qkv_rope_config(n, k))
+    tuned = run(qkv_rope_config(*GEMV_SHAPES["qkv"]))
     print(f"  qkv_rope with its config {tuned['config']}: {tuned['us']:.1f} us", flush=True)
     best = sweep(run, GEMV_GRID, "neg_us", "qkv_rope")
     return {"tuned": tuned, "best": best}
