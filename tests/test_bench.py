@@ -216,6 +216,7 @@ def test_gemv_use_configs_overrides_the_tuned_table_for_its_shapes_only():
     (["--shapes", "gate_up,up"], "argument --shapes: unknown shape 'up'; choose from qkv, o, gate_up, down, lm_head"),
     (["--reps", "0"], "argument --reps: must be at least 1"),
     (["--final-reps", "0"], "argument --final-reps: must be at least 1"),
+    (["--out", "/no/such/dir/x.json"], "argument --out: cannot write /no/such/dir/x.json"),
     pytest.param([], "this machine has no GPU", marks=NO_GPU),
 ])
 def test_gemv_tune_flags_are_checked(capsys, argv, says):

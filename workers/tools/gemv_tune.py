@@ -104,11 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("top", "reps", "final_reps", "steps"):
         if getattr(args, name) < 1:
             ap.error(f"argument --{name.replace('_', '-')}: must be at least 1")
+    from workers.tools.bench import unwritable, write_dummy_model_dir
+
+    if args.out and (problem := unwritable(args.out)):
+        ap.error(f"argument --out: {problem}")
     if not torch.cuda.is_available():
         ap.error("it times Triton GEMVs on whole decode steps; this machine has no GPU")
 
     from workers.kernels import gemv
-    from workers.tools.bench import write_dummy_model_dir
     from workers.tools.kernel_bench import GEMV_SHAPES
 
     model = write_dummy_model_dir(tempfile.mkdtemp(prefix="gemv-tune-"))
@@ -130,19 +133,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name} {c}: batch 1 {m[1]:.3f} ms, batch 8 {m[8]:.3f} ms", flush=True)
         table[shape] = json.loads(pick(med, cands[0]))
         result["shapes"][name] = {"alone_us": alone, "steps_ms": med, "chosen": table[shape]}
-    batches = [1, 2, 4, 8]
     final: dict[str, list[dict[int, float]]] = {"device's": [], "chosen": []}
     if table == own:
         print("no change: no candidate met the rule, the device's table stands", flush=True)
-    for _ in range(args.final_reps if table != own else 0):
-        for label, t in (("device's", own), ("chosen", table)):
-            final[label].append(step_times(model, t, batches, args.steps))
-    for b in batches if table != own else []:
-        line = []
-        for label, rs in final.items():
-            xs = [r[b] for r in rs]
-            line.append(f"{label} {min(xs):.3f}/{statistics.median(xs):.3f}/{max(xs):.3f} ms")
-        print(f"batch {b} (min/median/max): " + ", ".join(line), flush=True)
+    else:
+        batches = [1, 2, 4, 8]
+        for _ in range(args.final_reps):
+            for label, t in (("device's", own), ("chosen", table)):
+                final[label].append(step_times(model, t, batches, args.steps))
+        for b in batches:
+            spreads = [f"{label} {min(x[b] for x in rs):.3f}/{statistics.median(x[b] for x in rs):.3f}/"
+                       f"{max(x[b] for x in rs):.3f} ms" for label, rs in final.items()]
+            print(f"batch {b} (min/median/max): " + ", ".join(spreads), flush=True)
     print(f"table for {torch.cuda.get_device_name()}:")
     for shape, c in table.items():
         print(f"    {shape}: {c},{'' if c == own[shape] else '  # was ' + json.dumps(own[shape])}")
