@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import signal
 import time
 
@@ -30,7 +31,7 @@ from laneserve.gcheap import freeze_startup_heap
 from laneserve.wire.protocol import EngineStats, Vocabulary
 
 log = logging.getLogger("laneserve.gateway")
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 BIG_BODY = 1 << 20  # a Content-Length this large: the connection is closed after its (unstreamed) answer
 API_KEY = web.AppKey("api", Api)
 GUARD_KEY = web.AppKey("guard", Guard)
@@ -117,9 +118,10 @@ def auth_middleware(api_key: str):
 
 
 def read_api_key(cfg: GatewayConfig) -> str:
-    """--api-key, or the contents of --api-key-file (not both)."""
+    """--api-key, or the contents of --api-key-file (not both); with neither, vLLM's VLLM_API_KEY variable (as
+    `vllm serve` reads it: a deployment moved from vLLM keeps its key)."""
     if not cfg.api_key_file:
-        return cfg.api_key
+        return cfg.api_key or os.environ.get("VLLM_API_KEY", "").strip()
     if cfg.api_key:
         raise SystemExit("give --api-key or --api-key-file, not both")
     try:

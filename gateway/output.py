@@ -109,8 +109,8 @@ class Choice:
             self.prompt.add(d.prompt_logprobs)
         ids = d.new_token_ids
         before = self.text.num_tokens
-        hide_stop_token = d.finish_reason == FinishReason.STOP and bool(ids) and ids[-1] in self.stop_ids
-        piece = self.text.add(ids, hide_last=hide_stop_token)
+        stop_token = d.finish_reason == FinishReason.STOP and bool(ids) and ids[-1] in self.stop_ids
+        piece = self.text.add(ids, hide_last=stop_token and not self.text.stops.include_stop_str)
         consumed = ids[:self.text.num_tokens - before]
         lps = d.logprobs[:len(consumed)] if (self.want_logprobs and d.logprobs) else []
         if self.text.stop_str is not None:
@@ -122,7 +122,7 @@ class Choice:
                 self.finish_reason, self.stop_reason = "stop", self.text.stop_str
             else:
                 self.finish_reason = FINISH[d.finish_reason]
-                if hide_stop_token and ids[-1] not in self.eos:
+                if stop_token and ids[-1] not in self.eos:
                     self.stop_reason = ids[-1]
         if piece:
             self.parts.append(piece)
@@ -182,7 +182,8 @@ class CompletionShape(_Shape):
             pos += len(t)
         return {"tokens": [self.token_text(t, True) for t in ids] if as_id else texts,
                 "token_logprobs": [None if lp is None else max(lp.logprob, MIN_LOGPROB) for lp in lps],
-                "top_logprobs": [None if lp is None else self._top(lp, as_id) for lp in lps], "text_offset": offsets}
+                "top_logprobs": [None if lp is None else self._top(t, lp, as_id) for t, lp in zip(ids, lps)],
+                "text_offset": offsets}
 
     def _echo_logprobs(self, ch: Choice) -> tuple[list[int], list]:
         """Echo with logprobs: the prompt's tokens and their logprobs, which the answer's logprobs start with."""
@@ -190,11 +191,13 @@ class CompletionShape(_Shape):
             return [], []
         return ch.prompt.ids, ch.prompt.echo_entries()
 
-    def _top(self, lp, as_id: bool) -> dict[str, float]:
-        """token -> logprob of the top ones; tokens that decode alike ("\ufffd" pieces) keep an entry each, the
-        later ones named "token_id:N"."""
+    def _top(self, token_id: int, lp, as_id: bool) -> dict[str, float]:
+        """token -> logprob of the top ones, then of the token itself where it is not among them (OpenAI's and vLLM's
+        up to k + 1 entries); tokens that decode alike ("\ufffd" pieces) keep an entry each, the later ones named
+        "token_id:N"."""
         out: dict[str, float] = {}
-        for i, v in zip(lp.top_ids, lp.top_logprobs):
+        top = list(zip(lp.top_ids, lp.top_logprobs))
+        for i, v in top + ([(token_id, lp.logprob)] if token_id not in lp.top_ids else []):
             key = self.token_text(i, as_id)
             out[key if key not in out else self.token_text(i, True)] = max(v, MIN_LOGPROB)
         return out

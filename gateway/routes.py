@@ -14,6 +14,7 @@ import logging
 import re
 import time
 import uuid
+from importlib import metadata
 
 import msgspec
 from aiohttp import web
@@ -29,6 +30,11 @@ from gateway.tokenizer import ChatTemplateError, ModelTokenizer
 from laneserve.wire.protocol import AddRequest, Rejected
 
 log = logging.getLogger("laneserve.gateway")
+
+try:
+    VERSION = metadata.version("laneserve")
+except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    VERSION = "unknown"
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"
@@ -92,6 +98,7 @@ class Api:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
@@ -108,6 +115,10 @@ class Api:
         """GET /v1/models/{id} (the openai SDK's models.retrieve)."""
         self._check_model(request.match_info["model"])
         return json_response(self._card())
+
+    async def version(self, request: web.Request) -> web.Response:
+        """vLLM's /version: the server's version (laneserve's, as installed)."""
+        return json_response({"version": VERSION})
 
     async def health(self, request: web.Request) -> web.Response:
         if self.draining:
@@ -297,6 +308,7 @@ class Api:
         if cap and self.in_flight + num_seqs > cap:
             raise ApiError(429, f"too many requests in flight ({self.in_flight} of {cap}); retry later.",
                            retry_after=self.cfg.retry_after)
+        named = S.response_id(req, request.headers.get("X-Request-Id"), prefix)
         base = f"{prefix}-{uuid.uuid4().hex}"
         choices, adds = self._choices(req, base, prompts, max_tokens, logprobs, echo, constraint)
         if not await self.client.alive():
@@ -310,7 +322,7 @@ class Api:
         queue = self.client.submit(adds)
         prompt_tokens = sum(len(p) for p in prompts)
         self.metrics.prompt_tokens.inc(prompt_tokens)
-        run = _Run(self, request, req, shape, base, choices, by_id, unfinished, queue, prompt_tokens, arrival)
+        run = _Run(self, request, req, shape, named or base, choices, by_id, unfinished, queue, prompt_tokens, arrival)
         run.sizes = {ch.request_id: (len(prompts[i // n]), max_tokens[i // n]) for i, ch in enumerate(choices)}
         self.runs.add(run)
         try:

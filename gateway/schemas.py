@@ -45,6 +45,8 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "vllm_xargs": (_OFF, ""),
     "store": (_OFF, ""),
     "prediction": (_OFF, ""),
+    "return_token_ids": (_OFF, "; logprobs with return_tokens_as_token_ids name each sampled token's id"),
+    "structural_tag": (_OFF, "; response_format json_schema or structured_outputs constrain the output"),
 }
 UNSUPPORTED_COMPLETION = UNSUPPORTED | {"suffix": (_OFF, "")}
 _CHAT_TEMPLATE = {
@@ -60,6 +62,7 @@ UNSUPPORTED_CHAT = UNSUPPORTED | _CHAT_TEMPLATE | {
     "modalities": (_OFF + (["text"],), ""),
     "web_search_options": (_OFF, ""),
     "reasoning_effort": (_OFF + ("none",), ""),
+    "best_of": (_OFF + (1,), " on chat completions (vLLM's V1 refuses it too); /v1/completions takes it"),
 }
 UNSUPPORTED_TOKENIZE = _CHAT_TEMPLATE | {"mm_processor_kwargs": (_OFF, "")}
 
@@ -88,7 +91,7 @@ def check_unsupported(req) -> None:
 
 
 class StreamOptions(msgspec.Struct):
-    include_usage: bool | None = None
+    include_usage: bool | None = True  # vLLM's default: stream_options given at all asks for usage
     continuous_usage_stats: bool | None = None  # vLLM's: usage so far in every chunk (guidellm sends it)
 
 
@@ -122,6 +125,7 @@ class _Sampling(msgspec.Struct):
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's form) -> bias in [-100, 100]
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:N"
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and the top-k at its position
+    request_id: str | None = None  # vLLM's: the response's id is "cmpl-" / "chatcmpl-" and this (response_id)
     # Structured output (OpenAI's response_format; vLLM's guided_* and structured_outputs): constrained decoding,
     # gateway/structured.py
     response_format: dict | None = None
@@ -405,6 +409,22 @@ def prompt_token_lists(req: _Completion, tok: ModelTokenizer) -> list[list[int]]
             raise bad_request(f"token id {bad} is out of vocabulary (size {tok.vocab_size}).", param="prompt")
         out.append(ids)
     return out
+
+
+MAX_REQUEST_ID = 256
+
+
+def response_id(req, header: str | None, prefix: str) -> str | None:
+    """The response id a client named, as vLLM forms it: the X-Request-Id header, else the body's request_id, after
+    "cmpl-" / "chatcmpl-"; None when neither is given (the server makes one). Printable ASCII up to MAX_REQUEST_ID
+    characters (it goes into every chunk and log line); else a 400. The engine's own ids stay the server's, so two
+    requests may name the same id."""
+    given, param = (header, "X-Request-Id") if header is not None else (req.request_id, "request_id")
+    if given is None:
+        return None
+    if not 0 < len(given) <= MAX_REQUEST_ID or not given.isascii() or not given.isprintable():
+        raise bad_request(f"{param} must be 1 to {MAX_REQUEST_ID} printable ASCII characters.", param=param)
+    return f"{prefix}-{given}"
 
 
 def sequences_per_prompt(req: _Sampling) -> int:

@@ -84,8 +84,9 @@ class ModelTokenizer:
         return list(cached)
 
     def decode_long(self, ids: list[int]) -> str:
-        """decode() that releases the GIL (for a whole prompt, in a thread)."""
-        return self.tokenizer.decode_batch([ids], skip_special_tokens=True)[0]
+        """decode() that releases the GIL (for a whole prompt, in a thread), special tokens kept (as vLLM's
+        /detokenize and echo show them)."""
+        return self.tokenizer.decode_batch([ids], skip_special_tokens=False)[0]
 
     def id_to_token(self, token_id: int) -> str:
         return self.tokenizer.id_to_token(token_id) or ""

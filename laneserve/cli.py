@@ -39,6 +39,18 @@ VLLM_ONLY = {
                             "--num-speculative-tokens",
     "--data-parallel-size": "--num-workers N: one worker per GPU (or per --tensor-parallel-size GPUs) behind one "
                             "batcher",
+    "-tp": "write --tensor-parallel-size (no short form)",
+    "-pp": "only tensor parallelism (--tensor-parallel-size)",
+    "-dp": "--num-workers N: one worker per GPU (or per --tensor-parallel-size GPUs) behind one batcher",
+    "--uvicorn-log-level": "the gateway is aiohttp, without access logs; --log-level sets laneserve's own",
+    "--revision": "models load from local dirs and GGUF files, never from the hub",
+    "--tokenizer-revision": "models load from local dirs and GGUF files, never from the hub",
+}
+# vLLM flags taken as given: laneserve already does what they ask
+VLLM_NO_OPS = {
+    "--enable-auto-tool-choice": "tool_choice auto is on whenever --tool-call-parser is set",
+    "--disable-log-requests": "laneserve logs no requests",
+    "--disable-log-stats": "laneserve logs no periodic stats (/metrics has them)",
 }
 
 
@@ -61,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run gateway, batcher and workers (one per GPU, or one CPU worker)")
     serve.add_argument("model_arg", nargs="?", metavar="MODEL", help="the model, as `vllm serve MODEL` takes it "
                        "(the same as --model)")
-    serve.add_argument("--enable-auto-tool-choice", action="store_true", help="accepted for vLLM's command line: "
-                       "tool_choice auto is on whenever --tool-call-parser is set")
+    for flag, why in VLLM_NO_OPS.items():
+        serve.add_argument(flag, action="store_true", help=f"accepted for vLLM's command line: {why}")
     for cls in (LauncherConfig, gateway_cfg, batcher_cfg, worker_cfg):
         add_arguments(serve, cls, skip=("worker_id",))
     for name, cls, text in (("gateway", gateway_cfg, "run the HTTP gateway"),
@@ -149,10 +161,10 @@ def _unknown_flags(parser: argparse.ArgumentParser, command: str, unknown: list[
     lines = []
     for arg in unknown:
         flag = arg.split("=", 1)[0]
-        if not flag.startswith("--"):
+        if flag in VLLM_ONLY:
+            lines.append(f"{flag} (vLLM's) is not a laneserve flag: {VLLM_ONLY[flag]}")
+        elif not flag.startswith("--"):
             lines.append(f"unexpected argument {arg!r}")
-        elif flag in VLLM_ONLY:
-            lines.append(f"{flag} (vLLM's) has no laneserve setting: {VLLM_ONLY[flag]}")
         else:
             near = difflib.get_close_matches(flag, known, n=1, cutoff=0.5)
             lines.append(f"unknown flag {flag}" + (f"; the nearest laneserve setting is {near[0]}" if near else ""))

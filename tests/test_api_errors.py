@@ -150,7 +150,7 @@ def guarded(request):
 AUTH = {"Authorization": "Bearer sekret"}
 
 
-async def test_api_key_guards_everything_but_health_and_metrics(guarded):
+async def test_api_key_guards_everything_but_health_metrics_and_version(guarded):
     body = {"prompt": "x", "max_tokens": 2}
     async with aiohttp.ClientSession() as s:
         err, _ = await _call(s, "POST", guarded.url("/v1/completions"), 401, json=body)
@@ -160,6 +160,7 @@ async def test_api_key_guards_everything_but_health_and_metrics(guarded):
         await _call(s, "GET", guarded.url("/nowhere"), 401)
         await _call(s, "POST", guarded.url("/v1/completions"), 200, json=body, headers=AUTH)
         await _call(s, "GET", guarded.url("/health"), 200)
+        await _call(s, "GET", guarded.url("/version"), 200)
         async with s.get(guarded.url("/metrics")) as r:
             assert r.status == 200 and "laneserve:kv_cache_blocks_free" in await r.text()
 

@@ -147,7 +147,10 @@ def test_logprobs_and_echo(client):
     # echo with logprobs scores the prompt too (vLLM, OpenAI): its 7 tokens first, the first one without a logprob
     assert len(ch.logprobs.tokens) == 7 + 4 and len(ch.logprobs.token_logprobs) == 7 + 4
     assert ch.logprobs.token_logprobs[0] is None and ch.logprobs.top_logprobs[0] is None
-    assert all(len(top) == 2 for top in ch.logprobs.top_logprobs[1:])
+    # the top 2, and the token itself where it is not among them (a prompt's token; greedy ones are the top 1)
+    tokens, tops = ch.logprobs.tokens, ch.logprobs.top_logprobs
+    assert all(len(top) == 2 or len(top) == 3 and tok in top for tok, top in zip(tokens[1:7], tops[1:7]))
+    assert all(len(top) == 2 and max(top, key=top.get) == tok for tok, top in zip(tokens[7:], tops[7:]))
     assert all(lp <= 0 for lp in ch.logprobs.token_logprobs[1:])
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "q"}], max_tokens=3,
                                           logprobs=True, top_logprobs=3, **GREEDY)

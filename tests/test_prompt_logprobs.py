@@ -179,10 +179,18 @@ def words(ids: list[int]) -> list[str]:
     return [f"w{t}" for t in ids]
 
 
-def echo_scores(lp) -> list:
-    """Echo's logprobs as reference() tuples (OpenAI's shape has no rank)."""
-    return [None if v is None else (v, None, [token_id(t) for t in top], list(top.values()))
-            for v, top in zip(lp.token_logprobs, lp.top_logprobs)]
+def echo_scores(lp, k: int = K) -> list:
+    """Echo's logprobs as reference() tuples (OpenAI's shape has no rank); checks that a token outside the top k
+    follows them in its top_logprobs (OpenAI's and vLLM's k + 1 entries), with its own logprob."""
+    out = []
+    for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        if v is None:
+            out.append(None)
+            continue
+        items = list(top.items())
+        assert len(items) == k or len(items) == k + 1 and items[-1] == (tok, v), (tok, v, items)
+        out.append((v, None, [token_id(t) for t, _ in items[:k]], [x for _, x in items[:k]]))
+    return out
 
 
 def token_id(text: str) -> int:

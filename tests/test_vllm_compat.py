@@ -59,15 +59,24 @@ def test_bad_logit_bias_is_a_400(client, bias, why):
     assert e.value.body["param"] == "logit_bias" and why in e.value.body["message"]
 
 
-def test_top_logprobs_have_exactly_n_entries_and_chat_bytes_are_the_tokens_own(client):
+def test_top_logprobs_hold_the_top_k_and_the_sampled_token_and_chat_bytes_are_the_tokens_own(client):
+    """Completion top_logprobs: the k most likely tokens and the sampled one where it is not among them (OpenAI's
+    and vLLM's up to k + 1 entries), each key once (tokens that decode alike named token_id:N)."""
     r = client.completions.create(model="tiny", prompt="\u00e9t\u00e9 \u2713", max_tokens=12, logprobs=5,
                                   temperature=1.0, seed=0, extra_body={"ignore_eos": True})
-    assert all(len(top) == 5 for top in r.choices[0].logprobs.top_logprobs)
-    ids = client.completions.create(model="tiny", prompt="hi", max_tokens=4, logprobs=3,
+    assert all(len(top) in (5, 6) for top in r.choices[0].logprobs.top_logprobs)
+    ids = client.completions.create(model="tiny", prompt="hi", max_tokens=24, logprobs=3, temperature=1.0, seed=3,
                                     extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
     lp = ids.choices[0].logprobs
-    assert all(t.startswith("token_id:") for t in lp.tokens) and all(
-        len(top) == 3 and all(k.startswith("token_id:") for k in top) for top in lp.top_logprobs)
+    assert all(t.startswith("token_id:") for t in lp.tokens)
+    for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert all(k.startswith("token_id:") for k in top) and top[tok] == value
+        others = [v for k, v in top.items() if k != tok]
+        assert len(top) == 3 or len(top) == 4 and value <= min(others), (tok, top)
+    assert any(len(top) == 4 for top in lp.top_logprobs)  # sampled at temperature 1: not always a top-3 token
+    zero = client.completions.create(model="tiny", prompt="hi", max_tokens=3, logprobs=0,
+                                     extra_body={"ignore_eos": True})
+    assert [list(top) for top in zero.choices[0].logprobs.top_logprobs] == [[t] for t in zero.choices[0].logprobs.tokens]
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "\u2713"}],
                                           max_tokens=16, logprobs=True, top_logprobs=2, temperature=1.0, seed=1,
                                           extra_body={"ignore_eos": True, "skip_special_tokens": False})
@@ -119,11 +128,16 @@ async def test_continuous_usage_stats_put_usage_in_every_chunk(stack):
     assert all(u is not None for u in usages) and usages[-1]["completion_tokens"] == 32, usages
     counts = [u["completion_tokens"] for u in usages]
     assert counts == sorted(counts) and counts[0] < 32, usages
-    body["stream_options"] = {"continuous_usage_stats": True}  # without include_usage: none at all, as vLLM
-    async with aiohttp.ClientSession() as s:
-        async with s.post(f"{stack.base_url}/v1/completions", json=body) as r:
-            chunks = [json.loads(line[6:]) async for line in r.content if line.startswith(b"data: {")]
-    assert chunks and not any("usage" in c for c in chunks)
+    # vLLM's include_usage defaults to true once stream_options is given; false turns usage off, continuous too
+    for options, every, last in (({"continuous_usage_stats": True}, True, True), ({}, False, True),
+                                 ({"include_usage": False, "continuous_usage_stats": True}, False, False)):
+        body["stream_options"] = options
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{stack.base_url}/v1/completions", json=body) as r:
+                chunks = [json.loads(line[6:]) async for line in r.content if line.startswith(b"data: {")]
+        with_usage = [c for c in chunks if c.get("usage")]
+        assert (len(with_usage) == len(chunks) if every else len(with_usage) == last), (options, chunks[-2:])
+        assert not last or with_usage[-1]["usage"]["completion_tokens"] == 32
 
 
 def test_retry_after_is_jittered_and_given_in_ms_too():
@@ -160,6 +174,9 @@ def test_vllm_flags_parse_to_the_same_config():
     (["serve", "--block-size", "32"], "KV blocks are 16 tokens"),
     (["serve", "--data-parallel-size", "2"], "--num-workers N"),
     (["serve", "--max-num-sequences", "4"], "nearest laneserve setting is --max-num-seqs"),
+    (["serve", "tiny", "-tp", "2"], "-tp (vLLM's) is not a laneserve flag: write --tensor-parallel-size"),
+    (["serve", "--revision", "main"], "--revision (vLLM's) is not a laneserve flag: models load from local"),
+    (["serve", "--uvicorn-log-level", "warning"], "--uvicorn-log-level (vLLM's) is not a laneserve flag"),
     (["serve", "tiny", "--model", "other"], "given twice"),
     # values out of range are refused before anything starts (each once started a server that hung or failed)
     (["serve", "--max-num-seqs", "0"], "--max-num-seqs 0: must be >= 1"),
@@ -321,3 +338,83 @@ def test_sampling_defaults_and_floors_as_vllm(given, temperature, seeds):
     req = S.parse(json.dumps({"prompt": "hi", **given}).encode(), S.CompletionRequest)
     params = [S.sampling_params(req, load_tokenizer("tiny"), 4, None, index=j) for j in range(req.n or 1)]
     assert [p.seed for p in params] == seeds and {p.temperature for p in params} == {temperature}
+
+
+def test_include_stop_str_in_output_shows_a_stop_token_too(client):
+    """vLLM's detokenizer keeps the stop token's text with include_stop_str_in_output (stop_token_ids and EOS with
+    skip_special_tokens false); without it the token is hidden. stop_reason names the id either way."""
+    common = dict(model="tiny", prompt="hi", max_tokens=6, logit_bias={"65": 100})
+    for include, text in ((True, "A"), (False, "")):
+        out = client.completions.create(**common, extra_body={"stop_token_ids": [65],
+                                                              "include_stop_str_in_output": include})
+        ch = out.choices[0]
+        assert (ch.text, ch.finish_reason, ch.model_extra["stop_reason"]) == (text, "stop", 65)
+    chunks = client.completions.create(**common, stream=True, extra_body={"stop_token_ids": [65],
+                                                                          "include_stop_str_in_output": True})
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "A"
+
+
+def test_request_id_names_the_response_as_vllm_does(client, stack):
+    """vLLM's response id is "cmpl-" / "chatcmpl-" and the X-Request-Id header, else the body's request_id; the
+    engine keeps its own ids, so two requests may name the same one."""
+    import openai
+
+    msgs = [{"role": "user", "content": "x"}]
+    out = client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"request_id": "job-7"})
+    assert out.id == "cmpl-job-7"
+    same = client.completions.create(model="tiny", prompt=["x", "y"], max_tokens=2,
+                                     extra_body={"request_id": "job-7"})
+    assert same.id == "cmpl-job-7" and len(same.choices) == 2
+    chat = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, stream=True,
+                                          extra_body={"request_id": "body"}, extra_headers={"X-Request-Id": "hdr"})
+    assert {c.id for c in chat} == {"chatcmpl-hdr"}  # the header first, as vLLM
+    assert client.chat.completions.create(model="tiny", messages=msgs, max_tokens=1).id.startswith("chatcmpl-")
+    for bad in ("", "x" * 257, "tab\there", "é"):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny", prompt="x", max_tokens=1, extra_body={"request_id": bad})
+        assert e.value.body["param"] == "request_id"
+
+
+@pytest.mark.parametrize("endpoint, body, param", [
+    ("chat/completions", {"best_of": 2}, "best_of"),
+    ("completions", {"return_token_ids": True}, "return_token_ids"),
+    ("chat/completions", {"structural_tag": "{}"}, "structural_tag"),
+])
+async def test_vllm_fields_laneserve_cannot_honour_are_a_400(stack, endpoint, body, param):
+    base = {"model": "tiny", "max_tokens": 1}
+    base.update({"messages": [{"role": "user", "content": "x"}]} if endpoint.startswith("chat") else {"prompt": "x"})
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{stack.base_url}/v1/{endpoint}", json={**base, **body}) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == param
+        fine = {k: (1 if k == "best_of" else False if k == "return_token_ids" else None) for k in body}
+        async with s.post(f"{stack.base_url}/v1/{endpoint}", json={**base, **fine}) as r:
+            assert r.status == 200, await r.text()  # the values that ask for nothing
+
+
+async def test_version_and_detokenize_with_special_tokens(stack):
+    async with aiohttp.ClientSession() as s:
+        async with s.get(stack.url("/version")) as r:
+            assert r.status == 200 and (await r.json())["version"] == "0.1.0"
+        async with s.post(stack.url("/detokenize"), json={"tokens": [104, 105, 258]}) as r:
+            assert (await r.json())["prompt"] == "hi<|im_start|>"  # vLLM's tokenizer.decode keeps them
+        body = {"model": "tiny", "prompt": [258, 104, 105], "echo": True, "max_tokens": 1}
+        async with s.post(f"{stack.base_url}/v1/completions", json=body) as r:
+            assert (await r.json())["choices"][0]["text"].startswith("<|im_start|>hi")
+
+
+def test_vllm_api_key_is_read_when_laneserve_has_none(monkeypatch):
+    """A deployment moved from vLLM keeps its key: VLLM_API_KEY, as `vllm serve` reads it, unless --api-key or
+    --api-key-file gives one."""
+    from gateway.app import read_api_key
+    from gateway.config import GatewayConfig
+
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert read_api_key(GatewayConfig()) == "from-vllm"
+    assert read_api_key(GatewayConfig(api_key="mine")) == "mine"
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert read_api_key(GatewayConfig()) == ""
+
+
+def test_vllm_logging_flags_are_taken():
+    ns = cli.build_parser().parse_args(["serve", "tiny", "--disable-log-requests", "--disable-log-stats"])
+    assert ns.disable_log_requests and ns.disable_log_stats
