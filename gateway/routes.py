@@ -260,9 +260,10 @@ class Api:
         thread (a large schema must not stall the event loop)."""
         c = structured.constraint(req, self.cfg.tool_call_parser)
         if c is not None and c.grammar:
-            if req.min_tokens:
-                raise bad_request("min_tokens cannot be combined with structured output (the grammar decides "
-                                  "where the output ends).", param="min_tokens")
+            for name in ("min_tokens", "ignore_eos"):
+                if getattr(req, name):
+                    raise bad_request(f"{name} cannot be combined with structured output (the grammar decides "
+                                      "where the output ends).", param=name)
             if self.tok.has_special_text(c.source):
                 raise bad_request(f"{c.param}: special-token text (an end-of-turn marker, say) cannot be generated as "
                                   "text; the output would end or break there.", param=c.param)
@@ -355,8 +356,10 @@ class Api:
         n = S.sequences_per_prompt(req)
         stops = S.stop_strings(req)
         include_stop, skip_special = bool(req.include_stop_str_in_output), req.skip_special_tokens is not False
-        if constraint is not None and constraint.tools == "auto" and self.cfg.tool_call_parser != "hermes":
-            skip_special = False  # [TOOL_CALLS] and <|python_tag|> are special tokens: the parser must see them
+        if constraint is not None and constraint.tools == "auto":
+            # [TOOL_CALLS] and <|python_tag|> are special tokens, and some tokenizers make hermes' <tool_call> one
+            # (vLLM's hermes parser turns skip_special_tokens off too): the parser must see them
+            skip_special = False
         scoring = S.prompt_scoring(req)  # the prompt logprobs shown: the engine computes the larger top-k
         prompt_k = max((k for k in scoring if k is not None), default=None)
         if prompt_k is not None:

@@ -210,10 +210,13 @@ def _required_calls(functions: dict) -> list[dict]:
 
 
 def _rebase(schema, prefix: str):
-    """A tool's parameters schema moved under `prefix` of a bigger one: its local "$ref": "#/..." pointers (to its
-    own $defs, as pydantic writes them) rewritten to point there."""
+    """A tool's parameters schema moved under `prefix` of a bigger one: its local "$ref" pointers, "#/..." (to its
+    own $defs, as pydantic writes them) and "#" (itself, a recursive schema), rewritten to point there. A subschema
+    with an "$id" of its own is kept as it is: its pointers resolve against that $id, wherever it sits."""
     if isinstance(schema, dict):
-        return {k: (("#" + prefix + v[1:]) if k == "$ref" and isinstance(v, str) and v.startswith("#/")
+        if "$id" in schema:
+            return schema
+        return {k: (("#" + prefix + v[1:]) if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/"))
                     else _rebase(v, prefix)) for k, v in schema.items()}
     if isinstance(schema, list):
         return [_rebase(v, prefix) for v in schema]
@@ -244,10 +247,11 @@ class ToolOutput:
         return "tool_calls" if self.called and reason == "stop" and self.c.tools != "named" else reason
 
     def calls(self, text: str) -> tuple[str | None, list[dict]]:
-        """-> (content, tool calls) of a whole text."""
+        """-> (content, tool calls) of a whole text; a whole message's calls have no "index" (OpenAI's and vLLM's:
+        it belongs to stream deltas)."""
         content, calls = self._calls(text)
         self.called = bool(calls)
-        return content, calls
+        return content, [{k: v for k, v in call.items() if k != "index"} for call in calls]
 
     def _calls(self, text: str) -> tuple[str | None, list[dict]]:
         if self.c.tools == "named":

@@ -33,7 +33,7 @@ def _arguments(value) -> str:
     """JSON text of the arguments: a string that is JSON object text is kept as is, anything else is dumped."""
     if isinstance(value, str):
         try:
-            if isinstance(json.loads(value), dict):
+            if isinstance(json.loads(value, parse_constant=_no_constant), dict):
                 return value
         except ValueError:
             pass
@@ -48,9 +48,15 @@ def _call(obj) -> ParsedCall | None:
     return None if key is None else ParsedCall(obj["name"], _arguments(obj[key]))
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
 def _loads(text: str):
+    """The JSON value of text, or None: Python's NaN and Infinity extensions are not JSON (a client's parser would
+    refuse arguments holding them), so such text stays content."""
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_no_constant)
     except ValueError:
         return None
 
@@ -78,7 +84,7 @@ def _mistral_block(block: str) -> list[ParsedCall] | None:
     name, _, args = block.partition("[ARGS]")  # no [ARGS]: args is "", not JSON
     name = name.split("[CALL_ID]")[0].strip()  # newer tokenizers put a call id between name and [ARGS]
     try:
-        return [ParsedCall(name, _arguments(json.loads(args)))]
+        return [ParsedCall(name, _arguments(json.loads(args, parse_constant=_no_constant)))]
     except ValueError:
         return None
 

@@ -409,6 +409,26 @@ def test_required_tools_whose_parameters_refer_to_their_own_defs(client):
                                        tools=tools, tool_choice="required", parallel_tool_calls=False)
     (call,) = r.choices[0].message.tool_calls
     jsonschema.validate(json.loads(call.function.arguments), params)
+    assert "index" not in call.model_extra  # OpenAI's and vLLM's whole message: index belongs to stream deltas
+
+
+@pytest.mark.parametrize("params", [
+    # recursive: "#" is the tool's own parameters (it once pointed at the whole list of calls)
+    {"type": "object", "additionalProperties": False, "required": ["v"],
+     "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9}, "kid": {"$ref": "#"}}},
+    # an $id of its own: its pointers resolve against it (they were rebased, and refused)
+    {"$id": "https://example.com/tool.json", "type": "object", "additionalProperties": False, "required": ["o"],
+     "properties": {"o": {"$ref": "#/$defs/O"}}, "$defs": {"O": {"type": "integer", "minimum": 0, "maximum": 9}}},
+])
+def test_required_tools_with_recursive_or_identified_parameters_follow_their_schema(client, params):
+    tools = [{"type": "function", "function": {"name": "tree", "parameters": params}}]
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=120,
+                                       tools=tools, tool_choice="required", n=4, seed=1)
+    for ch in r.choices:
+        if ch.finish_reason == "tool_calls":  # (max_tokens may cut a deep tree: length, and text)
+            for call in ch.message.tool_calls:
+                jsonschema.validate(json.loads(call.function.arguments), params)
+    assert any(ch.finish_reason == "tool_calls" for ch in r.choices)
 
 
 def test_bad_constraints_over_http_are_400s_and_min_tokens_is_refused(client):
@@ -423,6 +443,10 @@ def test_bad_constraints_over_http_are_400s_and_min_tokens_is_refused(client):
         client.completions.create(model="tiny", prompt="x", max_tokens=5,
                                   extra_body={"guided_choice": ["a"], "min_tokens": 2})
     assert e.value.body["param"] == "min_tokens"
+    with pytest.raises(openai.BadRequestError) as e:  # EOS ends a grammar's output: it cannot be ignored
+        client.completions.create(model="tiny", prompt="x", max_tokens=5,
+                                  extra_body={"guided_regex": "[0-9]{1,3}", "ignore_eos": True})
+    assert e.value.body["param"] == "ignore_eos"
     with pytest.raises(openai.BadRequestError):  # a grammar with no output at all: refused, not an empty 200
         client.completions.create(model="tiny", prompt="x", max_tokens=5,
                                   extra_body={"guided_grammar": "root ::= root"})

@@ -306,3 +306,13 @@ def test_stream_arguments_are_valid_json():
     for parser, text in CASES:
         for call in _stream(parser, list(text))[1]:
             assert isinstance(json.loads(call.arguments), dict)
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>'),
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"x": -Infinity}'),
+])
+def test_python_json_constants_are_not_arguments(parser, text):
+    """NaN and Infinity are Python's JSON extensions, not JSON: a client's parser would refuse such arguments, so
+    the block stays content (no call)."""
+    assert parse(parser, text) == (text, [])
