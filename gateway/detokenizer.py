@@ -30,7 +30,11 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
 
     def step(self, token_id: int) -> str:
-        """Append one token; return the text it completes (often '' for a partial character)."""
+        """Append one token; return the text it completes (often '' for a partial character). A special token that
+        decoding skips is not kept: it adds no text, and held it would count toward MAX_HELD, flushing a character
+        still to complete as U+FFFD."""
+        if self.skip_special_tokens and self.tok.is_special(token_id):
+            return ""
         self.ids.append(token_id)
         decode = self.tok.decode
         prefix_text = decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-CONTROL, USER_DEFINED = 3, 4
+UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4
 SUPPORTED = ("gpt2", "llama")
 
 _LLAMA3_SPLIT = (
@@ -67,7 +67,7 @@ def bytes_to_unicode() -> dict[int, str]:
 
 def _merges(md: dict, tokens: list[str], scores: dict[str, float] | None) -> list[tuple[str, str]]:
     if md.get("tokenizer.ggml.merges"):
-        return [tuple(m.split(" ", 1)) for m in md["tokenizer.ggml.merges"]]  # type: ignore[misc]
+        return [tuple(m.split(" ", 1)) if isinstance(m, str) else m for m in md["tokenizer.ggml.merges"]]
     if scores is None:
         return []
     # transformers' generate_merges: every split of a token into two vocabulary tokens, best score first
@@ -81,12 +81,23 @@ def _merges(md: dict, tokens: list[str], scores: dict[str, float] | None) -> lis
     return [(a, b) for a, b, _ in merges]
 
 
+def _checked(merges: list, vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """The merges, each two vocabulary tokens whose join is one too; else ValueError (the tokenizers library panics
+    past Python's exceptions on some such merges)."""
+    for m in merges:
+        if not (isinstance(m, tuple) and len(m) == 2 and all(isinstance(p, str) and p in vocab for p in m)
+                and m[0] + m[1] in vocab):
+            raise ValueError(f"tokenizer.ggml.merges holds {' '.join(map(str, m)) if isinstance(m, tuple) else m!r:.60}"
+                             ", not two vocabulary tokens that join into one")
+    return merges
+
+
 def _byte_level(md: dict, tokens: list[str]) -> tuple[Tokenizer, set[str]]:
     spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
     vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
              for i, t in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=_merges(md, tokens, None), dropout=None,
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=_checked(_merges(md, tokens, None), vocab), dropout=None,
                                continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
     split = PRE_TOKENIZER_SPLITS.get(md.get("tokenizer.ggml.pre"))
     if split is None:
@@ -102,8 +113,9 @@ def _byte_level(md: dict, tokens: list[str]) -> tuple[Tokenizer, set[str]]:
 def _sentencepiece(md: dict, tokens: list[str]) -> Tokenizer:
     scores = md.get("tokenizer.ggml.scores")
     vocab = {t: i for i, t in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=_merges(md, tokens, dict(zip(tokens, scores)) if scores else None),
-                               fuse_unk=True, byte_fallback=True, dropout=None))
+    merges = _merges(md, tokens, dict(zip(tokens, scores)) if scores else None)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=_checked(merges, vocab), fuse_unk=True, byte_fallback=True,
+                               dropout=None))
     tok.normalizer = None
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
@@ -117,18 +129,21 @@ def build(path: str, md: dict) -> Tokenizer:
     tokens = md.get("tokenizer.ggml.tokens")
     if not tokens:
         raise GGUFTokenizerError(f"{path}: metadata has no tokenizer.ggml.tokens; pass --tokenizer DIR")
-    if kind == "gpt2":
-        tok, alphabet = _byte_level(md, tokens)
-    elif kind == "llama":
-        tok, alphabet = _sentencepiece(md, tokens), None
-    else:
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise GGUFTokenizerError(f"{path}: metadata tokenizer.ggml.tokens is not a list of strings")
+    if kind not in ("gpt2", "llama"):
         raise GGUFTokenizerError(f"{path}: tokenizer model {kind!r} is not supported (supported: "
                                  f"{', '.join(SUPPORTED)}); pass --tokenizer DIR with an HF tokenizer")
+    try:
+        tok, alphabet = _byte_level(md, tokens) if kind == "gpt2" else (_sentencepiece(md, tokens), None)
+    except Exception as e:  # noqa: BLE001 - the tokenizers library's own errors on bad vocabularies
+        raise GGUFTokenizerError(f"{path}: {e}") from None
     types = md.get("tokenizer.ggml.token_type") or ()
     # A byte-level vocabulary spells every real token in the byte alphabet; a CONTROL token outside it is a
-    # llama.cpp mislabel that transformers skips too.
+    # llama.cpp mislabel that transformers skips too. The UNKNOWN one (SentencePiece's <unk>) is special in
+    # transformers as well: its text encodes to it, and decoding skips it.
     control = [AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types)
-               if ty == CONTROL and (alphabet is None or set(t) <= alphabet)]
+               if ty in (CONTROL, UNKNOWN) and (alphabet is None or set(t) <= alphabet)]
     if control:
         tok.add_special_tokens(control)
     vocab = tok.get_vocab()

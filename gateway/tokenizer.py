@@ -385,6 +385,8 @@ def _load_gguf(path: str, name: str) -> ModelTokenizer:
     bos, bos_id = token("bos_token_id")
     eos, eos_id = token("eos_token_id")
     template = md.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise gguf_tokenizer.GGUFTokenizerError(f"{path}: metadata tokenizer.chat_template is not a string")
     eos_ids = [eos_id] if eos_id is not None else []
     for key in ("eot_token_id", "eom_token_id"):
         if token(key)[1] is not None:

@@ -168,12 +168,13 @@ def encode(w: np.ndarray, qtype, rng: np.random.Generator) -> np.ndarray:
 
 
 def write_tiny(path: str, qtype, seed: int = 0, *, odd: dict | None = None, arch: str = "llama",
-               rope_freqs: np.ndarray | None = None, scaling: tuple | None = None) -> None:
+               rope_freqs: np.ndarray | None = None, scaling: tuple | None = None,
+               endianess=gguf.GGUFEndian.LITTLE) -> None:
     """A 2-layer llama GGUF, every matrix in qtype (odd: tensor name -> another type), norms in F32; rope_freqs:
     llama.cpp's RoPE frequency divisors tensor; scaling: (gguf.RopeScalingType, factor) metadata."""
     d = DIMS
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(path, arch)
+    w = gguf.GGUFWriter(path, arch, endianess=endianess)
     w.add_block_count(d["layers"])
     w.add_context_length(256)
     w.add_embedding_length(d["hidden"])
@@ -375,3 +376,54 @@ def test_load_format_gguf_needs_a_gguf_file(tmp_path):
     with pytest.raises(WeightLoadError, match="is a GGUF file"):
         load_model(path, load_model_config(path), torch.float32, torch.device("cpu"), "safetensors")
     assert load_model(path, load_model_config(path), torch.float32, torch.device("cpu"), "gguf") is not None
+
+
+# ---------------------------------------------------------------- hostile files: refused at once, one line
+def _patched(tmp_path, edit) -> str:
+    """A tiny F32 file with `edit(reader)` applied in place (the reader's fields and tensor table, memory-mapped)."""
+    path = str(tmp_path / "patched.gguf")
+    write_tiny(path, Q.F32)
+    edit(gguf.GGUFReader(path, "r+"))
+    gguf_file.reader.cache_clear()
+    gguf_file.metadata.cache_clear()
+    return path
+
+
+def _offset(r, name: str):
+    return next(t for t in r.tensors if t.name == name).field.parts[-1]  # the data offset, as stored
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda r: r.fields["llama.block_count"].parts[-1].__setitem__(0, 10**9), "metadata gives 1000000000 layers"),
+    (lambda r: r.fields["llama.vocab_size"].parts[-1].__setitem__(0, 2**31), "tensor token_embd.weight has dims"),
+    (lambda r: r.fields["llama.attention.head_count"].parts[-1].__setitem__(0, 0), "must be a positive integer"),
+    (lambda r: _offset(r, "output_norm.weight").__setitem__(0, _offset(r, "blk.0.attn_norm.weight")[0]), "overlap"),
+    (lambda r: _offset(r, "blk.0.attn_norm.weight").__setitem__(0, _offset(r, "blk.0.attn_norm.weight")[0] + 4),
+     "not aligned"),
+])
+def test_metadata_and_tensor_tables_that_disagree_are_refused_before_anything_is_built(tmp_path, edit, says):
+    """Each once hung building 10**9 layers, asked torch for terabytes, divided by zero, or loaded weights shared
+    or shifted without a word."""
+    path = _patched(tmp_path, edit)
+    with pytest.raises(ValueError) as e:
+        runner_for(path, max_model_len=64)
+    assert path in one_line(e.value) and says in str(e.value), str(e.value)
+
+
+def test_a_huge_array_count_or_a_big_endian_file_is_refused_at_once(tmp_path):
+    """A 2**40-element array in a 100-byte file made the gguf reader loop, growing memory, for good; a big-endian
+    file loaded with its weights byte-swapped."""
+    def s(text: str) -> bytes:
+        return len(text).to_bytes(8, "little") + text.encode()
+
+    path = str(tmp_path / "hang.gguf")
+    with open(path, "wb") as f:  # magic, v3, 0 tensors, 2 keys: the architecture and an array of 2**40 u8
+        f.write(b"GGUF" + (3).to_bytes(4, "little") + (0).to_bytes(8, "little") + (2).to_bytes(8, "little")
+                + s("general.architecture") + (8).to_bytes(4, "little") + s("llama")
+                + s("junk") + (9).to_bytes(4, "little") + (0).to_bytes(4, "little") + (2**40).to_bytes(8, "little"))
+    with pytest.raises(gguf_file.GGUFError, match="runs past the end of the file"):
+        gguf_file.metadata(path)
+    big = str(tmp_path / "big.gguf")
+    write_tiny(big, Q.F32, endianess=gguf.GGUFEndian.BIG)
+    with pytest.raises(gguf_file.GGUFError, match="big-endian"):
+        gguf_file.metadata(big)

@@ -149,7 +149,8 @@ def test_a_sentencepiece_gguf_matches_transformers(tmp_path):
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="sp.gguf")
     assert ours.model_id == "sp" and ours.max_model_len == 4096
     assert ours.add_bos_token and ours.bos_token_id == hf.bos_token_id == 1 and ours.eos_token_ids == (2,)
-    for text in ["hello world", " hello  world!", "hello,world é café", "<|user|>hello</s>", "", "x☃y", "\n\nhello"]:
+    for text in ["hello world", " hello  world!", "hello,world é café", "<|user|>hello</s>", "", "x☃y", "\n\nhello",
+                 "<unk>", "a <unk> b"]:  # <unk> (type UNKNOWN) is special in transformers: its text encodes to it
         ids = ours.encode(text)
         assert ids == hf(text).input_ids, text
         for skip in (True, False):
@@ -200,3 +201,34 @@ def test_a_broken_file_is_a_one_line_error_naming_it(tmp_path, size):
         load_tokenizer(str(bad))
     message = str(info.value)
     assert str(bad) in message and "\n" not in message
+
+
+@pytest.mark.parametrize("merges, template, says", [
+    (["a b"], None, "not two vocabulary tokens that join into one"),  # "ab" is not in the vocabulary: a Rust panic
+    (["x y"], None, "not two vocabulary tokens"),
+    (["a"], None, "not two vocabulary tokens"),
+    ([], 7, "tokenizer.chat_template is not a string"),
+])
+def test_malformed_tokenizer_metadata_is_a_one_line_error_naming_the_file(tmp_path, merges, template, says):
+    import gguf
+
+    path = str(tmp_path / "bad-tok.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_context_length(64)
+    w.add_block_count(1)
+    w.add_embedding_length(8)
+    w.add_feed_forward_length(16)
+    w.add_head_count(2)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(["a", "b", "c"])
+    if merges:
+        w.add_token_merges(merges)
+    if template is not None:
+        w.add_uint32("tokenizer.chat_template", template)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    with pytest.raises(SystemExit) as e:  # the gateway's one-line start-up error (a traceback, or a panic, before)
+        load_tokenizer(path)
+    msg = str(e.value.code)
+    assert path in msg and says in msg and "\n" not in msg, msg

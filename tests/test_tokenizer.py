@@ -118,6 +118,11 @@ def test_tokens_that_never_decode_are_emitted_as_they_come_in_a_bounded_window()
     detok = IncrementalDetokenizer(TINY)
     ids = [0x80] * (MAX_HELD + 5) + list("€ok".encode())
     assert "".join([detok.step(t) for t in ids] + [detok.flush()]) == "\ufffd" * (MAX_HELD + 5) + "€ok"
+    # skipped special tokens inside a character add no text and hold nothing back: it still comes out whole, as a
+    # full decode gives it (they once counted toward MAX_HELD, flushing the character's first bytes as U+FFFD)
+    ids = list("Hi ".encode()) + list("😀".encode()[:2]) + [258] * (MAX_HELD + 2) + list("😀".encode()[2:])
+    detok = IncrementalDetokenizer(TINY)
+    assert "".join([detok.step(t) for t in ids] + [detok.flush()]) == TINY.decode(ids) == "Hi 😀"
 
 
 def _reference_stop(text: str, stops: list[str]) -> str:

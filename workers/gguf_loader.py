@@ -96,8 +96,11 @@ def hf_tensors(path: str, num_heads: int, num_kv_heads: int) -> Iterator[tuple[s
             continue
         name = hf_name(tensor.name) or tensor.name
         w = dequantize_tensor(path, tensor)
-        if arch in PERMUTED_ARCHS and name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = unpermute(w, num_heads)
-        elif arch in PERMUTED_ARCHS and name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = unpermute(w, num_kv_heads)
+        heads = num_heads if name.endswith(("q_proj.weight", "q_proj.bias")) else \
+            num_kv_heads if name.endswith(("k_proj.weight", "k_proj.bias")) else 0
+        if arch in PERMUTED_ARCHS and heads:
+            if w.shape[0] % (2 * heads):
+                raise GGUFWeightError(f"{path}: tensor {tensor.name!r} has {w.shape[0]} rows, not a multiple of 2 x "
+                                      f"{heads} heads")
+            w = unpermute(w, heads)
         yield name, w

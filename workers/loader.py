@@ -87,6 +87,8 @@ def load_model(model: str, model_cfg: ModelConfig, dtype: torch.dtype, device: t
             raise WeightLoadError(f"--load-format gguf: {model} is not a .gguf file")
         elif load_format == "safetensors" and model.endswith(".gguf"):
             raise WeightLoadError(f"--load-format safetensors: {model} is a GGUF file; use auto or gguf")
+        if load_format == "gguf":
+            gguf_file.check_sizes(model)  # before the model is built from its metadata's sizes
     with torch.device("meta"):
         net = LlamaForCausalLM(model_cfg, tp_size)
     # (torch.empty, as net.to(dtype).to_empty(device) would give: on meta tensors empty_like runs torch._refs, which
