@@ -43,8 +43,9 @@ class GatewayConfig:
         "laneserve | vllm: the prefix of the /metrics series' names (vllm: for dashboards written for vLLM that "
         "cannot be edited; the names after it are vLLM's either way)"))
     api_key: str = field(default="", metadata=secret(
-        "require 'Authorization: Bearer KEY' on every route but /health and /metrics ('' = open); `laneserve serve` "
-        "hands it to the gateway in its environment, never on a command line"))
+        "require 'Authorization: Bearer KEY' on every route but /health, /metrics and /version ('' = open, unless "
+        "vLLM's VLLM_API_KEY is set: then that is the key); `laneserve serve` hands it to the gateway in its "
+        "environment, never on a command line"))
     api_key_file: str = field(default="", metadata=flag(
         "a file holding the API key (a Compose or Kubernetes secret); its contents, stripped, as --api-key"))
     max_body_bytes: int = field(default=0, metadata=flag(

@@ -66,11 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     from laneserve.launcher import LauncherConfig
 
     gateway_cfg, batcher_cfg, worker_cfg = _configs()
-    parser = argparse.ArgumentParser(prog="laneserve", description=__doc__.splitlines()[0])
+    # allow_abbrev off: a prefix of a flag (vLLM's --disable-log-req, say) is an unknown flag, not that flag
+    parser = argparse.ArgumentParser(prog="laneserve", description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--log-level", default=os.environ.get("LANESERVE_LOG_LEVEL", "INFO"),
                         help="DEBUG | INFO | WARNING | ERROR [env LANESERVE_LOG_LEVEL]")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run gateway, batcher and workers (one per GPU, or one CPU worker)")
+    serve = sub.add_parser("serve", help="run gateway, batcher and workers (one per GPU, or one CPU worker)",
+                           allow_abbrev=False)
     serve.add_argument("model_arg", nargs="?", metavar="MODEL", help="the model, as `vllm serve MODEL` takes it "
                        "(the same as --model)")
     for flag, why in VLLM_NO_OPS.items():
@@ -80,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, cls, text in (("gateway", gateway_cfg, "run the HTTP gateway"),
                             ("batcher", batcher_cfg, "run the batcher"),
                             ("worker", worker_cfg, "run one model worker")):
-        add_arguments(sub.add_parser(name, help=text), cls)
+        add_arguments(sub.add_parser(name, help=text, allow_abbrev=False), cls)
     for name, (_, text) in TOOLS.items():
         sub.add_parser(name, help=text, add_help=False)
     return parser

@@ -418,3 +418,11 @@ def test_vllm_api_key_is_read_when_laneserve_has_none(monkeypatch):
 def test_vllm_logging_flags_are_taken():
     ns = cli.build_parser().parse_args(["serve", "tiny", "--disable-log-requests", "--disable-log-stats"])
     assert ns.disable_log_requests and ns.disable_log_stats
+
+
+def test_a_prefix_of_a_flag_is_not_that_flag():
+    """argparse took any unambiguous prefix (--max-num-seq as --max-num-seqs): docs/from-vllm.md says a flag
+    laneserve lacks is an error, and a prefix is one."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "tiny", "--max-num-seq", "3"])
+    assert "unknown flag --max-num-seq; the nearest laneserve setting is --max-num-seqs" in str(exc.value.code)
