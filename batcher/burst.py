@@ -67,6 +67,7 @@ class LongPromptGate:
         self.pressure = False  # SLO scheduling: served in order, a waiting request would miss its deadline
 
     def holds(self, now: float, uncached_tokens: int, first_seen: float, active_decodes: int) -> bool:
-        """True: keep this prompt waiting for now."""
+        """True: keep this prompt waiting for now. Never while nothing decodes (with --min-active-decodes 0 an idle
+        server held every long prompt: nothing was running to end the hold, and the batcher schedules on events)."""
         return (self.enabled and (self.detector.active or self.pressure) and uncached_tokens > self.threshold
-                and active_decodes >= self.min_active and now - first_seen < self.max_wait)
+                and active_decodes >= max(self.min_active, 1) and now - first_seen < self.max_wait)

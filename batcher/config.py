@@ -38,7 +38,8 @@ class BatcherConfig:
     long_prefill_threshold: int = field(default=2048, metadata=flag(
         "a prompt with more uncached tokens than this is 'long' for burst gating"))
     min_active_decodes: int = field(default=8, metadata=flag(
-        "during a burst a long prompt waits while at least this many decodes are running"))
+        "during a burst a long prompt waits while at least this many decodes are running (and at least one: with "
+        "none running nothing would end the wait)"))
     max_gated_wait_s: float = field(default=2.0, metadata=flag(
         "longest a long prompt is held back by gating; then it is admitted in arrival order"))
     affinity_max_load_gap: int = field(default=64, metadata=flag(

@@ -168,14 +168,18 @@ class Batcher:
             await self._send_front(ident, P.Rejected(request_id=msg.request_id, reason="duplicate request id",
                                                      retryable=False))
             return
-        wid = pick_worker(alive, msg.prompt_token_ids)
-        sched = self.workers[wid].scheduler
-        # can never run (malformed, too long for the context or the pool): a 400, not an engine error
-        why = invalid_request(msg, self.workers[wid].vocab_size) or sched.reject_reason(msg)
-        if why is not None:
-            log.warning("rejected request %.80r: %s", msg.request_id, why)
-            await self._send_front(ident, P.Rejected(request_id=msg.request_id, reason=why, retryable=False))
+        # can never run (malformed, too long for the context or the pool): a 400, not an engine error; only where no
+        # worker can take it (workers' pools and vocabularies may differ), the first's reason
+        why = {wid: invalid_request(msg, self.workers[wid].vocab_size) or s.reject_reason(msg)
+               for wid, s in alive.items()}
+        able = {wid: s for wid, s in alive.items() if why[wid] is None}
+        if not able:
+            reason = why[min(why)]
+            log.warning("rejected request %.80r: %s", msg.request_id, reason)
+            await self._send_front(ident, P.Rejected(request_id=msg.request_id, reason=reason, retryable=False))
             return
+        wid = pick_worker(able, msg.prompt_token_ids)
+        sched = self.workers[wid].scheduler
         cap = self.cfg.max_waiting_requests
         if cap and sched.stats().num_waiting >= cap:  # the least loaded worker is full: shed, don't queue
             await self._send_front(ident, P.Rejected(request_id=msg.request_id, retryable=True,
@@ -362,7 +366,10 @@ class Batcher:
         if not self.workers:
             self.orphans[rid] = (again, grammar)
             return -1
-        wid = pick_worker({w: slot.scheduler for w, slot in self.workers.items()}, again.prompt_token_ids)
+        able = {w: slot.scheduler for w, slot in self.workers.items() if slot.scheduler.reject_reason(again) is None}
+        if not able:  # (the others' pools may be larger than the lost worker's replacement's)
+            return None
+        wid = pick_worker(able, again.prompt_token_ids)
         return wid if self._place(wid, rid, again, grammar) else None
 
     def _place(self, wid: int, rid: str, again: P.AddRequest, grammar) -> bool:

@@ -256,11 +256,15 @@ class Scheduler:
     def _queue_warm_prefixes(self) -> None:
         """Warm prefixes are normal prefills of internal requests, first in line; see _finish_warm. One longer than
         the context (with the sentinel token) is cut to the full blocks that fit. None without prefix caching (the
-        batcher's config refuses that pair): nothing would find them."""
+        batcher's config refuses that pair): nothing would find them. Together they pin at most half the pool (each
+        checked alone, two of half the pool each once pinned all of it, and every user request was refused)."""
+        pinned = 0
         for i, ids in enumerate(self.warm_prefixes if self.bm.enable_prefix_caching else ()):
             full = min(len(ids), self.max_len - 1) // self.block_size * self.block_size
-            if full == 0 or blocks_for(full, self.block_size) > self.bm.num_usable // 2:
+            blocks = blocks_for(full, self.block_size)
+            if full == 0 or pinned + blocks > self.bm.num_usable // 2:
                 continue  # nothing cacheable, or it would crowd out the traffic it is meant to speed up
+            pinned += blocks
             # The sentinel last token is never computed, so the worker never samples for it.
             req = Request(f"{WARM_PREFIX_ID}{i}", ids[:full] + [0], _WARM_PARAMS, internal=True)
             self.requests[req.request_id] = req

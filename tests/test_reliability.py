@@ -444,3 +444,19 @@ def test_no_pickle_anywhere():
                     if not (isinstance(kw.get("weights_only"), ast.Constant) and kw["weights_only"].value is True):
                         found.append(f"{path}:{node.lineno} torch.load without weights_only=True")
     assert found == []
+
+
+async def test_a_request_goes_to_a_worker_that_can_hold_it_and_is_refused_only_if_none_can(tmp_path):
+    """The router picked by affinity and load alone, and a request too big for that worker's pool was refused as
+    never runnable though another worker's pool held it (a review)."""
+    async with batcher(tmp_path) as side:
+        small = await side.worker(0, num_blocks=4)  # 64 tokens of KV; the least loaded, lowest id: picked first
+        big = await side.worker(1, num_blocks=40)
+        await side.add("big", prompt=list(range(300)), max_tokens=3)
+        got = await side.served_until_finished(big, {"big"}, wid=1)
+        assert got["big"][-1].finish_reason == P.FinishReason.LENGTH
+        await side.add("huge", prompt=[i % 300 for i in range(700)], max_tokens=3)  # in the context, in no pool
+        (rej,) = (await side.deltas_until_finished({"huge"}))["huge"]
+        assert isinstance(rej, P.Rejected) and not rej.retryable and "KV blocks" in rej.reason
+        assert (await side.roundtrip()).workers_alive == 2  # (the small worker was there all along)
+        small.close()

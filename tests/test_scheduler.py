@@ -206,12 +206,19 @@ def test_a_prompt_that_fitted_until_the_warm_prefix_was_pinned_errors_and_does_n
     assert d.deltas[0].error == "KV cache too small for 160 tokens of context"
 
 
-def test_warm_prefixes_that_no_longer_fit_once_others_are_pinned_are_dropped_not_waited_for():
+def test_warm_prefixes_pin_at_most_half_the_pool_together():
+    """Each was checked alone against half the pool: two of half the pool each pinned all of it (a review), and
+    every user request was refused."""
     s = Scheduler(cfg(), 10, BS, 8192, warm_prefixes=[list(range(k, k + 64)) for k in (1000, 2000, 3000)])
-    d = Driver(s)  # each 4 blocks (at most half the pool): two pinned leave 2 usable, too few for the third
+    d = Driver(s)  # each 4 blocks: the first fits in half the pool (5), the others would take it past
     add(s, "user", 5, base=500, max_tokens=2)
     d.run()
-    assert d.finish == {"user": FinishReason.LENGTH} and len(s.bm.pinned) == 8 and s.num_unfinished == 0
+    assert d.finish == {"user": FinishReason.LENGTH} and len(s.bm.pinned) == 4 and s.num_unfinished == 0
+    s = Scheduler(cfg(), 100, BS, 8192, warm_prefixes=[list(range(k, k + 800)) for k in (1000, 2000)])
+    d = Driver(s)  # two of 50 blocks, each exactly half the pool
+    add(s, "user", 3, base=500, max_tokens=2)
+    d.run()
+    assert d.finish == {"user": FinishReason.LENGTH} and len(s.bm.pinned) == 50
 
 
 def test_warm_prefixes_sharing_blocks_pin_each_cached_block_once_and_a_long_one_is_cut_to_the_context():

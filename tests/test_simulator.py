@@ -409,3 +409,11 @@ def test_simulated_sweep_counts_shed_requests_as_misses(tmp_path):
     assert max(shed) > 0
     assert all(r["metrics"]["finished"] == 24 - r["metrics"]["rejected"] for r in runs)
     assert all(r["metrics"]["goodput_pct"] <= 100.0 * (24 - r["metrics"]["rejected"]) / 24 for r in runs)
+
+
+def test_a_gate_with_min_active_decodes_0_never_holds_prompts_on_an_idle_server():
+    """--min-active-decodes 0 (docs/scheduling.md) held every long prompt of a burst while nothing ran: the batcher
+    schedules on events, so they waited for a request that might never come."""
+    reqs = [SimRequest(0.0, tokens(i, 3000), 20) for i in range(32)]
+    res = simulate(reqs, cfg(min_active_decodes=0, burst_queue_depth=4), COST, num_blocks=8192)
+    assert_clean(res, reqs)
