@@ -279,11 +279,12 @@ class Batcher:
         slot.last_seen = time.monotonic()
         # The worker's K/V state is unknown after a failed step or one out of order: all its requests fail (the
         # outputs of its other steps in flight are then void: update() drops them).
+        fenced = bool(slot.scheduler.fence)
         try:
             deltas = slot.scheduler.update(msg, time.monotonic())
         except (StepFailed, StepOrderError) as exc:
             log.error("worker %d, step %d: %s: failing its requests", msg.worker_id, msg.step, msg.error or exc)
-            await self.emit(slot.scheduler.fail_all(str(exc)))
+            await self.emit(slot.scheduler.fail_all(str(exc), worker_failed=msg.error is not None))
             return
         if deltas is not None:  # None: a void step's output, nothing changed
             if self.trace is not None:
@@ -292,6 +293,7 @@ class Batcher:
                                  **({"draft_ms": msg.draft_time * 1000.0} if msg.draft_time > 0.0 else {}))
                 self.trace.first_tokens(msg.worker_id, msg.step, deltas)
             await self.emit(deltas)
+        if deltas is not None or fenced:  # (a void step back may lift a fence: scheduler.fail_all)
             await self.kick(msg.worker_id)
 
     async def heartbeat(self, ident: bytes, msg: P.Heartbeat) -> None:

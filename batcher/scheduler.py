@@ -138,6 +138,9 @@ class Scheduler:
         self.prefill_lane = LANE_PREFILL if self.streams else LANE_MIXED  # the lane prompts are computed in
         self.step_no = 0  # these survive fail_all()
         self.void: set[int] = set()  # steps that were in flight at a fail_all(): update() drops their outputs
+        # two lanes, after a fail_all the batcher itself decided (the worker did not fail): the void steps the worker
+        # still runs on its other stream write blocks the fresh pool could hand out again; no step until they are back
+        self.fence: set[int] = set()
         self.grown: list[Request] = []  # running requests given blocks in the step being composed (schedule() sends)
         self.slo = SloPolicy(cfg)
         self.spec = SpecPolicy(cfg.speculative, cfg.num_speculative_tokens, cfg.prompt_lookup_min,
@@ -287,14 +290,19 @@ class Scheduler:
             deltas.append(TokenDelta(rid, [], FinishReason.ABORT))
         return deltas
 
-    def fail_all(self, error: str) -> list[TokenDelta]:
-        """ERROR deltas for every request held, and a fresh state; the steps in flight become void."""
+    def fail_all(self, error: str, worker_failed: bool = True) -> list[TokenDelta]:
+        """ERROR deltas for every request held, and a fresh state; the steps in flight become void. worker_failed
+        False (the batcher found the output wrong, the worker carries on): with two lanes no new step is composed
+        until the void ones are back (fence). When the worker failed a step it abandoned the others, its streams
+        synchronised, and sends nothing more for them."""
         deltas = self.pending
         deltas += [TokenDelta(rid, [], FinishReason.ERROR, error=error)
                    for rid, r in self.requests.items() if not r.internal]
         on_worker = [rid for rid, r in self.requests.items() if r.on_worker] + self.finished_ids
         queries, hits = self.bm.queries, self.bm.hits
         self.void.update(entry.step for entry in self.in_flight)
+        if self.streams and not worker_failed:
+            self.fence = {entry.step for entry in self.in_flight}
         self._reset()
         # the worker's K/V can't be trusted any more: the prefix cache goes too (its counters stay)
         self.bm.queries, self.bm.hits = queries, hits
@@ -360,6 +368,10 @@ class Scheduler:
             self.spec_k = self._choose_k()
             if self.spec_k or any(e.drafts for e in self.in_flight):  # (two lanes: a step with drafts is alone)
                 limit = 1
+        if self.fence:
+            self.fence &= self.void
+            if self.fence:
+                return None
         if not self.streams:
             if len(self.in_flight) >= limit:
                 return None

@@ -310,3 +310,48 @@ async def test_stack_greedy_outputs_match_in_both_modes(stack, make_stack):
     assert await _mix(streams.base_url) == await _mix(stack.base_url)
     assert any("streams lanes" in line for line in streams.lines)
     assert not any("failing its requests" in line for line in streams.lines)
+
+
+def test_a_step_the_batcher_finds_wrong_fences_the_new_pool_until_the_other_lanes_void_steps_are_back():
+    """A review: the batcher's own StepFailed (a row missing) reset the pool while the decode lane's steps, now void,
+    still ran on the worker's other stream, and the next prefill was given blocks they still wrote. No step now
+    until they are back; when the worker itself failed a step it dropped the others, so nothing waits."""
+    from batcher.scheduler import StepFailed
+    from batcher.sim.engine import SimWorker
+
+    for worker_failed in (False, True):
+        s = Scheduler(dataclasses.replace(BatcherConfig(), lanes="streams"), 8, 16, 4096)
+        w = SimWorker(8, 16, check_kv=True)
+
+        def add(rid: str, n: int, base: int) -> None:
+            s.add_request(P.AddRequest(request_id=rid, prompt_token_ids=[base + i for i in range(n)],
+                                       params=P.SamplingParams(max_tokens=50), arrival_time=0.0), now=0.0)
+
+        add("a", 20, 100)
+        first = s.schedule(0.0)
+        out = w.execute(first)[0]
+        w.done(first.step)
+        s.update(out, 0.01)
+        add("b", 20, 300)
+        flight = []
+        while (st := s.schedule(0.02)) is not None:
+            flight.append((st, w.execute(st)[0]))
+        pre = next(o for st, o in flight if st.lane == LANE_PREFILL)
+        w.done(pre.step)
+        with pytest.raises(StepFailed):
+            s.update(P.StepOutput(step=pre.step, worker_id=0, request_ids=pre.request_ids, sampled_token_ids=[]),
+                     0.03)
+        s.fail_all("bad rows", worker_failed=worker_failed)
+        add("c", 40, 500)
+        decodes = [o for st, o in flight if st.lane == LANE_DECODE]
+        assert decodes  # steps of the other lane in flight when it failed
+        if worker_failed:
+            assert s.schedule(0.04) is not None  # nothing to wait for
+            continue
+        assert s.schedule(0.04) is None  # fenced: void steps still run on the worker
+        for o in decodes:
+            w.done(o.step)
+            assert s.update(o, 0.05) is None  # void: dropped
+        st = s.schedule(0.06)
+        assert st is not None and "c" in st.num_scheduled_tokens
+        w.execute(st)  # the SimWorker checks no block is written by two steps in flight
