@@ -88,8 +88,11 @@ def check_header(path: str) -> None:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
         if m[:4] != b"GGUF":
             return
-        if struct.unpack_from("<I", m, 4)[0] > 0xFFFF:  # a version this large is a small one byte-swapped
+        version = struct.unpack_from("<I", m, 4)[0]
+        if version > 0xFFFF:  # a version this large is a small one byte-swapped
             raise GGUFError(f"{path}: a big-endian GGUF file; only little-endian ones load")
+        if version < 2:  # (v1 had 32-bit counts and lengths: the reader names it)
+            return
         n_tensors, n_kv = struct.unpack_from("<QQ", m, 8)
         pos = 24
 
