@@ -268,8 +268,8 @@ class ChatShape(_Shape):
         finish_reason = ch.finish_reason
         if ch.tools is not None:
             message["content"], calls = ch.tools.calls(message["content"])
-            if calls:
-                message["tool_calls"] = calls
+            if calls:  # (without "index": OpenAI's and vLLM's whole message; it belongs to stream deltas)
+                message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in calls]
             finish_reason = ch.tools.finish_reason(finish_reason)
         return {"index": ch.index, "message": message,
                 "logprobs": (self.logprobs(ch.lp_tokens, ch.lp_entries, ch.lp_ids) or {"content": []})

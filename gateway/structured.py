@@ -247,11 +247,11 @@ class ToolOutput:
         return "tool_calls" if self.called and reason == "stop" and self.c.tools != "named" else reason
 
     def calls(self, text: str) -> tuple[str | None, list[dict]]:
-        """-> (content, tool calls) of a whole text; a whole message's calls have no "index" (OpenAI's and vLLM's:
-        it belongs to stream deltas)."""
+        """-> (content, tool calls) of a whole text, each call with its stream delta's "index" (a whole message
+        leaves it out: ChatShape.choice)."""
         content, calls = self._calls(text)
         self.called = bool(calls)
-        return content, [{k: v for k, v in call.items() if k != "index"} for call in calls]
+        return content, calls
 
     def _calls(self, text: str) -> tuple[str | None, list[dict]]:
         if self.c.tools == "named":

@@ -269,6 +269,10 @@ def test_a_named_tool_and_required_tools(client):
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls" and ch.message.content is None and len(ch.message.tool_calls) == 1
     assert ch.message.tool_calls[0].function.name in ("search", "now")
+    chunks = list(client.chat.completions.create(model="tiny", messages=msg, tools=TOOLS, tool_choice="required",
+                                                 max_tokens=120, stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
+    assert deltas and [d.index for d in deltas] == list(range(len(deltas)))  # a stream's deltas carry their index
 
 
 @pytest.mark.parametrize("stream", [False, True])
