@@ -33,7 +33,7 @@ def _arguments(value) -> str:
     """JSON text of the arguments: a string that is JSON object text is kept as is, anything else is dumped."""
     if isinstance(value, str):
         try:
-            if isinstance(json.loads(value, parse_constant=_no_constant), dict):
+            if isinstance(_json(value), dict):
                 return value
         except ValueError:
             pass
@@ -52,11 +52,16 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
+# Every parser's JSON: without Python's NaN and Infinity extensions, which are not JSON (a client's parser would
+# refuse arguments holding them, so such text stays content): ValueError
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)
+_json = _DECODER.decode
+
+
 def _loads(text: str):
-    """The JSON value of text, or None: Python's NaN and Infinity extensions are not JSON (a client's parser would
-    refuse arguments holding them), so such text stays content."""
+    """The JSON value of text, or None."""
     try:
-        return json.loads(text, parse_constant=_no_constant)
+        return _json(text)
     except ValueError:
         return None
 
@@ -84,7 +89,7 @@ def _mistral_block(block: str) -> list[ParsedCall] | None:
     name, _, args = block.partition("[ARGS]")  # no [ARGS]: args is "", not JSON
     name = name.split("[CALL_ID]")[0].strip()  # newer tokenizers put a call id between name and [ARGS]
     try:
-        return [ParsedCall(name, _arguments(json.loads(args, parse_constant=_no_constant)))]
+        return [ParsedCall(name, _arguments(_json(args)))]
     except ValueError:
         return None
 
@@ -107,10 +112,10 @@ def _split_llama3_json(text: str) -> tuple[list[str], list[ParsedCall]]:
         body = body[len(_PYTHON_TAG):].lstrip()
     elif not body.startswith("{"):
         return [text], []
-    decoder, calls, pos = json.JSONDecoder(), [], 0
+    calls, pos = [], 0
     while pos < len(body):  # one object, or several separated by ';' (a trailing ';' is allowed)
         try:
-            obj, pos = decoder.raw_decode(body, pos)
+            obj, pos = _DECODER.raw_decode(body, pos)
         except ValueError:
             return [text], []
         call = _call(obj)

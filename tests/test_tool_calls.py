@@ -311,6 +311,7 @@ def test_stream_arguments_are_valid_json():
 @pytest.mark.parametrize("parser, text", [
     ("hermes", '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>'),
     ("mistral", '[TOOL_CALLS]f[ARGS]{"x": -Infinity}'),
+    ("llama3_json", '{"name": "f", "parameters": {"x": NaN}}'),
 ])
 def test_python_json_constants_are_not_arguments(parser, text):
     """NaN and Infinity are Python's JSON extensions, not JSON: a client's parser would refuse such arguments, so
