@@ -198,12 +198,11 @@ def hf_config(path: str) -> dict[str, Any]:
     hidden = get("embedding_length")
     heads = get("attention.head_count")
     tensors = {t.name: t for t in reader(path).tensors}
-    tensor_names = set(tensors)
     vocab = md.get(f"{arch}.vocab_size") or len(md.get("tokenizer.ggml.tokens") or [])
     if not vocab:
         raise GGUFError(f"{path}: metadata gives no vocabulary size")
     window = md.get(f"{arch}.attention.sliding_window")
-    config = {
+    return {
         "architectures": [ARCHITECTURES[arch]], "vocab_size": get("vocab_size", vocab), "hidden_size": hidden,
         "intermediate_size": get("feed_forward_length"), "num_hidden_layers": get("block_count"),
         "num_attention_heads": heads, "num_key_value_heads": get("attention.head_count_kv", heads),
@@ -211,13 +210,12 @@ def hf_config(path: str) -> dict[str, Any]:
         "max_position_embeddings": get("context_length"),
         "rope_theta": get("rope.freq_base", 10000.0, float),
         "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-5, float),
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in tensor_names,
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in tensors,
         "sliding_window": window, "use_sliding_window": window is not None, "max_window_layers": 0,  # every layer
         "eos_token_id": md.get("tokenizer.ggml.eos_token_id"), "torch_dtype": "gguf",
         **_rope_scaling(md, arch, tensors.get("rope_freqs.weight")),
     }
-    return config
 
 
 def check_sizes(path: str) -> None:
